@@ -1,0 +1,1 @@
+"""The reference GPU backend: a vLLM-faithful simulated inference server."""

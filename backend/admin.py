@@ -1,0 +1,158 @@
+"""Operator endpoints: state, convertible roles (TokenScale), fault injection, KV events.
+
+``POST /admin/role {"role": "prefill"|"decode"|"both", "wait": true, "timeout_s": 30}`` flips
+the role at once for new requests (a converted decoder takes prefill work within milliseconds)
+and, with ``wait``, answers when the work that depended on the old role has drained: for an
+old prefill role, held KV blocks pulled or expired and prefills in flight done; for an old decode
+role, handed-off decodes finished. The answer says whether it drained and how long it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any, cast
+
+import orjson
+from aiohttp import web
+
+from backend.config import ROLES, Role
+from backend.protocol import APIError, bad
+from backend.state import STATE, BackendState
+
+
+def _dumps(o: Any) -> str:
+    return orjson.dumps(o).decode()
+
+
+def pending_for_role(state: BackendState, role: Role) -> int:
+    """In-flight work that needs ``role`` to keep being served."""
+    reqs = state.engine.requests()
+    if role == "prefill":
+        return len(state.engine.held) + sum(1 for r in reqs if r.remote_decode)
+    if role == "decode":
+        return sum(1 for r in reqs if r.remote_prefill is not None)
+    return 0
+
+
+def snapshot(state: BackendState) -> dict[str, Any]:
+    e = state.engine
+    return {
+        "engine_id": state.engine_id,
+        "model": state.config.name,
+        "model_profile": state.model.name,
+        "hardware": state.hardware.name,
+        "role": state.role,
+        "ready": state.ready,
+        "running": len(e.scheduler.running),
+        "waiting": len(e.scheduler.waiting),
+        "in_flight": e.num_in_flight(),
+        "kv": {"num_gpu_blocks": e.pool.num_blocks, "block_size": e.config.block_size,
+               "free_blocks": e.pool.num_free, "cached_blocks": e.pool.num_cached,
+               "usage": e.pool.usage(), "held_requests": len(e.held),
+               "held_blocks": sum(len(h.blocks) for h in e.held.values())},
+        "prefix_cache": {"queries": e.kv.stats.queries, "hits": e.kv.stats.hits},
+        "preemptions": e.scheduler.num_preemptions,
+        "max_model_len": state.max_model_len,
+        "time_scale": e.config.time_scale,
+        "loop": {"steps": e.lag.steps, "mean_lag_s": e.lag.total_s / max(e.lag.steps, 1),
+                 "max_lag_s": e.lag.max_s, "resyncs": e.lag.resyncs,
+                 "busy_s": e.lag.busy_s},
+        "draining": {r: pending_for_role(state, r) for r in ("prefill", "decode")
+                     if r != state.role and state.role != "both"},
+    }
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return web.json_response(snapshot(request.app[STATE]), dumps=_dumps)
+
+
+async def set_role(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise bad("body must be JSON") from None
+    role = body.get("role") if isinstance(body, dict) else None
+    if role not in ROLES:
+        raise bad(f"'role' must be one of {list(ROLES)}", "role")
+    wait = body.get("wait", True)
+    timeout = body.get("timeout_s", 30.0)
+    if not isinstance(wait, bool) or isinstance(timeout, bool) \
+            or not isinstance(timeout, int | float) or timeout < 0:
+        raise bad("'wait' must be a boolean and 'timeout_s' a non-negative number")
+    old = state.role
+    new = cast(Role, role)
+    state.role = new
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    drained = True
+    if wait and old != new and old != "both":
+        while pending_for_role(state, old):
+            if loop.time() - started >= timeout:
+                drained = False
+                break
+            await asyncio.sleep(0.005)
+    return web.json_response({"role": new, "previous": old, "drained": drained,
+                              "pending": pending_for_role(state, old) if old != new else 0,
+                              "drain_s": loop.time() - started}, dumps=_dumps)
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return web.json_response(asdict(request.app[STATE].faults.config), dumps=_dumps)
+
+
+async def set_faults(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise bad("body must be JSON") from None
+    if not isinstance(body, dict):
+        raise bad("body must be a JSON object of fault settings")
+    try:
+        state.faults.config = state.faults.config.updated(body)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    state.engine.extra_step_s = state.faults.config.slow_step_s
+    return web.json_response(asdict(state.faults.config), dumps=_dumps)
+
+
+async def kv_events(request: web.Request) -> web.StreamResponse:
+    """Server-sent KV events from ``?since=SEQ`` (or ``Last-Event-ID``) on."""
+    state = request.app[STATE]
+    raw = request.query.get("since") or request.headers.get("Last-Event-ID") or "0"
+    try:
+        since = int(raw)
+    except ValueError:
+        raise APIError(400, "'since' must be an integer", param="since") from None
+    log = state.engine.kv_events
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    bs = state.engine.config.block_size
+    while True:
+        batches, missed = log.since(since)
+        if missed:
+            await resp.write(f"event: reset\ndata: {{\"seq\": {log.last_seq}}}\n\n".encode())
+        for b in batches:
+            await resp.write(b"id: %d\nevent: kv\ndata: " % b.seq
+                             + orjson.dumps(b.to_json(bs)) + b"\n\n")
+            since = b.seq
+        if missed and not batches:
+            since = log.last_seq
+        await log.wait(since, 15.0)
+        if log.last_seq <= since:
+            await resp.write(b": keep-alive\n\n")
+
+
+async def kv_blocks(request: web.Request) -> web.Response:
+    """Every prefix hash this instance caches now, with the event sequence it corresponds to."""
+    state = request.app[STATE]
+    pool = state.engine.pool
+    if pool.events:  # publish what changed since the loop last did, so seq matches the set
+        state.engine.kv_events.publish(pool.drain_events())
+    hashes = [b.block_hash for b in pool.blocks if b.block_hash is not None]
+    return web.json_response({"seq": state.engine.kv_events.last_seq,
+                              "block_size": state.engine.config.block_size,
+                              "block_hashes": hashes}, dumps=_dumps)

@@ -1,0 +1,149 @@
+"""The paged KV cache's block pool: reference counts, a prefix cache, an LRU of free blocks.
+
+As in vLLM v1: every block has a reference count; a block whose count drops to zero goes to
+the *tail* of the free queue but keeps its hash, so a later request with the same prefix can
+take it back (a prefix-cache hit) until it is reused. New allocations take blocks from the
+*head* of the free queue (least recently freed first) and evict the hash they carried. Callers
+free a request's blocks in reverse order so that a sequence's tail is evicted before its head,
+which is shared more often. Every change to the set of cached hashes is recorded as a
+``KVEvent`` (stored / removed) for routers that follow a backend's cache precisely.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from backend.kv_hash import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One block of ``block_size`` token slots in device memory."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A change to the set of cached block hashes, in vLLM's KV-event vocabulary."""
+
+    kind: Literal["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    block_hashes: tuple[int, ...] = ()
+    parent_block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+@dataclass(slots=True)
+class BlockPool:
+    """All KV blocks of one engine. Not thread-safe: owned by the engine loop."""
+
+    num_blocks: int
+    enable_caching: bool = True
+    blocks: list[KVBlock] = field(init=False)
+    events: list[KVEvent] = field(init=False, default_factory=list)
+    _free: OrderedDict[int, None] = field(init=False)
+    _cached: dict[BlockHash, KVBlock] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0:
+            raise ValueError("a KV cache needs at least one block")
+        self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
+        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no reference (free or cached-but-evictable)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (vLLM's ``kv_cache_usage_perc``)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block holding this prefix hash, if cached."""
+        return self._cached.get(block_hash)
+
+    def free_order(self) -> list[int]:
+        """Free block ids from next-to-evict to last-to-evict (for tests and debugging)."""
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free queue, evicting any hash they carried."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        out: list[KVBlock] = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference on each block; unreferenced blocks join the free queue's tail."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise AssertionError(f"block {block.block_id} freed twice")
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+    ) -> None:
+        """Register a full, computed block under its prefix hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # another block already holds this prefix; this one stays anonymous
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self.events.append(KVEvent("BlockStored", (block_hash,), parent, tuple(token_ids)))
+
+    def reset_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is referenced."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        self.events.append(KVEvent("AllBlocksCleared"))
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        out, self.events = self.events, []
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        h = block.block_hash
+        if h is None:
+            return
+        block.block_hash = None
+        if self._cached.get(h) is block:
+            del self._cached[h]
+            self.events.append(KVEvent("BlockRemoved", (h,)))

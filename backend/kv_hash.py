@@ -1,0 +1,50 @@
+"""Chained hashes of full KV-cache blocks (vLLM's prefix-caching scheme).
+
+Block ``i`` of a token sequence is identified by ``H(parent, tokens_i, extra)`` where ``parent``
+is block ``i-1``'s hash (the root hash for block 0) and ``extra`` is the request's cache salt on
+the first block only. A hash therefore names a whole prefix, not just 16 tokens, so two
+sequences share a block hash exactly when they share every token up to the end of that block.
+Only full blocks are hashed. The hash is BLAKE2b-64 over a fixed binary layout, so every
+process (backend instances, gateway replicas) computes the same value for the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", int)
+
+
+def root_hash(namespace: str) -> BlockHash:
+    """The parent of block 0: separates caches of different models (or hash schemes)."""
+    digest = hashlib.blake2b(b"tokengate-kv-root\x00" + namespace.encode(), digest_size=8)
+    return BlockHash(int.from_bytes(digest.digest(), "little"))
+
+
+def hash_block(parent: int, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash one full block given its parent's hash."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent.to_bytes(8, "little"))
+    h.update(len(extra).to_bytes(2, "little"))
+    h.update(extra)
+    h.update(array("I", tokens).tobytes())
+    return BlockHash(int.from_bytes(h.digest(), "little"))
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    tokens: Sequence[int],
+    block_size: int,
+    root: BlockHash,
+    salt: str | None = None,
+) -> list[BlockHash]:
+    """Append the hashes of every newly full block of ``tokens`` to ``hashes`` (in place)."""
+    full = len(tokens) // block_size
+    for i in range(len(hashes), full):
+        parent = hashes[i - 1] if i else root
+        extra = salt.encode() if (i == 0 and salt) else b""
+        hashes.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size], extra))
+    return hashes

@@ -1,0 +1,274 @@
+"""The OpenAI-compatible generation endpoints: request → engine → JSON or SSE.
+
+Streaming follows vLLM: response headers go out at once, the first chunk (``role``) comes with
+the first token, then one chunk per token as steps produce them, a final chunk with the
+``finish_reason``, an optional ``usage`` chunk (``stream_options.include_usage``), and
+``data: [DONE]``. The request is aborted in the engine whenever the handler ends early (client
+disconnect cancels the handler), which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backend.protocol import APIError, GenerationRequest, Kind, bad, parse
+from backend.request import RemotePrefill, Request, Status
+from backend.state import STATE, BackendState
+from backend.stream import Delta, RequestStream
+from backend.textgen import WordSource
+
+_LARGE_PROMPT_CHARS = 32_768  # tokenize longer prompts off the event loop
+_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
+                  "remote_port")
+
+
+async def _prompt_ids(state: BackendState, g: GenerationRequest) -> list[int]:
+    tok = state.tokenizer
+    m = state.model
+    if g.prompt_ids is not None:
+        return g.prompt_ids
+    size = len(g.prompt_text or "") + sum(len(x["content"]) for x in g.messages)
+
+    def run() -> list[int]:
+        if g.kind == "completion":
+            return tok.encode(g.prompt_text or "")
+        return tok.chat_ids(g.messages, tokens_per_message=m.tokens_per_message,
+                            tokens_per_name=m.tokens_per_name,
+                            reply_priming=m.reply_priming_tokens)
+
+    if size < _LARGE_PROMPT_CHARS:
+        return run()
+    return await asyncio.get_running_loop().run_in_executor(state.executor, run)
+
+
+def _check_role(state: BackendState, g: GenerationRequest) -> tuple[bool, RemotePrefill | None]:
+    kvp = g.kv_transfer_params
+    if not kvp:
+        return False, None
+    if kvp.get("do_remote_decode"):
+        if state.role == "decode":
+            raise APIError(503, "this instance is in the decode role; send prefill work elsewhere",
+                           type="service_unavailable", code="wrong_role",
+                           headers={"retry-after": "1"})
+        return True, None
+    if kvp.get("do_remote_prefill"):
+        if state.role == "prefill":
+            raise APIError(503, "this instance is in the prefill role; send decode work elsewhere",
+                           type="service_unavailable", code="wrong_role",
+                           headers={"retry-after": "1"})
+        missing = [f for f in _REMOTE_FIELDS if kvp.get(f) is None]
+        if missing:
+            raise bad(f"kv_transfer_params is missing {', '.join(missing)}",
+                      "kv_transfer_params")
+        return False, RemotePrefill(dict(kvp))
+    return False, None
+
+
+def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
+                 http_request: web.Request) -> tuple[Request, random.Random]:
+    n = len(ids)
+    limit = state.max_model_len
+    if n >= limit:
+        raise bad(f"This model's maximum context length is {limit} tokens. However, your "
+                  f"prompt has {n} tokens. Please reduce the length of the prompt.",
+                  "messages" if g.kind == "chat" else "prompt", "context_length_exceeded")
+    max_tokens = g.max_tokens if g.max_tokens is not None else limit - n
+    if n + max_tokens > limit:
+        raise bad(f"This model's maximum context length is {limit} tokens. However, you "
+                  f"requested {n + max_tokens} tokens ({n} in the "
+                  f"{'messages' if g.kind == 'chat' else 'prompt'}, {max_tokens} in the "
+                  f"completion). Please reduce the length of the messages or completion.",
+                  "max_tokens", "context_length_exceeded")
+    remote_decode, remote_prefill = _check_role(state, g)
+    state.counter += 1
+    seed = g.seed if g.seed is not None else state.config.engine.seed * 1_000_003 + state.counter
+    rng = random.Random(seed)
+    if g.ignore_eos:
+        target = max_tokens
+    else:
+        target = min(max(state.lengths.sample(rng), g.min_tokens), max_tokens)
+    rid = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    if rid in state.engine._entries or rid in state.engine.held:
+        rid = f"{rid}-{state.counter}"
+    req = Request(rid, ids, max_tokens, target, state.engine.clock(),
+                  cache_salt=g.cache_salt, remote_decode=remote_decode,
+                  remote_prefill=remote_prefill)
+    return req, rng
+
+
+def _usage(req: Request) -> dict[str, Any]:
+    return {"prompt_tokens": req.num_prompt_tokens,
+            "completion_tokens": req.num_output_tokens,
+            "total_tokens": req.num_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(req.num_cached_tokens, 0)}}
+
+
+def _kv_params(state: BackendState, req: Request, stream: RequestStream) -> dict[str, Any] | None:
+    if not req.remote_decode or stream.kv_transfer_params is None:
+        return None
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": state.engine_id, "remote_request_id": req.request_id,
+            "remote_block_ids": stream.kv_transfer_params["block_ids"],
+            "remote_host": state.config.host, "remote_port": state.config.port,
+            "tp_size": state.model.tensor_parallel}
+
+
+def _finish_reason(status: Status | None) -> str | None:
+    if status is Status.FINISHED_STOPPED:
+        return "stop"
+    if status is Status.FINISHED_LENGTH:
+        return "length"
+    return None
+
+
+class _Chunks:
+    """Builds the SSE chunks of one response."""
+
+    def __init__(self, kind: Kind, rid: str, model: str) -> None:
+        self.kind = kind
+        chat = kind == "chat"
+        self.id = ("chatcmpl-" if chat else "cmpl-") + rid
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.created = int(time.time())
+        self.model = model
+
+    def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body = {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def text(self, text: str, finish: str | None = None, role: bool = False) -> bytes:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role \
+                else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._frame([choice])
+
+    def final(self, usage: dict[str, Any] | None, **extra: Any) -> bytes:
+        """The choice-less last chunk carrying ``usage`` and/or ``kv_transfer_params``."""
+        if usage is not None:
+            extra["usage"] = usage
+        return self._frame([], **extra)
+
+
+async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    state = request.app[STATE]
+    if not state.ready:
+        raise APIError(503, "the model is still loading", type="service_unavailable",
+                       code="model_loading", headers={"retry-after": "1"})
+    status = state.faults.error_status()
+    if status is not None:
+        raise APIError(status, "injected fault", type="rate_limit_exceeded" if status == 429
+                       else "server_error", code="injected_fault")
+    g = parse(kind, await request.read())
+    if g.model != state.config.name:
+        raise APIError(404, f"The model `{g.model}` does not exist.", param="model",
+                       code="model_not_found")
+    ids = await _prompt_ids(state, g)
+    req, rng = _new_request(state, g, ids, request)
+    stream = RequestStream(stop=g.stop)
+    stall = state.faults.stall_s()
+    if stall:
+        await asyncio.sleep(stall)
+    state.engine.submit(req, stream, WordSource(state.tokenizer.output_words, rng))
+    try:
+        if g.stream:
+            return await _stream(request, state, g, req, stream)
+        return await _complete(state, g, req, stream)
+    finally:
+        if stream.finish is None:
+            state.engine.abort(req.request_id)
+
+
+async def _complete(state: BackendState, g: GenerationRequest, req: Request,
+                    stream: RequestStream) -> web.Response:
+    parts: list[str] = []
+    while True:
+        d = await stream.next()
+        parts.append(d.text)
+        if d.finish is not None:
+            break
+    text = "".join(parts)
+    finish = _finish_reason(d.finish)
+    c = _Chunks(g.kind, req.request_id, state.config.name)
+    if g.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body: dict[str, Any] = {"id": c.id, "object": obj, "created": c.created, "model": c.model,
+                            "choices": [choice], "usage": _usage(req)}
+    kvp = _kv_params(state, req, stream)
+    if kvp is not None:
+        body["kv_transfer_params"] = kvp
+    return web.Response(body=orjson.dumps(body), content_type="application/json",
+                        headers={"x-request-id": req.request_id})
+
+
+def _pieces(state: BackendState, d: Delta, stop: bool) -> list[str]:
+    """One text piece per token (one SSE chunk each), or the whole delta after a stop cut."""
+    if stop or len(d.token_ids) <= 1:
+        return [d.text] if (d.text or d.token_ids) else []
+    return [state.tokenizer.word_text(t) for t in d.token_ids]
+
+
+async def _stream(request: web.Request, state: BackendState, g: GenerationRequest,
+                  req: Request, stream: RequestStream) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache",
+                                       "x-request-id": req.request_id})
+    await resp.prepare(request)
+    c = _Chunks(g.kind, req.request_id, state.config.name)
+    drop_after = state.faults.drop_after()
+    sent = 0
+    first = True
+    while True:
+        d = await stream.next()
+        finish = _finish_reason(d.finish)
+        pieces = _pieces(state, d, bool(g.stop))
+        for i, piece in enumerate(pieces):
+            if drop_after is not None and sent >= drop_after:
+                _drop(request)
+                return resp
+            last = d.finish is not None and i == len(pieces) - 1
+            await resp.write(c.text(piece, finish if last else None, role=first))
+            first = False
+            sent += 1
+        if d.finish is not None:
+            if not pieces:
+                await resp.write(c.text("", finish, role=first))
+            break
+    kvp = _kv_params(state, req, stream)
+    if g.include_usage or kvp is not None:
+        extra = {"kv_transfer_params": kvp} if kvp is not None else {}
+        await resp.write(c.final(_usage(req) if g.include_usage else None, **extra))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _drop(request: web.Request) -> None:
+    """Fault: cut the connection mid-stream, as a crashed server would."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+    raise asyncio.CancelledError
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {"id": state.config.name, "object": "model", "created": 0, "owned_by": "tokengate",
+            "root": state.model.name, "parent": None, "max_model_len": state.max_model_len}
+    return web.json_response({"object": "list", "data": [card]}, dumps=lambda o: orjson.dumps(
+        o).decode())

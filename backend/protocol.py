@@ -1,0 +1,218 @@
+"""OpenAI request parsing and validation for the reference backend (pure functions).
+
+Bodies are validated the way vLLM's OpenAI server does it: wrong types and out-of-range values
+are 400s naming the parameter, an unknown model is a 404, unknown fields are accepted and
+ignored (routers add their own, e.g. SGLang's ``no_stop_trim``). Errors use OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+Kind = Literal["chat", "completion"]
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}})
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A validated request, before tokenization."""
+
+    kind: Kind
+    model: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _opt_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{key}' must be an integer, got {type(v).__name__}", key)
+    if not lo <= v <= hi:
+        raise bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return v
+
+
+def _opt_number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> None:
+    v = body.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise bad(f"'{key}' must be a number, got {type(v).__name__}", key)
+    if not lo <= v <= hi:
+        raise bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+
+
+def _opt_bool(body: Mapping[str, Any], key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean, got {type(v).__name__}", key)
+    return v
+
+
+def _text_content(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts: list[str] = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad(f"{param}[{i}]: only text content parts are supported by this model",
+                          f"{param}[{i}]")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise bad(f"{param} must be a string or a list of content parts", param)
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty array", "messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise bad(f"{p} must be an object", p)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"{p}.role must be one of {sorted(_ROLES)}", f"{p}.role")
+        content = _text_content(m.get("content"), f"{p}.content")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls")
+            content += "".join(orjson.dumps(c).decode() for c in calls)
+        msg: dict[str, Any] = {"role": role, "content": content}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad(f"{p}.name must be a string", f"{p}.name")
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _prompt(raw: Any) -> tuple[str | None, list[int] | None]:
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]  # a batch of one
+    if isinstance(raw, str):
+        if not raw:
+            raise bad("'prompt' must not be empty", "prompt")
+        return raw, None
+    if isinstance(raw, list) and raw and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        if any(t < 0 for t in raw):
+            raise bad("'prompt' token ids must be non-negative", "prompt")
+        return None, list(raw)
+    if isinstance(raw, list) and len(raw) > 1:
+        raise bad("batched prompts are not supported; send one prompt per request", "prompt")
+    raise bad("'prompt' must be a string or an array of token ids", "prompt")
+
+
+def parse(kind: Kind, raw_body: bytes) -> GenerationRequest:
+    """Parse and validate a ``/v1/chat/completions`` or ``/v1/completions`` body."""
+    try:
+        body = orjson.loads(raw_body)
+    except orjson.JSONDecodeError as exc:
+        raise bad(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required and must be a string", "model")
+    req = GenerationRequest(kind=kind, model=model)
+    if kind == "chat":
+        req.messages = _messages(body.get("messages"))
+    else:
+        req.prompt_text, req.prompt_ids = _prompt(body.get("prompt"))
+        if _opt_bool(body, "echo"):
+            raise bad("'echo' is not supported", "echo")
+    req.stream = _opt_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, Mapping):
+            raise bad("'stream_options' must be an object", "stream_options")
+        if not req.stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        req.include_usage = _opt_bool(opts, "include_usage")
+    mt = _opt_int(body, "max_completion_tokens", 1, 2**31 - 1)
+    if mt is None:
+        mt = _opt_int(body, "max_tokens", 1, 2**31 - 1)
+    req.max_tokens = mt
+    req.min_tokens = _opt_int(body, "min_tokens", 0, 2**31 - 1) or 0
+    req.ignore_eos = _opt_bool(body, "ignore_eos")
+    n = _opt_int(body, "n", 1, 128)
+    if n is not None and n != 1:
+        raise bad("only n=1 is supported", "n")
+    req.seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
+    _opt_number(body, "temperature", 0.0, 2.0)
+    _opt_number(body, "top_p", 0.0, 1.0)
+    _opt_number(body, "presence_penalty", -2.0, 2.0)
+    _opt_number(body, "frequency_penalty", -2.0, 2.0)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        req.stop = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > 4:
+            raise bad("'stop' takes at most 4 sequences", "stop")
+        req.stop = tuple(s for s in stop if s)
+    elif stop is not None:
+        raise bad("'stop' must be a string or an array of strings", "stop")
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise bad("'cache_salt' must be a non-empty string", "cache_salt")
+        req.cache_salt = salt
+    kvp = body.get("kv_transfer_params")
+    if kvp is not None:
+        if not isinstance(kvp, dict):
+            raise bad("'kv_transfer_params' must be an object", "kv_transfer_params")
+        req.kv_transfer_params = kvp
+    return req

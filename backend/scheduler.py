@@ -1,0 +1,194 @@
+"""vLLM v1's continuous-batching step planner, as a pure, synchronous object.
+
+Each call to ``schedule`` returns the plan of one step under a token budget
+(``max_num_batched_tokens``):
+
+1. Running requests first, in order. Each asks for ``num_tokens - num_computed_tokens`` tokens
+   (1 when decoding, the rest of its prompt when its prefill was chunked), capped by the budget.
+   If the KV cache cannot hold them, the *last* running request is preempted (its blocks freed,
+   its progress reset for recompute, put at the front of the waiting queue) until it fits; if
+   the request itself was the last, it waits.
+2. Then, if nothing was preempted this step, waiting requests in FCFS order while there is
+   budget and fewer than ``max_num_seqs`` are running. A fresh (or preempted) request first
+   takes its longest cached prefix; a prompt longer than the remaining budget is chunked.
+3. A decode-side request of a prefill/decode handoff gets blocks for its whole prompt and waits
+   for the KV pull (``transfers``) without spending budget.
+
+``update`` applies the step's result: computed counts advance and full blocks enter the prefix
+cache; every request whose computed count reached its token count sampled a token this step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.kv_manager import KVCacheManager
+from backend.request import Request, Status
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes: ``(request, new_tokens, cached_context_before)`` per sequence."""
+
+    scheduled: list[tuple[Request, int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    transfers: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n, _ in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+    def work(self) -> list[tuple[int, int]]:
+        return [(n, ctx) for _, n, ctx in self.scheduled]
+
+    def num_sampled(self) -> int:
+        return sum(1 for r, n, ctx in self.scheduled if ctx + n >= r.num_tokens)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size: int = 16
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(
+            r.status is not Status.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while not kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            plan.scheduled.append((req, n, req.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        if plan.preempted:
+            return plan
+
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.status is Status.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())
+                continue
+            computed, hit = ([], 0) if req.num_computed_tokens else kv.computed_blocks(req)
+            rp = req.remote_prefill
+            if rp is not None and not rp.started:
+                # Allocate the whole prompt now; the KV arrives by transfer, not compute.
+                need = req.num_tokens - hit
+                if not kv.allocate_slots(req, need, computed):
+                    break
+                kv.record_lookup(req, hit)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = hit
+                rp.started = True
+                rp.hit_tokens = hit
+                req.status = Status.WAITING_FOR_REMOTE_KVS
+                plan.transfers.append(req)
+                skipped.append(self.waiting.popleft())
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens - hit, budget)
+            if not kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.popleft()
+            if req.num_computed_tokens == 0:
+                kv.record_lookup(req, hit)
+                req.num_computed_tokens = hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = Status.RUNNING
+            self.running.append(req)
+            plan.scheduled.append((req, n, req.num_computed_tokens))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return plan
+
+    def update(self, plan: StepPlan) -> list[Request]:
+        """Apply a finished step; return the requests that sampled a token, in batch order."""
+        sampled: list[Request] = []
+        for req, n, _ in plan.scheduled:
+            if req.status is not Status.RUNNING:
+                continue  # aborted while the step ran; its blocks were kept until now
+            req.num_computed_tokens += n
+            self.kv.cache_computed(req, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_tokens:
+                sampled.append(req)
+        return sampled
+
+    def remote_kv_ready(self, req: Request, ok: bool) -> None:
+        """The decode-side KV pull finished: the request may now be scheduled.
+
+        On success the whole prompt's KV is present but, as in vLLM, the last prompt token is
+        recomputed to get the logits of the first output token. On failure the pulled blocks
+        are dropped and the request prefills locally (vLLM's ``recompute`` load-failure policy).
+        """
+        if req.status is not Status.WAITING_FOR_REMOTE_KVS:
+            return  # aborted meanwhile
+        req.status = Status.WAITING
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.kv.cache_computed(req, req.num_computed_tokens)
+        else:
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            if req.remote_prefill is not None:
+                req.remote_prefill.failed = True
+
+    def finish(self, req: Request, status: Status, *, keep_blocks: bool = False) -> None:
+        """Remove a request from the queues and free its blocks (unless the caller keeps them)."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif not req.status.finished:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(req)
+        req.status = status
+        if not keep_blocks:
+            self.kv.free(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

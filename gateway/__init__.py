@@ -1,0 +1,1 @@
+"""tokengate: a token-aware L7 inference gateway."""

@@ -1,0 +1,1 @@
+"""Load-test harness: real-trace replay, vLLM-standard metrics, reports."""
