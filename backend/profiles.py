@@ -155,6 +155,12 @@ def _build(cls: type[Any], name: str, raw: Any, where: str) -> Any:
         if key not in fields or key == "name":
             raise ProfileError(f"{where}.{key}: unknown field")
         expected = fields[key].type
+        if expected == "float" and isinstance(value, str):
+            # YAML 1.1 reads 5.0e12 (no exponent sign) as a string: accept numeric strings.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if expected in ("int",):
             ok = isinstance(value, int) and not isinstance(value, bool)

@@ -35,6 +35,13 @@ class StepPlan:
     scheduled: list[tuple[Request, int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     transfers: list[Request] = field(default_factory=list)
+    sampling: int = 0  # sequences that reach their last known token and sample one
+
+    def add(self, req: Request, n: int) -> None:
+        ctx = req.num_computed_tokens
+        self.scheduled.append((req, n, ctx))
+        if ctx + n >= req.num_tokens:
+            self.sampling += 1
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +55,7 @@ class StepPlan:
         return [(n, ctx) for _, n, ctx in self.scheduled]
 
     def num_sampled(self) -> int:
-        return sum(1 for r, n, ctx in self.scheduled if ctx + n >= r.num_tokens)
+        return self.sampling
 
 
 @dataclass(slots=True)
@@ -96,7 +103,7 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            plan.scheduled.append((req, n, req.num_computed_tokens))
+            plan.add(req, n)
             budget -= n
             i += 1
 
@@ -138,7 +145,7 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = Status.RUNNING
             self.running.append(req)
-            plan.scheduled.append((req, n, req.num_computed_tokens))
+            plan.add(req, n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return plan

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -23,6 +24,7 @@ from backend import admin, openai_api, pd
 from backend.config import BackendConfig
 from backend.protocol import APIError
 from backend.state import STATE, BackendState
+from backend.tokenizer import Tokenizer
 
 log = logging.getLogger("tokengate.backend")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -129,9 +131,15 @@ def build_app(state: BackendState) -> web.Application:
 
 
 async def serve(config: BackendConfig, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Run one instance until ``stop`` is set (or forever)."""
-    state = BackendState.create(config)
+                stop: asyncio.Event | None = None, tokenizer: Tokenizer | None = None,
+                handle_signals: bool = False) -> None:
+    """Run one instance until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``)."""
+    state = BackendState.create(config, tokenizer)
+    stop = stop or asyncio.Event()
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     app = build_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -147,6 +155,7 @@ async def serve(config: BackendConfig, *, ready: asyncio.Event | None = None,
     if ready is not None:
         ready.set()
     try:
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
+        await stop.wait()
+        log.info("stopping")
     finally:
         await runner.cleanup()

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             config = backend_config(ns)
             config.faults.validate()
-            _run(serve(config))
+            _run(serve(config, handle_signals=True))
         except (ProfileError, ValueError) as exc:
             print(f"tokengate backend: {exc}", file=sys.stderr)
             return 2
