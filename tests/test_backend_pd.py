@@ -1,0 +1,184 @@
+"""Prefill/decode handoff between two instances, convertible roles, and KV events."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+from conftest import RunningBackend
+from test_backend_api import assert_idle, get_json, post
+
+Factory = Callable[..., RunningBackend]
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # 300 tokens
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What a NixlConnector proxy sends to the prefill instance."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(stream=False, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    return out
+
+
+def metric(b: RunningBackend, name: str) -> float:
+    text = httpx.get(f"{b.url}/metrics").text
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
+
+
+def test_prefill_decode_handoff_like_a_proxy(backend_factory: Factory) -> None:
+    p = backend_factory(role="prefill")
+    d = backend_factory(role="decode")
+    body = {"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"X-Request-Id": "req-42"}
+    r = post(f"{p.url}/v1/completions", prefill_body(body), headers)
+    assert r.status_code == 200, r.text
+    kvp = r.json()["kv_transfer_params"]
+    assert kvp["do_remote_prefill"] is True and kvp["do_remote_decode"] is False
+    assert kvp["remote_request_id"] == "req-42" and kvp["remote_port"] == p.config.port
+    assert kvp["remote_host"] == "127.0.0.1" and kvp["tp_size"] == 1
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    assert len(kvp["remote_block_ids"]) == -(-(prompt_tokens + 1) // 16)
+    state = get_json(f"{p.url}/admin/state")
+    assert state["kv"]["held_requests"] == 1  # blocks kept for the decode instance
+
+    c = openai.OpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0)
+    chunks = list(c.completions.create(
+        model="llama-3-8b", prompt=PROMPT, max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, extra_headers=headers,
+        extra_body={"ignore_eos": True, "kv_transfer_params": kvp}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 16
+    assert usage.prompt_tokens == prompt_tokens
+    assert metric(d, "tokengate_backend_kv_transfer_tokens_total") == prompt_tokens
+    # The decode instance computed only the last prompt token (the rest came by transfer).
+    assert metric(d, "vllm:prompt_tokens_total") == 1
+    # Both sides are back to zero: the decode side released the prefill side's blocks.
+    assert_idle(p)
+    assert_idle(d)
+    assert get_json(f"{p.url}/admin/state")["kv"]["held_requests"] == 0
+
+    # Same prompt again: the decode instance now caches most of it and pulls only the rest.
+    r2 = post(f"{p.url}/v1/completions", prefill_body(body), {"X-Request-Id": "req-43"})
+    kvp2 = r2.json()["kv_transfer_params"]
+    c.completions.create(model="llama-3-8b", prompt=PROMPT, max_tokens=4,
+                         extra_body={"kv_transfer_params": kvp2})
+    pulled = metric(d, "tokengate_backend_kv_transfer_tokens_total") - prompt_tokens
+    assert pulled == prompt_tokens - (prompt_tokens - 1) // 16 * 16
+    assert_idle(p)
+
+
+def test_failed_pull_recomputes_locally(backend_factory: Factory) -> None:
+    d = backend_factory(role="decode")
+    bogus = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
+             "remote_request_id": "nope", "remote_block_ids": [1, 2], "remote_host": "127.0.0.1",
+             "remote_port": d.config.port}
+    r = post(f"{d.url}/v1/completions", {"model": "llama-3-8b", "prompt": PROMPT,
+                                         "max_tokens": 3, "kv_transfer_params": bogus})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert metric(d, "tokengate_backend_kv_transfer_failures_total") == 1
+    assert metric(d, "vllm:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
+    assert_idle(d)
+
+
+def test_unpulled_kv_is_freed_after_the_hold_timeout(backend_factory: Factory) -> None:
+    p = backend_factory(role="prefill", kv_hold_timeout_s=0.3)
+    body = {"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 5}
+    r = post(f"{p.url}/v1/completions", prefill_body(body))
+    assert r.status_code == 200
+    assert get_json(f"{p.url}/admin/state")["kv"]["held_requests"] == 1
+    time.sleep(1.5)
+    assert_idle(p)
+
+
+def test_wrong_role_is_refused_with_retry(backend_factory: Factory) -> None:
+    d = backend_factory(role="decode")
+    r = post(f"{d.url}/v1/completions", prefill_body({"model": "llama-3-8b", "prompt": "x"}))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "wrong_role"
+    p = backend_factory(role="prefill")
+    r = post(f"{p.url}/v1/completions", {"model": "llama-3-8b", "prompt": "x",
+                                         "kv_transfer_params": {"do_remote_prefill": True}})
+    assert r.status_code == 503
+    r = post(f"{d.url}/v1/completions", {"model": "llama-3-8b", "prompt": "x",
+                                         "kv_transfer_params": {"do_remote_prefill": True}})
+    assert r.status_code == 400 and "remote_engine_id" in r.json()["error"]["message"]
+
+
+def test_role_switch_drains_work_in_flight(backend_factory: Factory) -> None:
+    p = backend_factory(role="prefill", time_scale=0.2)
+    d = backend_factory(role="decode", time_scale=0.2)
+    body = {"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+    kvp = post(f"{p.url}/v1/completions", prefill_body(body)).json()["kv_transfer_params"]
+
+    # prefill -> decode with KV still held: the role flips at once, the drain waits for it.
+    sw = post(f"{p.url}/admin/role", {"role": "decode", "timeout_s": 0.2}).json()
+    assert sw == {**sw, "role": "decode", "previous": "prefill", "drained": False, "pending": 1}
+    assert get_json(f"{p.url}/admin/state")["role"] == "decode"
+
+    # A decode in flight on d; converting d to prefill answers once that decode finished.
+    done: dict[str, Any] = {}
+
+    def decode() -> None:
+        done["r"] = post(f"{d.url}/v1/completions", {**body, "kv_transfer_params": kvp})
+
+    t = threading.Thread(target=decode)
+    t.start()
+    while get_json(f"{d.url}/admin/state")["in_flight"] == 0:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    sw2 = post(f"{d.url}/admin/role", {"role": "prefill", "timeout_s": 30}).json()
+    assert sw2["drained"] is True and sw2["pending"] == 0 and sw2["previous"] == "decode"
+    t.join(30)
+    assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 300
+    # 300 decode steps of ~8 ms at time-scale 0.2 take ~0.5 s: the switch waited for them.
+    assert time.monotonic() - t0 >= sw2["drain_s"] > 0.2
+    # The pull released p's blocks, so p is idle under its new role; d now takes prefills.
+    assert_idle(p)
+    assert get_json(f"{p.url}/admin/state")["kv"]["held_requests"] == 0
+    r = post(f"{d.url}/v1/completions", prefill_body(body))
+    assert r.status_code == 200 and "kv_transfer_params" in r.json()
+    assert metric(d, 'tokengate_backend_role_info{engine="0",model_name="llama-3-8b",'
+                     'role="prefill"}') == 1
+    assert post(f"{d.url}/admin/role", {"role": "gpu"}).status_code == 400
+
+
+def test_kv_events_follow_the_cache(backend_factory: Factory) -> None:
+    b = backend_factory(num_gpu_blocks=64)
+    post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 1})
+    stored: set[int] = set()
+    last = 0
+    with httpx.stream("GET", f"{b.url}/kv/events?since=0", timeout=5) as r:
+        event = ""
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            if line.startswith("data:") and event == "kv":
+                batch = json.loads(line[5:])
+                last = batch["seq"]
+                for e in batch["events"]:
+                    if e["type"] == "BlockStored":
+                        assert e["block_size"] == 16 and len(e["token_ids"]) == 16
+                        stored.update(e["block_hashes"])
+                    elif e["type"] == "BlockRemoved":
+                        stored.difference_update(e["block_hashes"])
+            if line == "" and event == "kv" and last == get_json(f"{b.url}/kv/blocks")["seq"]:
+                break
+    snapshot = get_json(f"{b.url}/kv/blocks")
+    assert stored == set(snapshot["block_hashes"]) and len(stored) == 300 // 16
+    # Filling the 64-block cache with another prompt evicts some and says so.
+    post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": "other words " * 500,
+                                     "max_tokens": 1})
+    with httpx.stream("GET", f"{b.url}/kv/events?since={last}", timeout=5) as r:
+        kinds: set[str] = set()
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                kinds.update(e["type"] for e in json.loads(line[5:])["events"])
+            if "BlockRemoved" in kinds:
+                break
+    assert "BlockRemoved" in kinds
