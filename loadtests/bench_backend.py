@@ -1,0 +1,169 @@
+"""Benchmark: replay an Azure LLM trace against one reference-backend instance.
+
+    python -m loadtests.bench_backend [--window 600] [--time-scale 1.0] [--out FILE]
+
+Starts ``tokengate backend`` as a child process, replays the trace open-loop (arrivals follow
+the timestamps, never wait for responses; prompts are token-id lists of the exact length, output
+forced with ``max_tokens`` + ``ignore_eos``), and reports throughput, TTFT/TPOT/ITL percentiles
+(vLLM ``bench serve`` definitions), the engine loop's lag behind real time, the backend process's
+CPU time per generated token, and the client's own event-loop lag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtests.client import RequestResult, stream_request
+from loadtests.metrics import summarize
+from loadtests.traces import TraceRequest, load_azure
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class LoopLag:
+    """Measures how late this process's event loop runs a 10 ms timer (client skew)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.01)
+            self.samples.append(loop.time() - t - 0.01)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    def stop(self) -> dict[str, float]:
+        if self._task:
+            self._task.cancel()
+        s = sorted(self.samples) or [0.0]
+        return {"p50_ms": s[len(s) // 2] * 1e3, "p99_ms": s[int(len(s) * 0.99)] * 1e3,
+                "max_ms": s[-1] * 1e3}
+
+
+def start_backend(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", "0", "--model", args.model,
+           "--hardware", args.hardware, "--time-scale", str(args.time_scale), "--seed", "1",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr is not None
+    # The listening line is logged at info; warning level hides it, so scan the socket table.
+    for _ in range(600):
+        out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+        m = re.search(rf"127\.0\.0\.1:(\d+)\s.*pid={proc.pid},", out)
+        if m:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("backend did not start listening")
+
+
+async def replay(url: str, model: str, trace: list[TraceRequest], max_len: int,
+                 seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    results: list[RequestResult] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        start = time.perf_counter()
+        tasks = []
+        for tr in trace:
+            n_in = min(tr.input_tokens, max_len - tr.output_tokens - 1)
+            body = {"model": model, "prompt": [rng.randrange(100_000) for _ in range(n_in)],
+                    "max_tokens": tr.output_tokens, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            delay = start + tr.t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(
+                stream_request(session, f"{url}/v1/completions", body)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    trace = load_azure(args.trace, window_s=args.window, limit=args.limit)
+    trace = [TraceRequest(t.t * args.time_scale, t.input_tokens, t.output_tokens) for t in trace]
+    proc, url = start_backend(args)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(1200):
+                try:
+                    async with s.get(f"{url}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            async with s.get(f"{url}/v1/models") as r:
+                max_len = (await r.json())["data"][0]["max_model_len"]
+        cpu0 = _cpu_seconds(proc.pid)
+        lag = LoopLag()
+        lag.start()
+        results, duration = await replay(url, args.model, trace, max_len, args.seed)
+        client_lag = lag.stop()
+        cpu = _cpu_seconds(proc.pid) - cpu0
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/admin/state") as r:
+            state = await r.json()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    report = summarize(results, duration)
+    report["backend"] = {"model": args.model, "hardware": args.hardware,
+                         "time_scale": args.time_scale, "loop": state["loop"],
+                         "preemptions": state["preemptions"],
+                         "cpu_seconds": cpu,
+                         "cpu_ms_per_output_token": cpu * 1e3 / max(report["total_output_tokens"],
+                                                                   1)}
+    report["client_loop_lag"] = client_lag
+    report["trace"] = {"file": str(args.trace), "window_s": args.window,
+                       "requests": len(trace)}
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--window", type=float, default=600.0, help="seconds of the trace to replay")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--hardware", default="h100-sxm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    report = asyncio.run(main_async(args))
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Request traces: the Azure LLM inference 2023 CSVs (arrival time, context and output tokens)."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: arrival offset from the first request, lengths in tokens."""
+
+    t: float
+    input_tokens: int
+    output_tokens: int
+
+
+def _parse_ts(raw: str) -> datetime:
+    # "2023-11-16 18:15:46.6805900": seven fractional digits, more than %f takes.
+    head, _, frac = raw.strip().partition(".")
+    return datetime.strptime(f"{head}.{(frac or '0')[:6]:0<6}", "%Y-%m-%d %H:%M:%S.%f")
+
+
+def load_azure(path: str | Path, *, window_s: float | None = None,
+               limit: int | None = None) -> list[TraceRequest]:
+    """Rows of an Azure LLM 2023 trace, as offsets from its first arrival.
+
+    ``window_s`` keeps the arrivals of the first that many seconds; ``limit`` the first N rows.
+    """
+    out: list[TraceRequest] = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        expected = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+        if not reader.fieldnames or not expected <= set(reader.fieldnames):
+            raise ValueError(f"{path}: not an Azure LLM trace (columns {reader.fieldnames})")
+        t0: datetime | None = None
+        for line, row in enumerate(reader, start=2):
+            try:
+                ts = _parse_ts(row["TIMESTAMP"])
+                ctx, gen = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{path}:{line}: bad row: {exc}") from None
+            t0 = t0 or ts
+            t = (ts - t0).total_seconds()
+            if window_s is not None and t > window_s:
+                break
+            out.append(TraceRequest(t, max(ctx, 1), max(gen, 1)))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
