@@ -13,6 +13,7 @@ README.md ("Calibration"); user profiles come from a YAML or JSON file with the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -157,10 +158,8 @@ def _build(cls: type[Any], name: str, raw: Any, where: str) -> Any:
         expected = fields[key].type
         if expected == "float" and isinstance(value, str):
             # YAML 1.1 reads 5.0e12 (no exponent sign) as a string: accept numeric strings.
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if expected in ("int",):
             ok = isinstance(value, int) and not isinstance(value, bool)

@@ -64,6 +64,25 @@ class LoopLag:
                 "max_ms": s[-1] * 1e3}
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _wait_healthy(s: aiohttp.ClientSession, url: str) -> None:
+    for _ in range(1200):
+        try:
+            async with s.get(f"{url}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} never became healthy")
+
+
 def start_backend(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", "0", "--model", args.model,
            "--hardware", args.hardware, "--time-scale", str(args.time_scale), "--seed", "1",
@@ -83,7 +102,7 @@ def start_backend(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]
     raise RuntimeError("backend did not start listening")
 
 
-async def replay(url: str, model: str, trace: list[TraceRequest], max_len: int,
+async def replay(urls: list[str], model: str, trace: list[TraceRequest], max_len: int,
                  seed: int) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed)
     results: list[RequestResult] = []
@@ -91,7 +110,8 @@ async def replay(url: str, model: str, trace: list[TraceRequest], max_len: int,
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.perf_counter()
         tasks = []
-        for tr in trace:
+        for i, tr in enumerate(trace):
+            url = urls[i % len(urls)]
             n_in = min(tr.input_tokens, max_len - tr.output_tokens - 1)
             body = {"model": model, "prompt": [rng.randrange(100_000) for _ in range(n_in)],
                     "max_tokens": tr.output_tokens, "ignore_eos": True, "stream": True,
@@ -109,37 +129,51 @@ async def replay(url: str, model: str, trace: list[TraceRequest], max_len: int,
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_azure(args.trace, window_s=args.window, limit=args.limit)
     trace = [TraceRequest(t.t * args.time_scale, t.input_tokens, t.output_tokens) for t in trace]
-    proc, url = start_backend(args)
+    procs: list[subprocess.Popen[str]] = []
+    urls: list[str] = []
     try:
+        for _ in range(args.instances):
+            proc, url = start_backend(args)
+            procs.append(proc)
+            urls.append(url)
         async with aiohttp.ClientSession() as s:
-            for _ in range(1200):
-                try:
-                    async with s.get(f"{url}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-            async with s.get(f"{url}/v1/models") as r:
+            for url in urls:
+                await _wait_healthy(s, url)
+            async with s.get(f"{urls[0]}/v1/models") as r:
                 max_len = (await r.json())["data"][0]["max_model_len"]
-        cpu0 = _cpu_seconds(proc.pid)
+        cpu0 = [_cpu_seconds(p.pid) for p in procs]
         lag = LoopLag()
         lag.start()
-        results, duration = await replay(url, args.model, trace, max_len, args.seed)
+        results, duration = await replay(urls, args.model, trace, max_len, args.seed)
         client_lag = lag.stop()
-        cpu = _cpu_seconds(proc.pid) - cpu0
-        async with aiohttp.ClientSession() as s, s.get(f"{url}/admin/state") as r:
-            state = await r.json()
+        cpu = sum(_cpu_seconds(p.pid) - c for p, c in zip(procs, cpu0, strict=True))
+        rss = [_rss_mib(p.pid) for p in procs]
+        states = []
+        async with aiohttp.ClientSession() as s:
+            for url in urls:
+                async with s.get(f"{url}/admin/state") as r:
+                    states.append(await r.json())
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
     report = summarize(results, duration)
-    report["backend"] = {"model": args.model, "hardware": args.hardware,
-                         "time_scale": args.time_scale, "loop": state["loop"],
-                         "preemptions": state["preemptions"],
-                         "cpu_seconds": cpu,
-                         "cpu_ms_per_output_token": cpu * 1e3 / max(report["total_output_tokens"],
-                                                                   1)}
+    loops = [st["loop"] for st in states]
+    steps = sum(lp["steps"] for lp in loops)
+    report["backend"] = {
+        "model": args.model, "hardware": args.hardware, "time_scale": args.time_scale,
+        "instances": args.instances,
+        "loop": {"steps": steps,
+                 "mean_lag_ms": sum(lp["mean_lag_s"] * lp["steps"] for lp in loops)
+                 / max(steps, 1) * 1e3,
+                 "max_lag_ms": max(lp["max_lag_s"] for lp in loops) * 1e3,
+                 "resyncs": sum(lp["resyncs"] for lp in loops),
+                 "gpu_busy_fraction": sum(lp["busy_s"] for lp in loops)
+                 * args.time_scale / duration / args.instances},
+        "preemptions": sum(st["preemptions"] for st in states),
+        "cpu_seconds": cpu,
+        "cpu_ms_per_output_token": cpu * 1e3 / max(report["total_output_tokens"], 1),
+        "rss_mib": rss}
     report["client_loop_lag"] = client_lag
     report["trace"] = {"file": str(args.trace), "window_s": args.window,
                        "requests": len(trace)}
@@ -156,6 +190,8 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--hardware", default="h100-sxm")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--instances", type=int, default=1,
+                   help="backend processes; requests are spread round-robin")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     report = asyncio.run(main_async(args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ class RequestResult:
     @property
     def itls(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
