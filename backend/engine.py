@@ -148,6 +148,10 @@ class Engine:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.config.block_size
 
+    def knows(self, request_id: str) -> bool:
+        """Whether the id is in flight or holds KV for a decode instance."""
+        return request_id in self._entries or request_id in self.held
+
     def num_in_flight(self) -> int:
         return len(self._entries)
 

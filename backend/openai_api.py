@@ -95,7 +95,7 @@ def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
     else:
         target = min(max(state.lengths.sample(rng), g.min_tokens), max_tokens)
     rid = http_request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    if rid in state.engine._entries or rid in state.engine.held:
+    if state.engine.knows(rid):
         rid = f"{rid}-{state.counter}"
     req = Request(rid, ids, max_tokens, target, state.engine.clock(),
                   cache_salt=g.cache_salt, remote_decode=remote_decode,

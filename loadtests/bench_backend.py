@@ -16,7 +16,7 @@ import asyncio
 import json
 import os
 import random
-import re
+import socket
 import subprocess
 import sys
 import threading
@@ -83,23 +83,21 @@ async def _wait_healthy(s: aiohttp.ClientSession, url: str) -> None:
     raise RuntimeError(f"{url} never became healthy")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def start_backend(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", "0", "--model", args.model,
-           "--hardware", args.hardware, "--time-scale", str(args.time_scale), "--seed", "1",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", str(port), "--model",
+           args.model, "--hardware", args.hardware, "--time-scale", str(args.time_scale),
+           "--seed", "1", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    # The listening line is logged at info; warning level hides it, so scan the socket table.
-    for _ in range(600):
-        out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
-        m = re.search(rf"127\.0\.0\.1:(\d+)\s.*pid={proc.pid},", out)
-        if m:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("backend did not start listening")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    return proc, f"http://127.0.0.1:{port}"
 
 
 async def replay(urls: list[str], model: str, trace: list[TraceRequest], max_len: int,

@@ -23,11 +23,17 @@ class RequestResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     endpoint: str | None = None
+    text_parts: list[str] = field(default_factory=list)
+    usage_reported: bool = False
     error: str | None = None  # kind: http_<status>, timeout, broken_stream, connect
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     @property
     def itls(self) -> list[float]:
@@ -63,6 +69,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
                     break
                 usage = chunk.get("usage")
                 if usage:
+                    res.usage_reported = True
                     res.output_tokens = int(usage.get("completion_tokens") or 0)
                     res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     details = usage.get("prompt_tokens_details") or {}
@@ -72,6 +79,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
                     if text is None:
                         text = (ch.get("delta") or {}).get("content")
                     if text:
+                        res.text_parts.append(text)
                         if res.ttft is None:
                             res.ttft = now - res.sent_at
                         res.chunk_times.append(now)
@@ -85,6 +93,4 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
         res.error = "connect"
     if res.chunk_times:
         res.latency = res.chunk_times[-1] - res.sent_at
-    if res.error is None and not res.output_tokens:
-        res.output_tokens = len(res.chunk_times)
     return res
