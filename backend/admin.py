@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from backend.config import ROLES, Role
-from backend.protocol import APIError, bad
+from backend.protocol import APIError, bad, json_object
 from backend.state import STATE, BackendState
 
 
@@ -69,11 +69,8 @@ async def get_state(request: web.Request) -> web.Response:
 
 async def set_role(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise bad("body must be JSON") from None
-    role = body.get("role") if isinstance(body, dict) else None
+    body = await json_object(request)
+    role = body.get("role")
     if role not in ROLES:
         raise bad(f"'role' must be one of {list(ROLES)}", "role")
     wait = body.get("wait", True)
@@ -104,12 +101,7 @@ async def get_faults(request: web.Request) -> web.Response:
 
 async def set_faults(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise bad("body must be JSON") from None
-    if not isinstance(body, dict):
-        raise bad("body must be a JSON object of fault settings")
+    body = await json_object(request)
     try:
         state.faults.config = state.faults.config.updated(body)
     except ValueError as exc:

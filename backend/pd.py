@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 
-from backend.protocol import APIError, bad
+from backend.protocol import APIError, bad, json_object
 from backend.request import Request
 from backend.state import STATE, BackendState
 
@@ -33,26 +33,24 @@ log = logging.getLogger("tokengate.backend")
 _TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
-async def _json(request: web.Request) -> dict[str, object]:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise bad("body must be JSON") from None
-    if not isinstance(body, dict):
-        raise bad("body must be a JSON object")
-    return body
-
-
-async def pull(request: web.Request) -> web.Response:
+async def _held_call(request: web.Request) -> tuple[BackendState, str, dict[str, Any]]:
+    """Validate a pull/release call addressed to this engine; return its request id."""
     state = request.app[STATE]
-    body = await _json(request)
+    body = await json_object(request)
     if body.get("engine_id") != state.engine_id:
         raise APIError(404, "unknown engine id", code="kv_not_found")
     rid = body.get("request_id")
+    if not isinstance(rid, str):
+        raise bad("request_id (string) is required")
+    return state, rid, body
+
+
+async def pull(request: web.Request) -> web.Response:
+    state, rid, body = await _held_call(request)
     block_ids = body.get("block_ids")
-    if not isinstance(rid, str) or not isinstance(block_ids, list):
-        raise bad("request_id (string) and block_ids (array) are required")
-    held = state.engine.pull_held(rid, [int(b) for b in block_ids])
+    if not isinstance(block_ids, list) or not all(isinstance(b, int) for b in block_ids):
+        raise bad("block_ids (array of integers) is required")
+    held = state.engine.pull_held(rid, block_ids)
     if held is None:
         raise APIError(404, f"no KV held for request {rid}", code="kv_not_found")
     return web.json_response({"num_tokens": held.num_tokens,
@@ -61,13 +59,7 @@ async def pull(request: web.Request) -> web.Response:
 
 
 async def release(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    body = await _json(request)
-    if body.get("engine_id") != state.engine_id:
-        raise APIError(404, "unknown engine id", code="kv_not_found")
-    rid = body.get("request_id")
-    if not isinstance(rid, str):
-        raise bad("request_id (string) is required")
+    state, rid, _ = await _held_call(request)
     return web.json_response({"released": state.engine.release_held(rid)})
 
 

@@ -143,7 +143,7 @@ def loadtest_config(ns: argparse.Namespace) -> LoadtestConfig:
     sessions = workloads.SessionSpec(
         sessions=ns.sessions, turns=ns.turns, agent_types=ns.agent_types,
         system_tokens=ns.system_tokens, task_tokens=ns.task_tokens, tool_tokens=ns.tool_tokens,
-        output=workloads.Lengths.parse(ns.output_len, "output"), think_time_s=ns.think_time)
+        output=workloads.parse_lengths(ns.output_len, "output"), think_time_s=ns.think_time)
     return LoadtestConfig(
         targets=targets, out=Path(ns.out), workload=workload, trace=ns.trace, endpoint=endpoint,
         rate=ns.rate, burstiness=ns.burstiness, duration_s=ns.duration, requests=ns.requests,

@@ -6,9 +6,9 @@ before each such space, so a prompt of N words is exactly N tokens under that to
 prompt's first k·512 words are identical exactly when its first k blocks are.
 
 For a Mooncake row, block ``i`` of the prompt is a function of ``hash_ids[i]`` alone: its first
-two words encode the id itself (so different ids never produce the same block — no accidental
-sharing: blocks of different ids differ within their first two tokens), the rest come from a generator seeded by the id. A partial last block is a prefix of
-its id's full block.
+two words encode the id itself, so blocks of different ids differ within their first two tokens
+(no accidental sharing); the rest come from a generator seeded by the id. A partial last block
+is a prefix of its id's full block.
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def build_workload(cfg: LoadtestConfig, tok: Tokenizer
             raise ValueError("give --requests and/or --duration")
         n = max(1, int(cfg.rate * cfg.duration_s * 1.5) + 10)
     return workloads.synthetic(n, cfg.rate, cfg.burstiness,
-                               workloads.Lengths.parse(cfg.input_len, "input"),
-                               workloads.Lengths.parse(cfg.output_len, "output"), maker,
+                               workloads.parse_lengths(cfg.input_len, "input"),
+                               workloads.parse_lengths(cfg.output_len, "output"), maker,
                                cfg.seed)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,18 +171,25 @@ async def run(target: Target, work: Sequence[Planned | Session], settings: RunSe
     return RunOutput(results, duration, lag.summary(), start)
 
 
-async def _open_loop(work: list[Planned], send: Any, start: float,
-                     deadline: float | None) -> list[asyncio.Task[Any]]:
+async def _at(offsets: Sequence[float], start: float, deadline: float | None,
+              spawn: Callable[[int], Coroutine[Any, Any, Any]]) -> list[asyncio.Task[Any]]:
+    """Start ``spawn(i)`` at ``start + offsets[i]``, never waiting for earlier ones."""
     tasks = []
-    for p in work:
-        at = start + p.t
+    for i, offset in enumerate(offsets):
+        at = start + offset
         if deadline is not None and at > deadline:
             break
         delay = at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(send(p.prompt, p.output_tokens)))
+        tasks.append(asyncio.ensure_future(spawn(i)))
     return tasks
+
+
+async def _open_loop(work: list[Planned], send: Any, start: float,
+                     deadline: float | None) -> list[asyncio.Task[Any]]:
+    return await _at([p.t for p in work], start, deadline,
+                     lambda i: send(work[i].prompt, work[i].output_tokens))
 
 
 def _closed_loop(work: list[Planned], send: Any, concurrency: int,
@@ -215,13 +222,5 @@ async def _sessions(work: list[Session], send: Any, settings: RunSettings, start
             if s.think_time_s > 0:
                 await asyncio.sleep(rng.expovariate(1.0 / s.think_time_s))
 
-    tasks = []
-    for s in work:
-        at = start + s.start
-        if deadline is not None and at > deadline:
-            break
-        delay = at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(conversation(s)))
-    return tasks
+    return await _at([s.start for s in work], start, deadline,
+                     lambda i: conversation(work[i]))

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from backend.textgen import LengthDistribution
 from loadtests.prompts import PromptMaker
 from loadtests.traces import load_azure
 
@@ -40,46 +41,16 @@ class Planned:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class Lengths:
-    """A length distribution: fixed, uniform, normal, or samples from a trace column."""
-
-    kind: str
-    a: float = 0.0
-    b: float = 0.0
-    samples: tuple[int, ...] = ()
-
-    @classmethod
-    def parse(cls, spec: str, column: Literal["input", "output"]) -> Lengths:
-        kind, _, rest = spec.partition(":")
-        if kind == "trace":
-            rows = load_azure(rest)
-            vals = tuple(r.input_tokens if column == "input" else r.output_tokens for r in rows)
-            if not vals:
-                raise ValueError(f"length spec {spec!r}: the trace has no rows")
-            return cls("trace", samples=vals)
-        try:
-            nums = [float(x) for x in rest.split(":")] if rest else []
-        except ValueError:
-            raise ValueError(f"length spec {spec!r}: arguments must be numbers") from None
-        arity = {"fixed": 1, "uniform": 2, "normal": 2}
-        if kind not in arity or len(nums) != arity[kind]:
-            raise ValueError(f"length spec {spec!r}: use fixed:N, uniform:A:B, normal:MEAN:STD "
-                             "or trace:FILE")
-        if nums[0] < 1 or (kind == "uniform" and nums[1] < nums[0]):
-            raise ValueError(f"length spec {spec!r}: lengths must be at least 1")
-        return cls(kind, nums[0], nums[1] if len(nums) > 1 else 0.0)
-
-    def sample(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            x = self.a
-        elif self.kind == "uniform":
-            x = rng.uniform(self.a, self.b)
-        elif self.kind == "normal":
-            x = rng.gauss(self.a, self.b)
-        else:
-            x = self.samples[rng.randrange(len(self.samples))]
-        return max(1, round(x))
+def parse_lengths(spec: str, column: Literal["input", "output"]) -> LengthDistribution:
+    """A length spec of the backend's forms, or ``trace:FILE`` to sample an Azure column."""
+    kind, _, rest = spec.partition(":")
+    if kind != "trace":
+        return LengthDistribution.parse(spec)
+    rows = load_azure(rest)
+    if not rows:
+        raise ValueError(f"bad length spec {spec!r}: the trace has no rows")
+    return LengthDistribution.of_samples(
+        [r.input_tokens if column == "input" else r.output_tokens for r in rows])
 
 
 def gamma_arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -91,8 +62,8 @@ def gamma_arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -
     return [float(x) for x in np.cumsum(gaps)]
 
 
-def synthetic(n: int, rate: float, burstiness: float, inputs: Lengths, outputs: Lengths,
-              maker: PromptMaker, seed: int) -> list[Planned]:
+def synthetic(n: int, rate: float, burstiness: float, inputs: LengthDistribution,
+              outputs: LengthDistribution, maker: PromptMaker, seed: int) -> list[Planned]:
     rng = random.Random(seed)
     times = gamma_arrivals(n, rate, burstiness, rng)
     plan = []
@@ -159,7 +130,7 @@ class SessionSpec:
     system_tokens: int = 2000
     task_tokens: int = 200
     tool_tokens: int = 1000
-    output: Lengths = field(default_factory=lambda: Lengths("fixed", 50))
+    output: LengthDistribution = field(default_factory=lambda: LengthDistribution("fixed", 50))
     think_time_s: float = 1.0
 
 

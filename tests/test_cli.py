@@ -49,4 +49,4 @@ def test_bad_flags_exit_with_a_message() -> None:
     assert r.returncode == 2 and "unknown hardware profile 'tpu9'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "backend", "--output-len", "x:1"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "bad output length spec" in r.stderr
+    assert r.returncode == 2 and "bad length spec" in r.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from conftest import RunningBackend
 
+from backend.textgen import LengthDistribution
 from gateway.cli import main
 from loadtests import workloads
 from loadtests.metrics import SLO
@@ -73,7 +74,7 @@ def test_sessions_reuse_their_prefix(backend_factory: Factory, tmp_path: Path) -
         endpoint="chat", rate=5.0, output_len="fixed:8", progress=False,
         sessions=workloads.SessionSpec(sessions=2, turns=4, agent_types=1, system_tokens=300,
                                        task_tokens=50, tool_tokens=100,
-                                       output=workloads.Lengths("fixed", 8), think_time_s=0.01))
+                                       output=LengthDistribution("fixed", 8), think_time_s=0.01))
     rep = asyncio.run(run_all(cfg))["b"]
     assert rep["completed"] == 8 and rep["failed"] == 0
     with (tmp_path / "requests.csv").open() as f:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.textgen import LengthDistribution
 from backend.tokenizer import Tokenizer
 from loadtests import workloads
 from loadtests.client import RequestResult
@@ -88,25 +89,25 @@ def test_mooncake_prompts_share_blocks_exactly_per_hash_ids(tokenizer: Tokenizer
 
 def test_exact_lengths_for_synthetic_prompts(tokenizer: Tokenizer) -> None:
     m = PromptMaker(tokenizer, seed=3)
-    plan = workloads.synthetic(30, 5.0, 1.0, workloads.Lengths.parse("uniform:1:3000", "input"),
-                               workloads.Lengths.parse("fixed:7", "output"), m, seed=3)
+    plan = workloads.synthetic(30, 5.0, 1.0, workloads.parse_lengths("uniform:1:3000", "input"),
+                               workloads.parse_lengths("fixed:7", "output"), m, seed=3)
     assert all(len(tokenizer.encode(p.prompt)) == p.input_tokens for p in plan)
-    again = workloads.synthetic(30, 5.0, 1.0, workloads.Lengths.parse("uniform:1:3000", "input"),
-                                workloads.Lengths.parse("fixed:7", "output"),
+    again = workloads.synthetic(30, 5.0, 1.0, workloads.parse_lengths("uniform:1:3000", "input"),
+                                workloads.parse_lengths("fixed:7", "output"),
                                 PromptMaker(tokenizer, seed=3), seed=3)
     assert [(p.t, p.prompt) for p in plan] == [(p.t, p.prompt) for p in again]
 
 
 def test_length_specs() -> None:
     rng = random.Random(0)
-    assert workloads.Lengths.parse("fixed:5", "input").sample(rng) == 5
-    n = workloads.Lengths.parse("normal:100:10", "input")
+    assert workloads.parse_lengths("fixed:5", "input").sample(rng) == 5
+    n = workloads.parse_lengths("normal:100:10", "input")
     assert statistics.fmean(n.sample(rng) for _ in range(5000)) == pytest.approx(100, rel=0.02)
-    tr = workloads.Lengths.parse(f"trace:{TRACES / 'azure_llm_2023_code.csv'}", "output")
+    tr = workloads.parse_lengths(f"trace:{TRACES / 'azure_llm_2023_code.csv'}", "output")
     assert max(tr.samples) > 1 and tr.sample(rng) in tr.samples
     for bad in ("fixed", "poisson:3", "uniform:5:2", "fixed:0", "normal:a:b"):
         with pytest.raises(ValueError, match="length spec"):
-            workloads.Lengths.parse(bad, "input")
+            workloads.parse_lengths(bad, "input")
 
 
 def test_azure_parsing() -> None:
@@ -131,7 +132,7 @@ def test_azure_parser_rejects_other_files(tmp_path: Path) -> None:
 def test_sessions_grow_context_past_100k_at_100_to_1(tokenizer: Tokenizer) -> None:
     spec = workloads.SessionSpec(sessions=2, turns=50, agent_types=1, system_tokens=2000,
                                  task_tokens=200, tool_tokens=2000,
-                                 output=workloads.Lengths("fixed", 20), think_time_s=0)
+                                 output=LengthDistribution("fixed", 20), think_time_s=0)
     ss = workloads.sessions(spec, 1.0, 1.0, PromptMaker(tokenizer), seed=1)
     assert ss[0].system == ss[1].system  # one agent type: a shared system prompt
     s = ss[0]
