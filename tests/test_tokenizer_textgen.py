@@ -54,3 +54,31 @@ async def test_stop_string_cuts_text_and_reports_stop() -> None:
     assert s.push(2, " cde")
     d = await s.next()
     assert d.text == " ab " and d.token_ids == [1, 2]
+
+
+def test_hugging_face_tokenizer_json(tmp_path: object) -> None:
+    """A byte-level BPE tokenizer.json (trained here, offline) works like tiktoken."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
+             for _ in range(600)]
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(
+        (" ".join(rng.choice(vocab) for _ in range(50)) for _ in range(400)),
+        trainers.BpeTrainer(vocab_size=3000,
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = Path(str(tmp_path)) / "tokenizer.json"
+    hf.save(str(path))
+    tok = Tokenizer(str(path))
+    assert len(tok.output_words) >= 256
+    ids = [rng.choice(tok.output_words) for _ in range(300)]
+    assert tok.encode("".join(tok.word_text(i) for i in ids)) == ids
+    msgs = [{"role": "user", "content": "hello there"}]
+    assert len(tok.chat_ids(msgs)) == 3 + len(tok.encode("user")) \
+        + len(tok.encode("hello there")) + 2 + len(tok.encode("assistant"))
