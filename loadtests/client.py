@@ -25,7 +25,8 @@ class RequestResult:
     endpoint: str | None = None
     text_parts: list[str] = field(default_factory=list)
     usage_reported: bool = False
-    error: str | None = None  # kind: http_<status>, timeout, broken_stream, connect
+    # http_<status>[:<code>], stream_error[:<code>], timeout, broken_stream, connect, cancelled
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -41,6 +42,16 @@ class RequestResult:
         return [b - a for a, b in itertools.pairwise(t)]
 
 
+def _error_code(body: bytes) -> str:
+    """``:code`` from an OpenAI-shaped error body, or nothing."""
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    code = err.get("code") if isinstance(err, dict) else None
+    return f":{code}" if isinstance(code, str) and code else ""
+
+
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                          *, headers: dict[str, str] | None = None,
                          timeout_s: float = 600.0) -> RequestResult:
@@ -52,8 +63,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             res.endpoint = r.headers.get("x-tokengate-endpoint")
             if r.status != 200:
-                res.error = f"http_{r.status}"
-                await r.read()
+                res.error = f"http_{r.status}" + _error_code(await r.read())
                 return res
             async for raw in r.content:
                 if not raw.startswith(b"data:"):
@@ -65,7 +75,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
                     break
                 chunk = orjson.loads(payload)
                 if "error" in chunk:
-                    res.error = "stream_error"
+                    res.error = "stream_error" + _error_code(payload)
                     break
                 usage = chunk.get("usage")
                 if usage:

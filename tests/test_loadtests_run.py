@@ -85,6 +85,22 @@ def test_sessions_reuse_their_prefix(backend_factory: Factory, tmp_path: Path) -
     assert sum(1 for c in cached if c >= 300) >= 6  # later turns hit the shared prefix
 
 
+def test_failures_are_classified(backend_factory: Factory, tmp_path: Path) -> None:
+    import httpx
+
+    b = backend_factory(time_scale=0.02)
+    httpx.post(f"{b.url}/admin/faults", json={"error_rate": 0.5, "error_status": 503,
+                                              "drop_rate": 0.4, "drop_after_tokens": 2})
+    cfg = LoadtestConfig(targets=[Target("b", f"{b.url}/v1")], out=tmp_path, rate=50,
+                         requests=40, input_len="fixed:20", output_len="fixed:10",
+                         progress=False)
+    rep = asyncio.run(run_all(cfg))["b"]
+    errors = rep["errors"]
+    assert set(errors) == {"http_503:injected_fault", "broken_stream"}
+    assert rep["failed"] == sum(errors.values()) and rep["completed"] + rep["failed"] == 40
+    assert rep["completed"] > 0 and rep["ttft_ms"]["p50"] is not None
+
+
 def test_bad_arguments_are_reported(tmp_path: Path, capsys: object) -> None:
     assert main(["loadtest", "--out", str(tmp_path), "--workload", "synthetic",
                  "--requests", "1"]) == 2
@@ -92,3 +108,6 @@ def test_bad_arguments_are_reported(tmp_path: Path, capsys: object) -> None:
                  "--target", "bad"]) == 2
     assert main(["loadtest", "--base-url", "http://127.0.0.1:9/v1", "--out", str(tmp_path),
                  "--workload", "synthetic"]) == 2
+    # Only loopback targets unless asked: nothing is sent anywhere else by accident.
+    assert main(["loadtest", "--base-url", "http://10.1.2.3:8000/v1", "--out", str(tmp_path),
+                 "--workload", "synthetic", "--requests", "1"]) == 2
