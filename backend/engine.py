@@ -143,6 +143,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._anchor: float | None = None
+        self.failed: BaseException | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -159,6 +160,8 @@ class Engine:
         return [e.req for e in self._entries.values()]
 
     def submit(self, req: Request, stream: RequestStream, words: WordSource) -> None:
+        if self.failed is not None:
+            raise RuntimeError("the engine has failed")
         if req.request_id in self._entries:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._entries[req.request_id] = _Entry(req, stream, words)
@@ -195,6 +198,21 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
+        """Run steps forever. A bug inside a step fails every request in flight (their clients
+        get an error, never a hang) and marks the engine failed, so health checks turn red."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("engine loop failed")
+            self.failed = exc
+            for entry in list(self._entries.values()):
+                entry.stream.close(Status.FINISHED_ABORTED, "engine failure")
+            self._entries.clear()
+            raise
+
+    async def _loop(self) -> None:
         while True:
             if self.pool.events:
                 self.kv_events.publish(self.pool.drain_events())

@@ -162,6 +162,9 @@ class _Chunks:
 
 async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE]
+    if state.engine.failed is not None:
+        raise APIError(503, "the engine has failed; see the server log",
+                       type="service_unavailable", code="engine_failed")
     if not state.ready:
         raise APIError(503, "the model is still loading", type="service_unavailable",
                        code="model_loading", headers={"retry-after": "1"})
@@ -197,6 +200,8 @@ async def _complete(state: BackendState, g: GenerationRequest, req: Request,
         parts.append(d.text)
         if d.finish is not None:
             break
+    if d.error is not None:
+        raise APIError(500, d.error, type="server_error", code="engine_failed")
     text = "".join(parts)
     finish = _finish_reason(d.finish)
     c = _Chunks(g.kind, req.request_id, state.config.name)
@@ -235,6 +240,11 @@ async def _stream(request: web.Request, state: BackendState, g: GenerationReques
     first = True
     while True:
         d = await stream.next()
+        if d.error is not None:
+            err = APIError(500, d.error, type="server_error", code="engine_failed")
+            await resp.write(b"data: " + err.body() + b"\n\n")
+            await resp.write_eof()
+            return resp
         finish = _finish_reason(d.finish)
         pieces = _pieces(state, d, bool(g.stop))
         for i, piece in enumerate(pieces):

@@ -74,6 +74,8 @@ def _auth(key: str) -> Middleware:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.engine.failed is not None:
+        return web.Response(status=503, text="engine failed")
     if not state.ready:
         return web.Response(status=503, text="loading")
     return web.Response(text="ok")
@@ -100,7 +102,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     yield
     for task in (load_task, loop_task):
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        # A failed engine loop already logged its exception and failed its requests.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     await state.http.close()
     state.executor.shutdown(wait=False, cancel_futures=True)
@@ -132,9 +135,12 @@ def build_app(state: BackendState) -> web.Application:
 
 async def serve(config: BackendConfig, *, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None, tokenizer: Tokenizer | None = None,
-                handle_signals: bool = False) -> None:
-    """Run one instance until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``)."""
-    state = BackendState.create(config, tokenizer)
+                handle_signals: bool = False, state: BackendState | None = None) -> None:
+    """Run one instance until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``).
+
+    ``state`` may be built beforehand (tests inspect it); otherwise it is made from ``config``.
+    """
+    state = state or BackendState.create(config, tokenizer)
     stop = stop or asyncio.Event()
     if handle_signals:
         loop = asyncio.get_running_loop()

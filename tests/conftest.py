@@ -14,6 +14,7 @@ import pytest
 from backend.config import BackendConfig
 from backend.engine import EngineConfig
 from backend.server import serve
+from backend.state import BackendState
 from backend.tokenizer import Tokenizer
 
 
@@ -27,6 +28,7 @@ class RunningBackend:
     """A backend instance serving on loopback from its own thread and event loop."""
 
     config: BackendConfig
+    state: BackendState
     thread: threading.Thread
     loop: asyncio.AbstractEventLoop
     stop: asyncio.Event
@@ -61,6 +63,7 @@ def start_backend(tokenizer: Tokenizer, *, wait_ready: bool = True,
     engine_kw.setdefault("jitter", 0.0)
     kw.setdefault("load_bandwidth_bps", 1e15)
     config = BackendConfig(port=0, engine=EngineConfig(**engine_kw), **kw)  # type: ignore[arg-type]
+    state = BackendState.create(config, tokenizer)
     started = threading.Event()
     holder: dict[str, object] = {}
 
@@ -72,8 +75,7 @@ def start_backend(tokenizer: Tokenizer, *, wait_ready: bool = True,
         holder["loop"], holder["stop"] = loop, stop
 
         async def main() -> None:
-            task = asyncio.ensure_future(serve(config, ready=ready, stop=stop,
-                                               tokenizer=tokenizer))
+            task = asyncio.ensure_future(serve(config, ready=ready, stop=stop, state=state))
             await ready.wait()
             started.set()
             await task
@@ -91,7 +93,7 @@ def start_backend(tokenizer: Tokenizer, *, wait_ready: bool = True,
     assert started.wait(30), "backend did not start"
     if "error" in holder:
         raise RuntimeError("backend failed to start") from holder["error"]  # type: ignore[arg-type]
-    b = RunningBackend(config, t, holder["loop"], holder["stop"])  # type: ignore[arg-type]
+    b = RunningBackend(config, state, t, holder["loop"], holder["stop"])  # type: ignore[arg-type]
     if wait_ready:
         wait_healthy(b.url)
     return b

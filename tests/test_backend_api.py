@@ -247,3 +247,18 @@ def test_api_key_guards_v1_and_admin(backend_factory: Factory) -> None:
     ok = openai.OpenAI(base_url=f"{b.url}/v1", api_key="sekret")
     assert ok.completions.create(model="llama-3-8b", prompt="x", max_tokens=1).usage
     assert httpx.get(f"{b.url}/health").status_code == 200
+
+
+def test_an_engine_failure_fails_requests_instead_of_hanging(backend_factory: Factory) -> None:
+    b = backend_factory(time_scale=1.0)
+
+    def boom(*_: object) -> float:
+        raise RuntimeError("simulated bug in a step")
+
+    # Break the engine from inside its own loop: the next step's timing raises.
+    b.loop.call_soon_threadsafe(setattr, b.state.engine.timing, "step_seconds", boom)
+    r = post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": "x", "max_tokens": 5})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed"
+    assert httpx.get(f"{b.url}/health").status_code == 503
+    r2 = post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": "x"})
+    assert r2.status_code == 503 and r2.json()["error"]["code"] == "engine_failed"
