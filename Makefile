@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit bench-backend calibration clean
+.PHONY: install run test lint typecheck unit redis-server bench-backend calibration clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,15 @@ lint: install
 typecheck: install
 	$(BIN)/mypy gateway backend predictor loadtests
 
-unit: install
+# Redis-backed tests start their own redis-server processes: make sure the program exists.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  echo "redis-server missing: installing the Debian package redis-server"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || { \
+	    echo "cannot install redis-server: run 'apt-get install redis-server' (Debian/Ubuntu)" \
+	         "or put redis-server on PATH"; exit 1; }; }
+
+unit: install redis-server
 	$(BIN)/pytest -q
 
 test: lint typecheck unit

@@ -1,0 +1,51 @@
+-- Reserve on several GCRA buckets at once, all or nothing, at Redis server time.
+-- KEYS[i]: the hash of the i-th charge's scope. ARGV[1]: n; then, per charge, 6 values:
+-- field (limit kind), interval (s/unit), tolerance (s), burst (units), cost (units), ttl (ms).
+-- Returns {allowed (1/0), denied index (0 if allowed), now, retry_after, tat_1 .. tat_n}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local n = tonumber(ARGV[1])
+local pending = {}
+local tats = {}
+local denied, retry = 0, 0
+for i = 1, n do
+  local b = 2 + (i - 1) * 6
+  local id = KEYS[i] .. '|' .. ARGV[b]
+  local tat = pending[id]
+  if tat == nil then tat = tonumber(redis.call('HGET', KEYS[i], ARGV[b]) or '0') end
+  local interval, tol = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local burst, cost = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  tats[i] = tat
+  if denied == 0 then
+    if cost > burst then
+      denied, retry = i, -1
+    else
+      local new_tat = math.max(tat, now) + cost * interval
+      if new_tat - tol > now then
+        denied, retry = i, new_tat - tol - now
+      else
+        pending[id] = new_tat
+        tats[i] = new_tat
+      end
+    end
+  end
+end
+local out = {denied == 0 and 1 or 0, denied, string.format('%.6f', now),
+             string.format('%.6f', retry)}
+if denied ~= 0 then
+  for i = 1, n do
+    local b = 2 + (i - 1) * 6
+    local cur = redis.call('HGET', KEYS[i], ARGV[b]) or '0'
+    out[#out + 1] = cur
+  end
+  return out
+end
+for i = 1, n do
+  local b = 2 + (i - 1) * 6
+  local v = string.format('%.6f', pending[KEYS[i] .. '|' .. ARGV[b]])
+  redis.call('HSET', KEYS[i], ARGV[b], v)
+  local ttl = tonumber(ARGV[b + 5])
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
+  out[#out + 1] = v
+end
+return out

@@ -1,0 +1,69 @@
+"""In-process RateStore on the GCRA arithmetic (single replica; the embedded default)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from gateway.limiter import bucket
+from gateway.limiter.store import BucketState, Charge, Decision, Reservation, StoreStats
+
+_SETTLED_TTL_S = 3600.0
+
+
+class MemoryStore:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._tat: dict[tuple[str, str], float] = {}
+        self._applied: dict[tuple[str, str], float] = {}  # (reservation, step) -> expiry
+        self.stats = StoreStats()
+
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+        return self.reserve_now(charges, reservation_id, self._clock())
+
+    def reserve_now(self, charges: Sequence[Charge], reservation_id: str, now: float
+                    ) -> Decision:
+        """The synchronous core (also the local fallback of the Redis store)."""
+        self.stats.round_trips += 1
+        pending: dict[tuple[str, str], float] = {}
+        for c in charges:
+            tat = pending.get(c.key, self._tat.get(c.key, 0.0))
+            r = bucket.check(tat, now, c.cost, c.limit)
+            if not r.allowed:
+                states = tuple(self._state(x, now) for x in charges)
+                denied = BucketState(c.scope, c.limit, bucket.remaining(tat, now, c.limit),
+                                     bucket.reset_after(tat, now), c.cost, r.retry_after_s)
+                return Decision(False, None, states, denied)
+            pending[c.key] = r.new_tat
+        self._tat.update(pending)
+        states = tuple(self._state(c, now) for c in charges)
+        return Decision(True, Reservation(reservation_id, tuple(charges)), states)
+
+    async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
+                     step: str) -> bool:
+        return self.adjust_now(reservation, deltas, step, self._clock())
+
+    def adjust_now(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
+                   step: str, now: float) -> bool:
+        self.stats.round_trips += 1
+        self._expire(now)
+        mark = (reservation.id, step)
+        if mark in self._applied:
+            return False
+        self._applied[mark] = now + _SETTLED_TTL_S
+        limits = {c.key: c.limit for c in reservation.charges}
+        for key, delta in deltas.items():
+            self._tat[key] = bucket.adjust(self._tat.get(key, 0.0), now, delta, limits[key])
+        return True
+
+    def _state(self, c: Charge, now: float) -> BucketState:
+        tat = self._tat.get(c.key, 0.0)
+        return BucketState(c.scope, c.limit, bucket.remaining(tat, now, c.limit),
+                           bucket.reset_after(tat, now), c.cost)
+
+    def _expire(self, now: float) -> None:
+        if len(self._applied) > 10_000:
+            self._applied = {k: v for k, v in self._applied.items() if v > now}
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,168 @@
+"""The RateStore contract in Redis: Lua scripts, server time, one round trip per decision.
+
+Each scope is one hash ``tg:{scope}`` (fields: one TAT per limit kind); the braces are a hash
+tag, so all of a scope's keys sit in one Redis Cluster slot. The scripts (package data, loaded
+once, run with EVALSHA) do exactly what ``bucket.py`` does, at Redis server time so replicas
+agree on ``now``.
+
+* Single Redis: one script call reserves on every scope of a request, all or nothing.
+* Redis Cluster: scopes live in different slots, so each scope is reserved by its own call, in
+  order; if one refuses, what the earlier ones reserved is refunded. No request is ever
+  over-admitted; a concurrent request may be refused for a moment by a reservation that is
+  then rolled back.
+
+Adjustments carry an idempotency marker key (``tg:{scope}:s:<reservation>:<step>``) set in the
+same script, so retried settlements apply once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from importlib.resources import files
+from typing import Any
+
+from redis import exceptions as rexc
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+
+from gateway.limiter import bucket
+from gateway.limiter.store import (
+    BucketState,
+    Charge,
+    Decision,
+    Reservation,
+    StoreStats,
+    StoreUnavailable,
+)
+
+_ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
+           rexc.ClusterError, OSError)
+
+
+def _script(name: str) -> str:
+    return (files("gateway.limiter") / "lua" / name).read_text()
+
+
+def _key(scope: str) -> str:
+    return f"tg:{{{scope}}}"
+
+
+def _ttl_ms(c: Charge) -> int:
+    return int((c.limit.tolerance + c.limit.period_s) * 1000) + 1000
+
+
+class RedisStore:
+    def __init__(self, client: Redis | RedisCluster, *, cluster: bool = False) -> None:
+        self._r = client
+        self._cluster = cluster
+        self._reserve_src = _script("reserve.lua")
+        self._adjust_src = _script("adjust.lua")
+        self._sha: dict[str, str] = {}
+        self._init_lock: asyncio.Lock | None = None
+        self._initialized = not cluster
+        self.stats = StoreStats()
+
+    async def _ensure_initialized(self) -> None:
+        """Discover the cluster once: concurrent first calls would each open connections."""
+        if self._initialized:
+            return
+        self._init_lock = self._init_lock or asyncio.Lock()
+        async with self._init_lock:
+            if not self._initialized and isinstance(self._r, RedisCluster):
+                await self._r.initialize()
+                self._initialized = True
+
+    @classmethod
+    def from_url(cls, url: str, **kw: Any) -> RedisStore:
+        """``redis://host:port/db`` or ``redis+cluster://host:port`` (any one node)."""
+        opts = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0, **kw}
+        if url.startswith("redis+cluster://"):
+            # The async cluster client fails rather than waits past max_connections per node.
+            opts.setdefault("max_connections", 4096)
+            return cls(RedisCluster.from_url("redis://" + url[len("redis+cluster://"):], **opts),
+                       cluster=True)
+        # A bounded pool that waits for a free connection instead of failing under bursts.
+        pool = BlockingConnectionPool.from_url(url, max_connections=128, timeout=2.0, **opts)
+        return cls(Redis.from_pool(pool))  # the client owns the pool and closes it
+
+    async def _eval(self, src: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        self.stats.round_trips += 1
+        sha = self._sha.get(src)
+        try:
+            await self._ensure_initialized()
+            if sha is None:
+                sha = self._sha[src] = await self._r.script_load(src)
+            try:
+                return await self._r.evalsha(sha, len(keys), *keys, *args)
+            except rexc.NoScriptError:  # a restarted or failed-over node lost its scripts
+                return await self._r.eval(src, len(keys), *keys, *args)
+        except _ERRORS as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+        if not self._cluster:
+            return await self._reserve_group(charges, reservation_id)
+        groups: dict[str, list[Charge]] = defaultdict(list)
+        for c in charges:
+            groups[c.scope].append(c)
+        done: list[Charge] = []
+        states: list[BucketState] = []
+        for group in groups.values():
+            d = await self._reserve_group(group, reservation_id)
+            states.extend(d.states)
+            if not d.allowed:
+                if done:
+                    partial = Reservation(reservation_id, tuple(done))
+                    await self.adjust(partial, {c.key: -c.cost for c in done}, "rollback")
+                return Decision(False, None, tuple(states), d.denied)
+            done.extend(group)
+        return Decision(True, Reservation(reservation_id, tuple(charges)), tuple(states))
+
+    async def _reserve_group(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+        args: list[Any] = [len(charges)]
+        for c in charges:
+            lim = c.limit
+            args += [lim.kind, repr(lim.interval), repr(lim.tolerance), repr(lim.burst),
+                     repr(c.cost), _ttl_ms(c)]
+        raw = await self._eval(self._reserve_src, [_key(c.scope) for c in charges], args)
+        allowed, index, now = int(raw[0]), int(raw[1]), float(raw[2])
+        retry = float(raw[3])
+        tats = [float(x) for x in raw[4:]]
+        states = tuple(BucketState(c.scope, c.limit, bucket.remaining(t, now, c.limit),
+                                   bucket.reset_after(t, now), c.cost)
+                       for c, t in zip(charges, tats, strict=True))
+        if allowed:
+            return Decision(True, Reservation(reservation_id, tuple(charges)), states)
+        c = charges[index - 1]
+        t = tats[index - 1]
+        denied = BucketState(c.scope, c.limit, bucket.remaining(t, now, c.limit),
+                             bucket.reset_after(t, now), c.cost,
+                             math.inf if retry < 0 else retry)
+        return Decision(False, None, states, denied)
+
+    async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
+                     step: str) -> bool:
+        limits = {c.key: c for c in reservation.charges}
+        groups: dict[str, list[tuple[Charge, float]]] = defaultdict(list)
+        for key, delta in deltas.items():
+            c = limits[key]
+            groups[c.scope if self._cluster else ""].append((c, delta))
+        if not groups:
+            groups[""] = []
+        applied = False
+        for scope, items in groups.items():
+            marker_scope = scope or (reservation.charges[0].scope if reservation.charges
+                                     else "none")
+            keys = [f"{_key(marker_scope)}:s:{reservation.id}:{step}",
+                    *(_key(c.scope) for c, _ in items)]
+            args: list[Any] = [len(items)]
+            for c, d in items:
+                args += [c.limit.kind, repr(c.limit.interval), repr(d), _ttl_ms(c)]
+            applied = bool(int(await self._eval(self._adjust_src, keys, args))) or applied
+        return applied
+
+    async def close(self) -> None:
+        await self._r.aclose()

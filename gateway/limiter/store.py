@@ -1,0 +1,110 @@
+"""The RateStore contract: reserve on every bucket a request touches, all or nothing; settle.
+
+A *charge* debits one bucket (a scope's limit of one kind) by a cost. ``reserve`` admits a set
+of charges atomically: either every bucket had room and all were debited, or none was, and the
+decision names the bucket that refused (its limit, what it had used, what was asked, when to
+retry). ``adjust`` applies after-the-fact deltas to a reservation's buckets (refunds of unused
+output, charges of overruns, progressive charges of long streams); each ``(reservation, step)``
+is applied at most once, so retries cannot double-count. Every store also reports, per bucket
+touched, what is left and when it is full again, for the ``x-ratelimit-*`` headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.limiter.bucket import Limit
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    scope: str  # e.g. "tenant:acme", "tenant:acme|model:gpt", "model:gpt", "route:default"
+    limit: Limit
+    cost: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.scope, self.limit.kind
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """One bucket after a decision: for headers and 429 messages."""
+
+    scope: str
+    limit: Limit
+    remaining: float
+    reset_s: float
+    requested: float = 0.0
+    retry_after_s: float = 0.0
+
+    @property
+    def used(self) -> float:
+        return max(0.0, self.limit.burst - self.remaining)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: str
+    charges: tuple[Charge, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    reservation: Reservation | None
+    states: tuple[BucketState, ...] = ()
+    denied: BucketState | None = None
+
+
+@dataclass(slots=True)
+class StoreStats:
+    round_trips: int = 0
+    fallbacks: int = 0  # decisions served by a local limiter because the store was unreachable
+
+
+class RateStore(Protocol):
+    stats: StoreStats
+
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision: ...
+
+    async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
+                     step: str) -> bool:
+        """Apply ``deltas`` (by ``Charge.key``) once per ``step``; False if already applied."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class StoreUnavailable(RuntimeError):
+    """The backing store could not be reached."""
+
+
+@dataclass(slots=True)
+class Settlement:
+    """Tracks what a reservation has been charged so far, to settle it exactly once."""
+
+    reservation: Reservation
+    charged: dict[tuple[str, str], float] = field(default_factory=dict)
+    steps: int = 0
+    final: bool = False
+
+    def __post_init__(self) -> None:
+        for c in self.reservation.charges:
+            self.charged[c.key] = self.charged.get(c.key, 0.0) + c.cost
+
+    def deltas_to(self, totals: Mapping[str, float]) -> dict[tuple[str, str], float]:
+        """Deltas that bring every bucket to ``totals[kind]`` (kinds absent stay as they are)."""
+        out = {}
+        for (scope, kind), have in self.charged.items():
+            if kind in totals:
+                d = totals[kind] - have
+                if d:
+                    out[(scope, kind)] = d
+        return out
+
+    def record(self, deltas: Mapping[tuple[str, str], float]) -> None:
+        for k, d in deltas.items():
+            self.charged[k] += d

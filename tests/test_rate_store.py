@@ -1,0 +1,166 @@
+"""The RateStore contract, one suite over the in-memory store, a real Redis and a real
+3-master Redis Cluster (both started by the tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis_servers import RedisCluster, RedisServer
+
+from gateway.limiter.bucket import Limit
+from gateway.limiter.memory import MemoryStore
+from gateway.limiter.redis_store import RedisStore
+from gateway.limiter.store import Charge, RateStore, Settlement
+
+HOUR = 3600.0  # slow refill: a test's own duration adds well under one token of credit
+_ids = itertools.count()
+
+
+def tokens(amount: float, burst: float | None = None) -> Limit:
+    return Limit("tokens", amount, HOUR, burst or amount)
+
+
+def requests(amount: float) -> Limit:
+    return Limit("requests", amount, HOUR, amount)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    c = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[RateStore]:
+    s: RateStore
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "redis":
+        s = RedisStore.from_url(request.getfixturevalue("redis_server").url)
+    else:
+        s = RedisStore.from_url(request.getfixturevalue("redis_cluster").url)
+    yield s
+    await s.close()
+
+
+def scope(name: str) -> str:
+    """A fresh scope name per test (Redis state outlives one test)."""
+    return f"{name}-{next(_ids)}"
+
+
+async def test_reserve_is_all_or_nothing_across_scopes(store: RateStore) -> None:
+    a, b = scope("tenant:a"), scope("model:m")
+    ok = await store.reserve([Charge(a, tokens(1000), 100), Charge(b, tokens(150), 100)], "r1")
+    assert ok.allowed and ok.reservation is not None
+    no = await store.reserve([Charge(a, tokens(1000), 100), Charge(b, tokens(150), 100)], "r2")
+    assert not no.allowed and no.reservation is None
+    assert no.denied is not None and no.denied.scope == b
+    assert no.denied.requested == 100 and no.denied.limit.amount == 150
+    assert no.denied.used == pytest.approx(100, abs=1)
+    # Scope a was not charged by the refused request: 900 tokens are still there.
+    assert (await store.reserve([Charge(a, tokens(1000), 900)], "r3")).allowed
+    assert not (await store.reserve([Charge(a, tokens(1000), 5)], "r4")).allowed
+
+
+async def test_denial_says_when_to_retry(store: RateStore) -> None:
+    s = scope("tenant:t")
+    per_minute = Limit("tokens", 600, 60.0, 600)  # 10 tokens/s
+    assert (await store.reserve([Charge(s, per_minute, 600)], "a")).allowed
+    no = await store.reserve([Charge(s, per_minute, 50)], "b")
+    assert not no.allowed and no.denied is not None
+    assert no.denied.retry_after_s == pytest.approx(5.0, abs=0.3)
+    huge = await store.reserve([Charge(scope("tenant:u"), per_minute, 601)], "c")
+    assert not huge.allowed and huge.denied is not None and math.isinf(huge.denied.retry_after_s)
+
+
+async def test_states_report_remaining_and_reset(store: RateStore) -> None:
+    s = scope("tenant:h")
+    d = await store.reserve([Charge(s, requests(10), 1), Charge(s, tokens(1000), 250)], "x")
+    req, tok = d.states
+    assert req.remaining == pytest.approx(9, abs=0.01) and tok.remaining == pytest.approx(750,
+                                                                                          abs=1)
+    assert tok.reset_s == pytest.approx(250 * HOUR / 1000, rel=0.01)
+
+
+async def test_settlement_refunds_unused_and_charges_overrun_once(store: RateStore) -> None:
+    s = scope("tenant:s")
+    lim = tokens(1000)
+    d = await store.reserve([Charge(s, lim, 600)], "res-1")
+    assert d.reservation is not None
+    st = Settlement(d.reservation)
+    deltas = st.deltas_to({"tokens": 200})  # used 200 of the 600 reserved
+    assert deltas == {(s, "tokens"): -400}
+    assert await store.adjust(d.reservation, deltas, "final")
+    assert not await store.adjust(d.reservation, deltas, "final")  # a retry changes nothing
+    st.record(deltas)
+    assert (await store.reserve([Charge(s, lim, 800)], "res-2")).allowed  # 200 + 800 = 1000
+    assert not (await store.reserve([Charge(s, lim, 5)], "res-3")).allowed
+    # An overrun is charged even past the limit, and then blocks the scope.
+    t = scope("tenant:o")
+    d2 = await store.reserve([Charge(t, lim, 100)], "res-4")
+    assert d2.reservation is not None
+    assert await store.adjust(d2.reservation, {(t, "tokens"): 950}, "final")
+    no = await store.reserve([Charge(t, lim, 1)], "res-5")
+    assert not no.allowed and no.denied is not None and no.denied.retry_after_s > 100
+
+
+async def test_failure_before_first_token_refunds_everything(store: RateStore) -> None:
+    s = scope("tenant:f")
+    charges = [Charge(s, requests(1), 1), Charge(s, tokens(100), 100)]
+    d = await store.reserve(charges, "fail-1")
+    assert d.reservation is not None
+    st = Settlement(d.reservation)
+    await store.adjust(d.reservation, st.deltas_to({"requests": 0, "tokens": 0}), "final")
+    assert (await store.reserve(charges, "fail-2")).allowed
+
+
+async def test_progressive_charges_are_idempotent_per_step(store: RateStore) -> None:
+    s = scope("tenant:p")
+    lim = tokens(1000)
+    d = await store.reserve([Charge(s, lim, 100)], "long")
+    assert d.reservation is not None
+    for step in ("p1", "p2", "p1", "p2"):
+        await store.adjust(d.reservation, {(s, "tokens"): 200}, step)
+    assert (await store.reserve([Charge(s, lim, 500)], "other")).allowed  # 100+200+200+500
+    assert not (await store.reserve([Charge(s, lim, 5)], "again")).allowed
+
+
+async def test_concurrent_reservations_never_over_admit(store: RateStore) -> None:
+    a, b = scope("tenant:c"), scope("model:c")
+    charges = [Charge(a, tokens(1000), 10), Charge(b, tokens(5000), 10),
+               Charge(a, requests(10_000), 1)]
+    results = await asyncio.gather(*(store.reserve(charges, f"c{i}") for i in range(300)))
+    assert sum(r.allowed for r in results) == 100
+
+
+async def test_rollback_of_partial_reservations_on_a_cluster(redis_cluster: RedisCluster) -> None:
+    st = RedisStore.from_url(redis_cluster.url)
+    try:
+        a, b = scope("tenant:x"), scope("route:y")  # different slots (different hash tags)
+        assert (await st.reserve([Charge(b, tokens(100), 100)], "fill")).allowed
+        no = await st.reserve([Charge(a, tokens(100), 60), Charge(b, tokens(100), 10)], "p")
+        assert not no.allowed
+        # a's 60 were reserved first, then refunded: 100 are available again.
+        assert (await st.reserve([Charge(a, tokens(100), 100)], "q")).allowed
+    finally:
+        await st.close()
+
+
+def test_lua_scripts_ship_as_package_data() -> None:
+    import gateway.limiter
+
+    lua = Path(gateway.limiter.__file__).parent / "lua"
+    assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua"}
