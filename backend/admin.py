@@ -17,8 +17,8 @@ import orjson
 from aiohttp import web
 
 from backend.config import ROLES, Role
-from backend.protocol import APIError, bad, json_object
 from backend.state import STATE, BackendState
+from gateway.errors import APIError, bad, json_object
 
 
 def _dumps(o: Any) -> str:

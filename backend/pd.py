@@ -25,9 +25,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from backend.protocol import APIError, bad, json_object
 from backend.request import Request
 from backend.state import STATE, BackendState
+from gateway.errors import APIError, bad, json_object
 
 log = logging.getLogger("tokengate.backend")
 _TIMEOUT = aiohttp.ClientTimeout(total=10)

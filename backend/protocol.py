@@ -12,51 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
+
+from gateway.errors import bad
 
 Kind = Literal["chat", "completion"]
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-class APIError(Exception):
-    """An error answered to the client in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> bytes:
-        return orjson.dumps({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}})
-
-
-async def json_object(request: web.Request) -> dict[str, Any]:
-    """The body of an admin or KV call as a JSON object (400 otherwise)."""
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise bad("body must be JSON") from None
-    if not isinstance(body, dict):
-        raise bad("body must be a JSON object")
-    return body
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 @dataclass(slots=True)

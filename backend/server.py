@@ -22,40 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backend import admin, openai_api, pd
 from backend.config import BackendConfig
-from backend.protocol import APIError
 from backend.state import STATE, BackendState
 from backend.tokenizer import Tokenizer
+from gateway.errors import APIError, errors
 
 log = logging.getLogger("tokengate.backend")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/kv/pull", "/kv/release"})
-
-
-def _error_response(exc: APIError) -> web.Response:
-    return web.Response(status=exc.status, body=exc.body(), content_type="application/json",
-                        headers=exc.headers)
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves in OpenAI's error shape, never as a stack trace."""
-    try:
-        return await handler(request)
-    except APIError as exc:
-        return _error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kinds = {404: ("not_found_error", f"no route for {request.method} {request.path}"),
-                 405: ("invalid_request_error", f"method {request.method} not allowed here"),
-                 413: ("invalid_request_error", "request body too large")}
-        kind, message = kinds.get(exc.status, ("invalid_request_error", exc.reason))
-        return _error_response(APIError(exc.status, message, type=kind))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(APIError(500, "internal error", type="server_error"))
 
 
 def _auth(key: str) -> Middleware:

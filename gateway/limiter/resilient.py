@@ -1,0 +1,95 @@
+"""A RateStore that survives its backing store going away.
+
+While the primary (Redis) answers, every call goes to it. When it fails, ``fail_open`` serves
+from a local in-memory limiter whose limits are this replica's share (1/replicas) of the real
+ones, counts each such decision, and tries the primary again after ``retry_s``; ``fail_closed``
+raises ``StoreUnavailable`` (the gateway answers 503). Reservations remember which store made
+them, so each is settled where it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from gateway.limiter.memory import MemoryStore
+from gateway.limiter.store import (
+    Charge,
+    Decision,
+    RateStore,
+    Reservation,
+    StoreStats,
+    StoreUnavailable,
+)
+
+log = logging.getLogger("tokengate.limiter")
+
+
+class ResilientStore:
+    def __init__(self, primary: RateStore, *, fail_open: bool = True, replicas: int = 1,
+                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.primary = primary
+        self.fail_open = fail_open
+        self.replicas = max(1, replicas)
+        self.local = MemoryStore()
+        self.retry_s = retry_s
+        self._clock = clock
+        self._down_until = 0.0
+        self._local_ids: set[str] = set()
+        self.stats = StoreStats()
+
+    @property
+    def degraded(self) -> bool:
+        return self._clock() < self._down_until
+
+    def _share(self, charges: Sequence[Charge]) -> list[Charge]:
+        if self.replicas == 1:
+            return list(charges)
+        k = 1.0 / self.replicas
+        return [dataclasses.replace(c, limit=dataclasses.replace(
+            c.limit, amount=c.limit.amount * k, burst=c.limit.burst * k)) for c in charges]
+
+    def _mark_down(self, exc: Exception) -> None:
+        if not self.degraded:
+            log.warning("rate store unreachable (%s): %s for %.1fs", exc,
+                        "serving local limits" if self.fail_open else "refusing requests",
+                        self.retry_s)
+        self._down_until = self._clock() + self.retry_s
+
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+        if not self.degraded:
+            try:
+                d = await self.primary.reserve(charges, reservation_id)
+                self.stats.round_trips += 1
+                return d
+            except StoreUnavailable as exc:
+                self._mark_down(exc)
+        if not self.fail_open:
+            raise StoreUnavailable("rate store unreachable and the policy says fail_closed")
+        self.stats.fallbacks += 1
+        d = await self.local.reserve(self._share(charges), reservation_id)
+        if d.allowed:
+            self._local_ids.add(reservation_id)
+        return d
+
+    async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
+                     step: str) -> bool:
+        if reservation.id in self._local_ids:
+            local = Reservation(reservation.id, tuple(self._share(reservation.charges)))
+            if step == "final":
+                self._local_ids.discard(reservation.id)
+            return await self.local.adjust(local, deltas, step)
+        try:
+            return await self.primary.adjust(reservation, deltas, step)
+        except StoreUnavailable as exc:
+            # The primary holds this reservation: the adjustment is lost with it. Count it.
+            self._mark_down(exc)
+            self.stats.fallbacks += 1
+            log.warning("could not settle %s (%s): its quota stays as reserved",
+                        reservation.id, exc)
+            return False
+
+    async def close(self) -> None:
+        await self.primary.close()
