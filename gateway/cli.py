@@ -8,11 +8,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from backend.config import KV_LINKS, ROLES, BackendConfig
 from backend.engine import EngineConfig
 from backend.faults import FaultConfig
+
+_DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
 
 if TYPE_CHECKING:
     from loadtests.run import LoadtestConfig
@@ -173,6 +176,58 @@ def loadtest_config(ns: argparse.Namespace) -> LoadtestConfig:
         progress=not ns.no_progress)
 
 
+def _serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the gateway with a policy file")
+    p.add_argument("--policy", required=True, help="policy YAML (see policies/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"),
+                   help="redis://host:port/db or redis+cluster://host:port (env "
+                   "TOKENGATE_REDIS_URL); in-memory limits when absent")
+    p.add_argument("--workers", type=int, default=1, help="processes sharing the port")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default="info")
+    u = sub.add_parser("up", help="start the demo stack: reference backends and the gateway")
+    u.add_argument("--policy", default=str(_DEMO_POLICY))
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8080)
+    u.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"))
+    u.add_argument("--time-scale", type=float, default=1.0,
+                   help="the backends' time scale (<1 runs faster)")
+    u.add_argument("--log-dir", help="where the backends' logs go (default: a temp dir)")
+    u.add_argument("--log-level", default="warning")
+
+
+def _serve_workers(ns: argparse.Namespace) -> int:
+    """Run ``serve``; with --workers N, N-1 more processes share the port (SO_REUSEPORT)."""
+    import subprocess
+
+    from gateway.server import ServeConfig, serve
+
+    children = []
+    reuse = ns.reuse_port or ns.workers > 1
+    if ns.workers > 1:
+        if ns.port == 0:
+            raise ValueError("--workers needs a fixed --port")
+        for _ in range(ns.workers - 1):
+            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--policy", ns.policy,
+                   "--host", ns.host, "--port", str(ns.port), "--reuse-port",
+                   "--drain-timeout", str(ns.drain_timeout), "--log-level", ns.log_level]
+            if ns.redis:
+                cmd += ["--redis", ns.redis]
+            children.append(subprocess.Popen(cmd))
+    try:
+        _run(serve(ServeConfig(ns.policy, ns.host, ns.port, ns.redis, reuse,
+                               ns.drain_timeout), handle_signals=True))
+    finally:
+        for c in children:
+            c.terminate()
+        for c in children:
+            c.wait(ns.drain_timeout + 5)
+    return 0
+
+
 def backend_config(ns: argparse.Namespace) -> BackendConfig:
     engine = EngineConfig(
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -208,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _backend_parser(sub)
     _loadtest_parser(sub)
+    _serve_parsers(sub)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -221,6 +277,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run(serve(config, handle_signals=True))
         except (ProfileError, ValueError) as exc:
             print(f"tokengate backend: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 0
+    elif ns.command in ("serve", "up"):
+        from gateway.config.policy import PolicyError
+
+        try:
+            if ns.command == "serve":
+                return _serve_workers(ns)
+            from gateway.up import UpConfig, up
+
+            _run(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
+                             ns.log_dir)))
+        except (PolicyError, ValueError, RuntimeError, OSError) as exc:
+            print(f"tokengate {ns.command}: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             return 0

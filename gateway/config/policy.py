@@ -70,6 +70,14 @@ class Price:
 
 
 @dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """How ``tokengate up`` simulates this model with reference backends."""
+
+    model: str = "llama-3-8b"
+    hardware: str = "h100-sxm"
+
+
+@dataclass(frozen=True, slots=True)
 class Model:
     name: str
     endpoints: tuple[Endpoint, ...]
@@ -83,6 +91,7 @@ class Model:
     tokens_per_name: int = 1
     reply_priming_tokens: int = 3
     limits: Limits = field(default_factory=Limits)
+    backend: BackendSpec = field(default_factory=BackendSpec)
 
     @property
     def upstream_name(self) -> str:
@@ -210,7 +219,7 @@ class _Decoder:
 def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
     m = d.mapping(raw, path, {"endpoints", "tokenizer", "upstream_model", "price", "fallback",
                               "default_max_tokens", "max_context", "tokens_per_message",
-                              "tokens_per_name", "reply_priming_tokens", "limits"},
+                              "tokens_per_name", "reply_priming_tokens", "limits", "backend"},
                   {"endpoints"})
     eps_raw = m["endpoints"]
     if not isinstance(eps_raw, list) or not eps_raw:
@@ -241,6 +250,10 @@ def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
     if "fallback" in m:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
     kw["limits"] = d.limits(m.get("limits"), f"{path}.limits")
+    if "backend" in m:
+        bm = d.mapping(m["backend"], f"{path}.backend", {"model", "hardware"})
+        kw["backend"] = BackendSpec(**{k: d.string(v, f"{path}.backend.{k}")
+                                       for k, v in bm.items()})
     return Model(name, tuple(eps), **kw)
 
 

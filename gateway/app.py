@@ -1,0 +1,137 @@
+"""The gateway's HTTP application: routes, auth for admin, lifecycle. Wiring only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import pipeline
+from gateway.errors import APIError, errors
+from gateway.limiter.resilient import ResilientStore
+from gateway.reload import PolicyWatcher
+from gateway.state import GATEWAY, GatewayState
+
+WATCHER: web.AppKey[PolicyWatcher] = web.AppKey("tokengate_policy_watcher", PolicyWatcher)
+
+
+def _dumps(o: Any) -> str:
+    return orjson.dumps(o, default=str).decode()
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[GATEWAY]
+    policy = state.view.policy
+    tenant = pipeline.authenticate(request, policy)
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "tokengate"}
+            for m in policy.models_for(tenant)]
+    return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def ready(request: web.Request) -> web.Response:
+    if request.app[GATEWAY].draining:
+        return web.Response(status=503, text="draining")
+    return web.Response(text="ready")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[GATEWAY].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _admin(request: web.Request) -> GatewayState:
+    state = request.app[GATEWAY]
+    digest = state.view.admin_digest
+    auth = request.headers.get("Authorization", "")
+    got = hashlib.sha256(auth[7:].encode()).hexdigest() if auth.startswith("Bearer ") else ""
+    if digest is None or not hmac.compare_digest(got, digest):
+        raise APIError(401, "admin endpoints need the admin key", code="invalid_api_key")
+    return state
+
+
+async def admin_policy(request: web.Request) -> web.Response:
+    state = _admin(request)
+    p = state.view.policy
+    out: dict[str, Any] = {"source": p.source, "settings": asdict(p.settings),
+           "models": {n: {"endpoints": [e.url for e in m.endpoints], "fallback": m.fallback,
+                          "tokenizer": m.tokenizer, "limits": asdict(m.limits)}
+                      for n, m in p.models.items()},
+           "tenants": {n: {"keys": [k.name for k in t.keys], "limits": asdict(t.limits)}
+                       for n, t in p.tenants.items()},
+           "routes": {n: asdict(r) for n, r in p.routes.items()}}
+    watcher = request.app.get(WATCHER)
+    if watcher is not None:
+        out["last_reload_error"] = watcher.last_error
+    return web.json_response(out, dumps=_dumps)
+
+
+async def admin_endpoints(request: web.Request) -> web.Response:
+    state = _admin(request)
+    out = {name: [{"url": e.url, "in_flight": e.in_flight,
+                   "tokens_outstanding": e.tokens_outstanding, "served": e.served,
+                   "failed": e.failed, "healthy": e.down_until == 0.0}
+                  for e in pool.endpoints]
+           for name, pool in state.view.pools.items()}
+    return web.json_response(out, dumps=_dumps)
+
+
+async def admin_limiter(request: web.Request) -> web.Response:
+    state = _admin(request)
+    store = state.store
+    out: dict[str, Any] = {"store": type(store).__name__,
+                           "round_trips": store.stats.round_trips}
+    if isinstance(store, ResilientStore):
+        out.update(primary=type(store.primary).__name__, degraded=store.degraded,
+                   fail_open=store.fail_open)
+    return web.json_response(out, dumps=_dumps)
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[GATEWAY]
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+    state.http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    watcher = app.get(WATCHER)
+    task = asyncio.ensure_future(watcher.run()) if watcher is not None else None
+    yield
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if state.background:
+        await asyncio.wait(state.background, timeout=5)
+    await state.http.close()
+    await state.store.close()
+    state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors],
+                          client_max_size=state.view.policy.settings.max_body_bytes)
+    app[GATEWAY] = state
+    if watcher is not None:
+        app[WATCHER] = watcher
+    app.cleanup_ctx.append(_lifecycle)
+    r = app.router
+    r.add_post("/v1/chat/completions", lambda q: pipeline.handle(q, "chat"))
+    r.add_post("/v1/completions", lambda q: pipeline.handle(q, "completion"))
+    r.add_get("/v1/models", models)
+    r.add_get("/health", health)
+    r.add_get("/ready", ready)
+    r.add_get("/metrics", metrics)
+    r.add_get("/admin/policy", admin_policy)
+    r.add_get("/admin/endpoints", admin_endpoints)
+    r.add_get("/admin/limiter", admin_limiter)
+    return app

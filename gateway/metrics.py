@@ -1,0 +1,41 @@
+"""The gateway's Prometheus metrics (names start with ``tokengate_``), one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("tokengate_requests", "Requests by outcome.",
+                                ["route", "model", "tenant", "status"], registry=r)
+        self.prompt_tokens = Counter("tokengate_prompt_tokens", "Prompt tokens served.",
+                                     ["model", "tenant"], registry=r)
+        self.completion_tokens = Counter("tokengate_completion_tokens",
+                                         "Completion tokens served.", ["model", "tenant"],
+                                         registry=r)
+        self.limiter = Counter("tokengate_limiter_decisions", "Limiter decisions.",
+                               ["scope", "outcome"], registry=r)
+        self.limiter_fallbacks = Counter("tokengate_limiter_local_fallbacks",
+                                         "Decisions served by the local limiter while the "
+                                         "rate store was unreachable.", registry=r)
+        self.failovers = Counter("tokengate_failovers", "Requests served by a fallback model.",
+                                 ["reason", "from_model", "to_model"], registry=r)
+        self.ttft = Histogram("tokengate_ttft_seconds", "Time to first token at the gateway.",
+                              ["model"], buckets=_LAT, registry=r)
+        self.tpot = Histogram("tokengate_tpot_seconds", "Time per output token at the gateway.",
+                              ["model"], buckets=_TPOT, registry=r)
+        self.overhead = Histogram("tokengate_overhead_seconds",
+                                  "Time the gateway adds before forwarding a request.",
+                                  buckets=_OVERHEAD, registry=r)
+        self.in_flight = Gauge("tokengate_endpoint_in_flight", "Requests in flight.",
+                               ["endpoint"], registry=r)
+        self.upstream_errors = Counter("tokengate_upstream_errors", "Upstream failures.",
+                                       ["endpoint", "kind"], registry=r)
+        self.policy_reloads = Counter("tokengate_policy_reloads", "Policy reload attempts.",
+                                      ["outcome"], registry=r)

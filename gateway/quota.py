@@ -1,0 +1,168 @@
+"""Admission and settlement of a request's quota on every scope it touches.
+
+Admission reserves, in one store call, one request and ``prompt + expected output`` tokens (and
+their estimated dollars) on the tenant, tenant×model, model and route scopes that have limits.
+If the model's buckets refuse, the model's fallback chain is tried in order (each candidate's own
+quotas, with its own tokenizer's count), unless the route disables failover.
+
+Settlement brings every bucket to what the request really used, exactly once: the unused output
+is refunded, an overrun charged, a failure before the first token refunds everything, and a
+cancelled stream is charged what was streamed. Long streams are charged progressively so that
+concurrent long generations cannot overshoot a limit by more than one step each.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.config.policy import Limits, Model, Policy, Route
+from gateway.errors import APIError
+from gateway.limiter.store import BucketState, Charge, Decision, RateStore, Settlement
+
+
+def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_tokens: int,
+            expected_output: int) -> list[Charge]:
+    t = policy.tenants[tenant]
+    scopes: list[tuple[str, Limits]] = [
+        (f"tenant:{tenant}", t.limits),
+        (f"tenant:{tenant}|model:{model.name}", t.model_limits.get(model.name, Limits())),
+        (f"model:{model.name}", model.limits),
+        (f"route:{route.name}", route.limits),
+    ]
+    tokens = float(prompt_tokens + expected_output)
+    dollars = model.price.cost(prompt_tokens, expected_output)
+    out = []
+    for scope, limits in scopes:
+        for lim in limits.buckets():
+            cost = {"requests": 1.0, "tokens": tokens, "tokens_day": tokens,
+                    "budget": dollars}[lim.kind]
+            out.append(Charge(scope, lim, cost))
+    return out
+
+
+@dataclass(slots=True)
+class Admission:
+    model: Model
+    prompt_tokens: int
+    expected_output: int
+    decision: Decision
+    failover_from: str | None = None
+    settlement: Settlement | None = None
+    refused: list[Decision] = field(default_factory=list)
+
+
+async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, model: Model,
+                count_prompt: Callable[[Model], Awaitable[int]],
+                expected_output: Callable[[Model], int]) -> Admission:
+    """Reserve on the model or, when its quota refuses, on the first fallback that admits."""
+    chain: list[Model] = [model]
+    if route.failover:
+        chain += [policy.models[n] for n in model.fallback if n in route.models]
+    refused: list[Decision] = []
+    last: Admission | None = None
+    for candidate in chain:
+        prompt = await count_prompt(candidate)
+        out = expected_output(candidate)
+        cs = charges(policy, tenant, route, candidate, prompt, out)
+        d = await store.reserve(cs, uuid.uuid4().hex)
+        adm = Admission(candidate, prompt, out, d,
+                        model.name if candidate is not model else None, refused=refused)
+        if d.allowed:
+            assert d.reservation is not None
+            adm.settlement = Settlement(d.reservation)
+            return adm
+        refused.append(d)
+        last = last or adm
+        if d.denied is not None and math.isinf(d.denied.retry_after_s) and candidate is model:
+            continue  # too large for this model's burst: a fallback may still fit
+    assert last is not None
+    return last
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    s = math.ceil(seconds)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m}m{sec}s"
+    if m:
+        return f"{m}m{sec}s"
+    return f"{sec}s"
+
+
+def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
+    """``x-ratelimit-*`` for the tightest requests and tokens buckets among ``states``."""
+    out: dict[str, str] = {}
+    for kind, suffix in (("requests", "requests"), ("tokens", "tokens")):
+        mine = [s for s in states if s.limit.kind == kind]
+        if not mine:
+            continue
+        tight = min(mine, key=lambda s: s.remaining / s.limit.burst)
+        out[f"x-ratelimit-limit-{suffix}"] = str(int(tight.limit.amount))
+        out[f"x-ratelimit-remaining-{suffix}"] = str(int(tight.remaining))
+        out[f"x-ratelimit-reset-{suffix}"] = _duration(tight.reset_s)
+    return out
+
+
+_KIND_LABEL = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
+               "tokens_day": "tokens per day (TPD)", "budget": "dollars per day (budget)"}
+
+
+def rate_limit_error(d: Decision) -> APIError:
+    s = d.denied
+    assert s is not None
+    kind = s.limit.kind
+    retry = s.retry_after_s
+    if math.isinf(retry):
+        msg = (f"Request too large for {_KIND_LABEL[kind]} on {s.scope}: limit "
+               f"{s.limit.amount:g}, requested {s.requested:g}.")
+        retry = s.limit.period_s
+    else:
+        msg = (f"Rate limit reached for {_KIND_LABEL[kind]} on {s.scope}: limit "
+               f"{s.limit.amount:g}, used {s.used:g}, requested {s.requested:g}. Please try "
+               f"again in {_duration(retry)}.")
+    headers = {"retry-after": str(max(1, math.ceil(retry))),
+               "retry-after-ms": str(max(1, math.ceil(retry * 1000))),
+               **ratelimit_headers(d.states)}
+    return APIError(429, msg, type="requests" if kind == "requests" else "tokens",
+                    code="rate_limit_exceeded", headers=headers)
+
+
+async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
+                 prompt_tokens: int | None, failed_before_first_token: bool) -> None:
+    """Bring the reservation to actual use, once (the ``final`` step)."""
+    st = adm.settlement
+    if st is None or st.final:
+        return
+    st.final = True
+    if failed_before_first_token:
+        totals = {"requests": 0.0, "tokens": 0.0, "tokens_day": 0.0, "budget": 0.0}
+    else:
+        p = prompt_tokens if prompt_tokens is not None else adm.prompt_tokens
+        o = output_tokens or 0
+        tokens = float(p + o)
+        totals = {"tokens": tokens, "tokens_day": tokens,
+                  "budget": adm.model.price.cost(p, o)}
+    deltas = st.deltas_to(totals)
+    await store.adjust(st.reservation, deltas, "final")
+    st.record(deltas)
+
+
+async def charge_progress(store: RateStore, adm: Admission, streamed: int) -> None:
+    """Charge a long stream's tokens beyond what was reserved, as they are generated."""
+    st = adm.settlement
+    if st is None or st.final:
+        return
+    tokens = float(adm.prompt_tokens + streamed)
+    deltas = {k: d for k, d in st.deltas_to({"tokens": tokens, "tokens_day": tokens}).items()
+              if d > 0}
+    if deltas:
+        st.steps += 1
+        await store.adjust(st.reservation, deltas, f"p{st.steps}")
+        st.record(deltas)

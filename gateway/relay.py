@@ -1,0 +1,124 @@
+"""Relaying one upstream response to the client, chunk by chunk, as it arrives.
+
+Server-sent events are forwarded one event at a time (never buffered beyond the event being
+read). On the way through, the relay stamps the first content chunk (TTFT), counts content
+chunks (one token each on vLLM-style servers) for progressive charging, picks up ``usage`` from
+the final chunk (and drops that chunk unless the client asked for it), and renames the upstream
+model to the one the client asked for. A stream that breaks after its first byte ends with an
+SSE error event and ``[DONE]``, cleanly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+
+@dataclass(slots=True)
+class RelayResult:
+    """What the relay saw: enough to settle quota and feed metrics."""
+
+    status: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    chunks: int = 0  # content chunks (≈ tokens)
+    usage: dict[str, Any] | None = None
+    broken: bool = False  # the upstream stream broke after the first byte
+    bytes_sent: bool = False
+
+
+def _rename(data: bytes, upstream: bytes, served: bytes) -> bytes:
+    if upstream == served:
+        return data
+    spaced_up = upstream.replace(b'":"', b'": "', 1)
+    return data.replace(upstream, served).replace(spaced_up,
+                                                  served.replace(b'":"', b'": "', 1))
+
+
+def _usage_of(payload: bytes) -> dict[str, Any] | None:
+    if b'"usage"' not in payload:
+        return None
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    u = obj.get("usage") if isinstance(obj, dict) else None
+    return u if isinstance(u, dict) else None
+
+
+def _has_content(payload: bytes) -> bool:
+    # Cheap test on the raw bytes: a chunk with text or delta content that is not empty.
+    return (b'"content":"' in payload and b'"content":""' not in payload) or \
+        (b'"text":"' in payload and b'"text":""' not in payload)
+
+
+async def relay_stream(
+    upstream: aiohttp.ClientResponse,
+    resp: web.StreamResponse,
+    *,
+    upstream_model: str,
+    served_model: str,
+    pass_usage: bool,
+    on_tokens: Callable[[int], Awaitable[None]] | None = None,
+    every: int = 256,
+) -> RelayResult:
+    """Copy an SSE response to ``resp`` (already prepared) event by event."""
+    res = RelayResult(status=upstream.status)
+    up_tag = f'"model":"{upstream_model}"'.encode()
+    served_tag = f'"model":"{served_model}"'.encode()
+    event: list[bytes] = []
+    next_charge = every
+    try:
+        async for line in upstream.content:
+            if line not in (b"\n", b"\r\n"):
+                event.append(line)
+                continue
+            if not event:
+                continue
+            data = b"".join(event)
+            event.clear()
+            payload = data[5:].strip() if data.startswith(b"data:") else b""
+            forward = True
+            if payload and payload != b"[DONE]":
+                usage = _usage_of(payload)
+                if usage is not None:
+                    res.usage = usage
+                    if b'"choices":[]' in payload and not pass_usage:
+                        forward = False
+                if _has_content(payload):
+                    now = time.perf_counter()
+                    if res.first_token_at is None:
+                        res.first_token_at = now
+                    res.last_token_at = now
+                    res.chunks += 1
+            if forward:
+                await resp.write(_rename(data, up_tag, served_tag) + b"\n")
+                res.bytes_sent = True
+            if on_tokens is not None and res.chunks >= next_charge:
+                next_charge += every
+                await on_tokens(res.chunks)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        res.broken = True
+        err = {"error": {"message": f"upstream stream broke: {type(exc).__name__}",
+                         "type": "server_error", "param": None, "code": "upstream_error"}}
+        await resp.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+    return res
+
+
+async def relay_body(upstream: aiohttp.ClientResponse, *, upstream_model: str,
+                     served_model: str) -> tuple[bytes, RelayResult]:
+    """Read a non-streamed response; pick up its usage and rename the model."""
+    body = await upstream.read()
+    res = RelayResult(status=upstream.status)
+    res.usage = _usage_of(body)
+    now = time.perf_counter()
+    res.first_token_at = res.last_token_at = now
+    up_tag = f'"model":"{upstream_model}"'.encode()
+    served_tag = f'"model":"{served_model}"'.encode()
+    return _rename(body, up_tag, served_tag), res

@@ -1,0 +1,96 @@
+"""``tokengate serve``: one gateway process (several with ``--workers``, sharing a port).
+
+Signals: SIGHUP reloads the policy; SIGTERM/SIGINT drain — new requests get 503 with
+``retry-after`` and ``/ready`` turns false, streams in flight may finish for up to
+``drain_timeout_s``, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.app import build_app
+from gateway.config.policy import load_policy
+from gateway.limiter.memory import MemoryStore
+from gateway.limiter.redis_store import RedisStore
+from gateway.limiter.resilient import ResilientStore
+from gateway.limiter.store import RateStore
+from gateway.metrics import GatewayMetrics
+from gateway.reload import PolicyWatcher
+from gateway.state import GatewayState, Tokenizers, build_view
+
+log = logging.getLogger("tokengate.gateway")
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    policy: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str | None = None
+    reuse_port: bool = False
+    drain_timeout_s: float = 30.0
+    seed: int = 0
+
+
+def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
+    policy = load_policy(cfg.policy)
+    store: RateStore
+    if cfg.redis_url:
+        store = ResilientStore(RedisStore.from_url(cfg.redis_url),
+                               fail_open=policy.settings.redis_failure == "fail_open",
+                               replicas=policy.settings.replicas)
+    else:
+        store = MemoryStore()
+    tokenizers = Tokenizers()
+    executor = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    state = GatewayState(build_view(policy, tokenizers, executor, cfg.seed), store,
+                         GatewayMetrics(), tokenizers, executor)
+    return state, PolicyWatcher(cfg.policy, state)
+
+
+def in_flight(state: GatewayState) -> int:
+    return sum(e.in_flight for p in state.view.pools.values() for e in p.endpoints)
+
+
+async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None, handle_signals: bool = False) -> None:
+    state, watcher = make_state(cfg)
+    app = build_app(state, watcher)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if cfg.reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((cfg.host, cfg.port))
+    if cfg.port == 0:
+        cfg.port = sock.getsockname()[1]
+    await web.SockSite(runner, sock, backlog=2048).start()
+    log.info("gateway listening on http://%s:%d (policy %s, store %s)", cfg.host, cfg.port,
+             cfg.policy, type(state.store).__name__)
+    stop = stop or asyncio.Event()
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+        state.draining = True
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        while in_flight(state) and time.monotonic() < deadline:  # noqa: ASYNC110 - polls counters
+            await asyncio.sleep(0.05)
+        log.info("drained (%d still in flight); stopping", in_flight(state))
+    finally:
+        await runner.cleanup()

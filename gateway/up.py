@@ -1,0 +1,148 @@
+"""``tokengate up``: the whole demo stack in one command.
+
+Starts a reference backend (a child process) for every loopback endpoint of the policy — each
+model's ``backend:`` section says which model and hardware profile it simulates — waits until
+they have loaded, runs the gateway in front, prints the two lines a user pastes into a shell,
+and on Ctrl-C or SIGTERM drains the gateway and stops every child. An endpoint written with
+port 0 gets a free port (the policy is then served from a rewritten copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+from gateway.config.policy import Policy, load_policy
+from gateway.server import ServeConfig, serve
+
+DEMO_KEY = "tg-demo-key"
+
+
+@dataclass(slots=True)
+class UpConfig:
+    policy: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str | None = None
+    time_scale: float = 1.0
+    log_dir: str | None = None
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _loopback(host: str | None) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def resolve_ports(path: str) -> tuple[str, Policy]:
+    """Give port-0 loopback endpoints free ports; return the policy file to serve."""
+    raw = yaml.safe_load(Path(path).read_text())
+    changed = False
+    for model in (raw.get("models") or {}).values():
+        for ep in model.get("endpoints") or []:
+            u = urlsplit(ep["url"])
+            if _loopback(u.hostname) and u.port == 0:
+                ep["url"] = urlunsplit(u._replace(netloc=f"{u.hostname}:{_free_port()}"))
+                changed = True
+    if not changed:
+        return path, load_policy(path)
+    fd, tmp = tempfile.mkstemp(prefix="tokengate-policy-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    return tmp, load_policy(tmp)
+
+
+def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
+    log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    urls = []
+    for m in policy.models.values():
+        for ep in m.endpoints:
+            u = urlsplit(ep.url)
+            if not _loopback(u.hostname) or u.port is None:
+                continue
+            log = open(log_dir / f"backend-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
+            cmd = [sys.executable, "-m", "gateway.cli", "backend", "--host", u.hostname or "",
+                   "--port", str(u.port), "--model", m.backend.model, "--hardware",
+                   m.backend.hardware, "--served-model-name", m.upstream_name,
+                   "--time-scale", str(cfg.time_scale), "--role", ep.role]
+            cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
+            log.close()
+            urls.append(f"{u.scheme}://{u.netloc}")
+    return urls
+
+
+def wait_healthy(urls: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        url = pending[0]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    pending.pop(0)
+                    continue
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"backend {url} did not become healthy in {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def stop_children(cfg: UpConfig) -> None:
+    for p in cfg.children:
+        if p.poll() is None:
+            p.terminate()
+    for p in cfg.children:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def up(cfg: UpConfig) -> None:
+    path, policy = resolve_ports(cfg.policy)
+    try:
+        urls = start_backends(cfg, policy)
+        wait_healthy(urls, 120 + 30 * cfg.time_scale)
+        ready = asyncio.Event()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url)
+        task = asyncio.ensure_future(serve(serve_cfg, ready=ready, stop=stop))
+        await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        demo = hashlib.sha256(DEMO_KEY.encode()).hexdigest() in policy.key_index
+        key = DEMO_KEY if demo else "<a key of your policy>"
+        print(f"OPENAI_BASE_URL=http://{cfg.host}:{serve_cfg.port}/v1", flush=True)
+        print(f"OPENAI_API_KEY={key}", flush=True)
+        await task
+    finally:
+        stop_children(cfg)
+        if path != cfg.policy:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
