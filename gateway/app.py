@@ -65,7 +65,8 @@ def _admin(request: web.Request) -> GatewayState:
 async def admin_policy(request: web.Request) -> web.Response:
     state = _admin(request)
     p = state.view.policy
-    out: dict[str, Any] = {"source": p.source, "settings": asdict(p.settings),
+    settings = {k: v for k, v in asdict(p.settings).items() if k != "admin_key_sha256"}
+    out: dict[str, Any] = {"source": p.source, "settings": settings,
            "models": {n: {"endpoints": [e.url for e in m.endpoints], "fallback": m.fallback,
                           "tokenizer": m.tokenizer, "limits": asdict(m.limits)}
                       for n, m in p.models.items()},

@@ -62,8 +62,11 @@ def in_flight(state: GatewayState) -> int:
 
 
 async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, handle_signals: bool = False) -> None:
-    state, watcher = make_state(cfg)
+                stop: asyncio.Event | None = None, handle_signals: bool = False,
+                prepared: tuple[GatewayState, PolicyWatcher] | None = None) -> None:
+    """Serve until ``stop`` (or a signal), then drain. ``prepared`` comes from ``make_state``
+    when the caller wants to look inside (tests)."""
+    state, watcher = prepared or make_state(cfg)
     app = build_app(state, watcher)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
