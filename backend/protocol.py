@@ -130,10 +130,18 @@ def _prompt(raw: Any) -> tuple[str | None, list[int] | None]:
 
 def parse(kind: Kind, raw_body: bytes) -> GenerationRequest:
     """Parse and validate a ``/v1/chat/completions`` or ``/v1/completions`` body."""
+    return validate(kind, load_json(raw_body))
+
+
+def load_json(raw_body: bytes) -> Any:
     try:
-        body = orjson.loads(raw_body)
+        return orjson.loads(raw_body)
     except orjson.JSONDecodeError as exc:
         raise bad(f"request body is not valid JSON: {exc}") from None
+
+
+def validate(kind: Kind, body: Any) -> GenerationRequest:
+    """Validate an already decoded body."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
     model = body.get("model")

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from backend.protocol import GenerationRequest, Kind, parse
+from backend.protocol import GenerationRequest, Kind, load_json, validate
 from gateway import quota
 from gateway.config.policy import Model, Policy, Route
 from gateway.endpoints import EndpointPool, EndpointState
@@ -73,9 +73,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     view = state.view
     policy = view.policy
     tenant = authenticate(request, policy)
-    raw = await request.read()
-    g = parse(kind, raw)
-    body = orjson.loads(raw)
+    body = load_json(await request.read())
+    g = validate(kind, body)
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) > policy.settings.max_messages:
         raise bad(f"too many messages: {len(messages)} > {policy.settings.max_messages}",

@@ -164,3 +164,22 @@ def test_lua_scripts_ship_as_package_data() -> None:
 
     lua = Path(gateway.limiter.__file__).parent / "lua"
     assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua"}
+
+
+def test_redis_store_under_uvloop(redis_server: RedisServer) -> None:
+    """The CLI runs on uvloop, whose transports differ from asyncio's: exercise that path."""
+    import uvloop
+
+    async def main() -> tuple[bool, bool]:
+        st = RedisStore.from_url(redis_server.url)
+        try:
+            s = scope("tenant:uv")
+            d = await st.reserve([Charge(s, tokens(100), 60)], "uv1")
+            assert d.reservation is not None
+            await st.adjust(d.reservation, {(s, "tokens"): -60}, "final")
+            again = await st.reserve([Charge(s, tokens(100), 100)], "uv2")
+            return d.allowed, again.allowed
+        finally:
+            await st.close()
+
+    assert uvloop.run(main()) == (True, True)

@@ -5,7 +5,8 @@ tag, so all of a scope's keys sit in one Redis Cluster slot. The scripts (packag
 once, run with EVALSHA) do exactly what ``bucket.py`` does, at Redis server time so replicas
 agree on ``now``.
 
-* Single Redis: one script call reserves on every scope of a request, all or nothing.
+* Single Redis: one script call reserves on every scope of a request, all or nothing, over a
+  lean pipelined RESP client (``resp.py``).
 * Redis Cluster: scopes live in different slots, so each scope is reserved by its own call, in
   order; if one refuses, what the earlier ones reserved is refunded. No request is ever
   over-admitted; a concurrent request may be refused for a moment by a reservation that is
@@ -25,10 +26,11 @@ from importlib.resources import files
 from typing import Any
 
 from redis import exceptions as rexc
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from gateway.limiter import bucket
+from gateway.limiter.resp import FastRedis, NoScript, RespError
 from gateway.limiter.store import (
     BucketState,
     Charge,
@@ -39,7 +41,7 @@ from gateway.limiter.store import (
 )
 
 _ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
-           rexc.ClusterError, OSError)
+           rexc.ClusterError, OSError, TimeoutError, RespError)
 
 
 def _script(name: str) -> str:
@@ -55,7 +57,8 @@ def _ttl_ms(c: Charge) -> int:
 
 
 class RedisStore:
-    def __init__(self, client: Redis | RedisCluster, *, cluster: bool = False) -> None:
+    def __init__(self, client: FastRedis | Redis | RedisCluster, *, cluster: bool = False
+                 ) -> None:
         self._r = client
         self._cluster = cluster
         self._reserve_src = _script("reserve.lua")
@@ -84,9 +87,7 @@ class RedisStore:
             opts.setdefault("max_connections", 4096)
             return cls(RedisCluster.from_url("redis://" + url[len("redis+cluster://"):], **opts),
                        cluster=True)
-        # A bounded pool that waits for a free connection instead of failing under bursts.
-        pool = BlockingConnectionPool.from_url(url, max_connections=128, timeout=2.0, **opts)
-        return cls(Redis.from_pool(pool))  # the client owns the pool and closes it
+        return cls(FastRedis(url, timeout_s=float(opts["socket_timeout"])))
 
     async def _eval(self, src: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         self.stats.round_trips += 1
@@ -97,7 +98,7 @@ class RedisStore:
                 sha = self._sha[src] = await self._r.script_load(src)
             try:
                 return await self._r.evalsha(sha, len(keys), *keys, *args)
-            except rexc.NoScriptError:  # a restarted or failed-over node lost its scripts
+            except (rexc.NoScriptError, NoScript):  # a restarted node lost its scripts
                 return await self._r.eval(src, len(keys), *keys, *args)
         except _ERRORS as exc:
             raise StoreUnavailable(str(exc)) from exc

