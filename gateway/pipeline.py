@@ -58,6 +58,7 @@ class _Ctx:
     parsed: GenerationRequest
     request_id: str
     received_at: float
+    raw: bytes
 
 
 def _expected_output(g: GenerationRequest, m: Model) -> int:
@@ -73,7 +74,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     view = state.view
     policy = view.policy
     tenant = authenticate(request, policy)
-    body = load_json(await request.read())
+    raw = await request.read()
+    body = load_json(raw)
     g = validate(kind, body)
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) > policy.settings.max_messages:
@@ -84,7 +86,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise APIError(404, f"The model `{g.model}` does not exist or you do not have access "
                        "to it.", param="model", code="model_not_found")
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    ctx = _Ctx(state, view, kind, tenant, route, body, g, rid, received)
+    ctx = _Ctx(state, view, kind, tenant, route, body, g, rid, received, raw)
     model = policy.models[g.model]
     try:
         adm = await quota.admit(state.store, policy, tenant, route, model,
@@ -110,6 +112,11 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 def _upstream_body(ctx: _Ctx, m: Model) -> bytes:
+    """The body sent upstream: the client's, with the upstream model name and usage asked for
+    on streams. Forwarded byte for byte when nothing needs to change (large agent prompts)."""
+    if ctx.body.get("model") == m.upstream_name and (
+            not ctx.parsed.stream or ctx.parsed.include_usage):
+        return ctx.raw
     body = dict(ctx.body)
     body["model"] = m.upstream_name
     if ctx.parsed.stream:

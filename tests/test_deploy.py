@@ -1,0 +1,69 @@
+"""deploy/: manifests validate against the Kubernetes schemas; compose, policy and dashboard
+are consistent with what the gateway really serves."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.config.policy import parse_policy
+from gateway.metrics import GatewayMetrics
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "k8s").glob("*.yaml")), ids=lambda p: p.name)
+def test_kubernetes_manifests_validate(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_manifests_cover_the_pieces_and_roles() -> None:
+    docs = [d for p in (DEPLOY / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text())]
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {("Deployment", "tokengate-gateway"), ("Service", "tokengate-gateway"),
+            ("HorizontalPodAutoscaler", "tokengate-gateway"), ("Deployment", "tokengate-redis"),
+            ("Service", "tokengate-redis")} <= kinds
+    roles = {d["metadata"]["labels"].get("tokengate.io/role") for d in docs
+             if d["kind"] == "Deployment" and "backend" in d["metadata"]["name"]}
+    assert {"prefill", "decode", "both"} <= roles
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    policy = parse_policy(yaml.safe_load(cm["data"]["policy.yaml"]), "configmap")
+    for m in policy.models.values():
+        for e in m.endpoints:
+            host = re.match(r"https?://([^:/]+)", e.url)
+            assert host and host.group(1) in services, e.url
+
+
+def test_compose_file_and_its_policy() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = set(compose["services"])
+    assert {"redis", "gateway"} <= services
+    policy = parse_policy(yaml.safe_load((DEPLOY / "compose-policy.yaml").read_text()), "c")
+    for m in policy.models.values():
+        for e in m.endpoints:
+            host = re.match(r"https?://([^:/]+)", e.url)
+            assert host and host.group(1) in services
+    assert (DEPLOY / "Dockerfile").read_text().startswith("#")
+
+
+def test_dashboard_queries_existing_metrics() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "tokengate-gateway.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = set(re.findall(r"tokengate_[a-z_]+", " ".join(exprs)))
+    m = GatewayMetrics()
+    exported = set()
+    for fam in m.registry.collect():
+        exported.add(fam.name)
+        exported.update(s.name for s in fam.samples)
+    for name in used:
+        base = re.sub(r"_(bucket|total|count|sum)$", "", name)
+        assert name in exported or base in exported, name
