@@ -2,10 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PORT ?= 8000
+PORT ?= 8080
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit redis-server bench-backend calibration clean
+.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter calibration clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(BIN)/tokengate: pyproject.toml
 install: $(BIN)/tokengate
 
 run: install
-	$(BIN)/tokengate backend --port $(PORT) $(ARGS)
+	$(BIN)/tokengate up --port $(PORT) $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -42,6 +42,12 @@ calibration: install
 
 bench-backend: install
 	$(BIN)/python -m loadtests.bench_backend $(ARGS)
+
+bench-gateway: install
+	$(BIN)/python -m loadtests.bench_gateway $(ARGS)
+
+bench-limiter: install
+	$(BIN)/python -m loadtests.bench_limiter $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -16,13 +16,18 @@ from aiohttp import web
 
 
 def build(chunks: int) -> web.Application:
-    words = [" hello"] * chunks
-
     async def handle(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         chat = request.path.endswith("chat/completions")
         model = body.get("model", "echo")
-        usage = {"prompt_tokens": 10, "completion_tokens": chunks, "total_tokens": 10 + chunks}
+        # Token-id prompts are counted exactly; otherwise a nominal 10. With ignore_eos the
+        # answer is max_tokens words long, so usage matches what a gateway reserved.
+        prompt = body.get("prompt")
+        n_prompt = len(prompt) if isinstance(prompt, list) else 10
+        n_out = int(body.get("max_tokens") or chunks) if body.get("ignore_eos") else chunks
+        words = [" hello"] * n_out
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                 "total_tokens": n_prompt + n_out}
         rid = request.headers.get("X-Request-Id", "x")
         if not body.get("stream"):
             choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
@@ -37,7 +42,7 @@ def build(chunks: int) -> web.Application:
         obj = "chat.completion.chunk" if chat else "text_completion"
         for i, w in enumerate(words):
             choice = ({"index": 0, "delta": {"content": w}} if chat else {"index": 0, "text": w})
-            choice["finish_reason"] = "length" if i == chunks - 1 else None
+            choice["finish_reason"] = "length" if i == n_out - 1 else None
             await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj,
                                                         "model": model, "choices": [choice]})
                              + b"\n\n")

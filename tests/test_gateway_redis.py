@@ -1,0 +1,66 @@
+"""The gateway against a real Redis that dies and comes back: fail_open and fail_closed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import RunningBackend
+from gateway_stack import start_gateway, write_policy
+from redis_servers import RedisServer
+from test_gateway_e2e import sha
+
+Factory = Callable[..., RunningBackend]
+
+
+def policy(url: str, mode: str) -> dict[str, object]:
+    return {"version": 1,
+            "settings": {"redis_failure": mode, "replicas": 2},
+            "models": {"m": {"endpoints": [{"url": url}], "upstream_model": "llama-3-8b"}},
+            "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"rpm": 4}}},
+            "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+
+
+def ask(base: str) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", headers={"Authorization": "Bearer k"},
+                      json={"model": "m", "prompt": "x", "max_tokens": 1}, timeout=10)
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "fail_open"])
+def test_redis_outage(mode: str, backend_factory: Factory, tmp_path: Path) -> None:
+    b = backend_factory(served_model_name="llama-3-8b", time_scale=0.01)
+    redis = RedisServer(tmp_path / "redis")
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", policy(f"{b.url}/v1", mode)),
+                       redis_url=redis.url)
+    try:
+        assert ask(gw.url).status_code == 200  # served through Redis (1 of 4 rpm)
+        redis.stop()
+        r = ask(gw.url)
+        if mode == "fail_closed":
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "limiter_unavailable"
+        else:
+            # Local limits are this replica's share: 4 rpm / 2 replicas = 2 requests.
+            assert r.status_code == 200
+            assert ask(gw.url).status_code == 200
+            assert ask(gw.url).status_code == 429
+            metrics = httpx.get(f"{gw.url}/metrics").text
+            line = next(x for x in metrics.splitlines()
+                        if x.startswith("tokengate_limiter_local_fallbacks_total"))
+            assert float(line.split()[-1]) >= 3
+        redis.start()  # an empty Redis: its buckets start full again
+        deadline = time.monotonic() + 10
+        while True:
+            r = ask(gw.url)
+            if r.status_code == 200 and not gw.state.store.degraded:  # type: ignore[attr-defined]
+                break
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.2)
+        # Back on Redis: its 4 rpm apply again (1 used just now), no double counting.
+        assert [ask(gw.url).status_code for _ in range(4)] == [200, 200, 200, 429]
+    finally:
+        gw.close()
+        redis.stop()
