@@ -43,7 +43,8 @@ class UpConfig:
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on right now (the caller binds it soon after)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -61,7 +62,7 @@ def resolve_ports(path: str) -> tuple[str, Policy]:
         for ep in model.get("endpoints") or []:
             u = urlsplit(ep["url"])
             if _loopback(u.hostname) and u.port == 0:
-                ep["url"] = urlunsplit(u._replace(netloc=f"{u.hostname}:{_free_port()}"))
+                ep["url"] = urlunsplit(u._replace(netloc=f"{u.hostname}:{free_port()}"))
                 changed = True
     if not changed:
         return path, load_policy(path)

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.up import free_port
 from loadtests.client import RequestResult, stream_request
 from loadtests.metrics import summarize
 from loadtests.traces import TraceRequest, load_azure
@@ -83,14 +83,10 @@ async def _wait_healthy(s: aiohttp.ClientSession, url: str) -> None:
     raise RuntimeError(f"{url} never became healthy")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_backend(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", str(port), "--model",
            args.model, "--hardware", args.hardware, "--time-scale", str(args.time_scale),
            "--seed", "1", "--log-level", "warning"]

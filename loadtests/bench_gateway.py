@@ -35,15 +35,9 @@ import aiohttp
 import numpy as np
 import yaml
 
+from gateway.up import free_port
+
 KEY = "bench-key"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu(pid: int) -> float:
@@ -67,12 +61,12 @@ async def _wait(url: str) -> None:
 def start_stack(redis: bool, workdir: Path, workers: int = 1
                 ) -> tuple[list[subprocess.Popen[bytes]], str, str, int]:
     procs: list[subprocess.Popen[bytes]] = []
-    up_port, gw_port = _free_port(), _free_port()
+    up_port, gw_port = free_port(), free_port()
     procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
                                    str(up_port), "--chunks", "8"]))
     redis_url = None
     if redis:
-        rport = _free_port()
+        rport = free_port()
         procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
                                        "--appendonly", "no", "--bind", "127.0.0.1"],
                                       stdout=subprocess.DEVNULL))

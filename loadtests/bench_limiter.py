@@ -25,7 +25,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtests.bench_gateway import _free_port, _wait
+from gateway.up import free_port
+from loadtests.bench_gateway import _wait
 
 KEY = "limiter-bench"
 
@@ -44,7 +45,7 @@ def start(a: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], int, in
     """Echo upstream, Redis and the gateways; returns (processes, upstream, redis, gateways)."""
     work = Path(tempfile.mkdtemp(prefix="bench-limiter-"))
     procs: list[subprocess.Popen[bytes]] = []
-    up, rport = _free_port(), _free_port()
+    up, rport = free_port(), free_port()
     procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
                                    str(up)]))
     procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
@@ -57,7 +58,7 @@ def start(a: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], int, in
               "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
     (work / "p.yaml").write_text(yaml.safe_dump(policy))
     time.sleep(0.5)
-    ports = [_free_port() for _ in range(a.gateways)]
+    ports = [free_port() for _ in range(a.gateways)]
     for port in ports:
         procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy",
                                        str(work / "p.yaml"), "--port", str(port), "--redis",

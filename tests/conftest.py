@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
+from threaded import ServerThread, start_server_thread
 
 from backend.config import BackendConfig
 from backend.engine import EngineConfig
@@ -29,18 +29,18 @@ class RunningBackend:
 
     config: BackendConfig
     state: BackendState
-    thread: threading.Thread
-    loop: asyncio.AbstractEventLoop
-    stop: asyncio.Event
-    errors: list[BaseException] = field(default_factory=list)
+    server: ServerThread
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.config.port}"
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.server.loop
+
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(10)
+        self.server.close()
 
 
 def wait_healthy(url: str, timeout: float = 30.0) -> None:
@@ -64,36 +64,9 @@ def start_backend(tokenizer: Tokenizer, *, wait_ready: bool = True,
     kw.setdefault("load_bandwidth_bps", 1e15)
     config = BackendConfig(port=0, engine=EngineConfig(**engine_kw), **kw)  # type: ignore[arg-type]
     state = BackendState.create(config, tokenizer)
-    started = threading.Event()
-    holder: dict[str, object] = {}
-
-    def run() -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        stop = asyncio.Event()
-        ready = asyncio.Event()
-        holder["loop"], holder["stop"] = loop, stop
-
-        async def main() -> None:
-            task = asyncio.ensure_future(serve(config, ready=ready, stop=stop, state=state))
-            await ready.wait()
-            started.set()
-            await task
-
-        try:
-            loop.run_until_complete(main())
-        except BaseException as exc:  # surfaced by the fixture
-            holder["error"] = exc
-            started.set()
-        finally:
-            loop.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert started.wait(30), "backend did not start"
-    if "error" in holder:
-        raise RuntimeError("backend failed to start") from holder["error"]  # type: ignore[arg-type]
-    b = RunningBackend(config, state, t, holder["loop"], holder["stop"])  # type: ignore[arg-type]
+    server = start_server_thread(
+        lambda ready, stop: serve(config, ready=ready, stop=stop, state=state), "backend")
+    b = RunningBackend(config, state, server)
     if wait_ready:
         wait_healthy(b.url)
     return b
