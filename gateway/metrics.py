@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -39,3 +41,12 @@ class GatewayMetrics:
                                        ["endpoint", "kind"], registry=r)
         self.policy_reloads = Counter("tokengate_policy_reloads", "Policy reload attempts.",
                                       ["outcome"], registry=r)
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def series(self, name: str, *labels: str) -> Any:
+        """``self.<name>.labels(*labels)``, memoised: the hot path uses the same few series."""
+        key = (name, *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = getattr(self, name).labels(*labels)
+        return c

@@ -93,7 +93,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                                 lambda m: _count_prompt(ctx, m),
                                 lambda m: _expected_output(g, m))
     except StoreUnavailable:
-        state.metrics.limiter.labels("all", "unavailable").inc()
+        state.metrics.series("limiter", "all", "unavailable").inc()
         raise APIError(503, "rate limiting is unavailable", type="service_unavailable",
                        code="limiter_unavailable", headers={"retry-after": "1"}) from None
     if state.store.stats.fallbacks:
@@ -101,13 +101,13 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         state.store.stats.fallbacks = 0
     for refused in adm.refused:
         if refused.denied is not None:
-            state.metrics.limiter.labels(refused.denied.scope.split(":")[0], "denied").inc()
+            state.metrics.series("limiter", refused.denied.scope.split(":")[0], "denied").inc()
     if not adm.decision.allowed:
-        state.metrics.requests.labels(route.name, g.model, tenant, "429").inc()
+        state.metrics.series("requests", route.name, g.model, tenant, "429").inc()
         raise quota.rate_limit_error(adm.decision)
-    state.metrics.limiter.labels("all", "admitted").inc()
+    state.metrics.series("limiter", "all", "admitted").inc()
     if adm.failover_from:
-        state.metrics.failovers.labels("quota", adm.failover_from, adm.model.name).inc()
+        state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()
     return await _proxy(request, ctx, adm)
 
 
@@ -158,12 +158,12 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
                                        timeout=timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             pool.failed(ep)
-            state.metrics.upstream_errors.labels(ep.url, "connect").inc()
+            state.metrics.series("upstream_errors", ep.url, "connect").inc()
             log.warning("endpoint %s failed: %s", ep.url, exc)
             continue
         if up.status in _RETRY_STATUSES:
             pool.failed(ep)
-            state.metrics.upstream_errors.labels(ep.url, str(up.status)).inc()
+            state.metrics.series("upstream_errors", ep.url, str(up.status)).inc()
             last = APIError(502 if up.status >= 500 else 429,
                             f"upstream answered {up.status}", type="server_error",
                             code="upstream_error",
@@ -197,7 +197,7 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 await quota.settle(state.store, nxt, output_tokens=0, prompt_tokens=None,
                                    failed_before_first_token=True)
                 continue
-            state.metrics.failovers.labels("upstream", adm.model.name, fb.name).inc()
+            state.metrics.series("failovers", "upstream", adm.model.name, fb.name).inc()
             await quota.settle(state.store, adm, output_tokens=0, prompt_tokens=None,
                                failed_before_first_token=True)
             adm, opened, failover = nxt, attempt, "upstream"
@@ -205,14 +205,14 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     if isinstance(opened, APIError):
         await quota.settle(state.store, adm, output_tokens=0, prompt_tokens=None,
                            failed_before_first_token=True)
-        state.metrics.requests.labels(ctx.route.name, adm.model.name, ctx.tenant,
+        state.metrics.series("requests", ctx.route.name, adm.model.name, ctx.tenant,
                                       str(opened.status)).inc()
         raise opened
     up, ep = opened
     pool = ctx.view.pools[adm.model.name]
     reserved_out = adm.expected_output
     pool.acquire(ep, adm.prompt_tokens + reserved_out)
-    state.metrics.in_flight.labels(ep.url).inc()
+    state.metrics.series("in_flight", ep.url).inc()
     state.metrics.overhead.observe(time.perf_counter() - ctx.received_at)
     result = RelayResult(status=up.status)
     try:
@@ -238,7 +238,7 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     finally:
         up.release()
         pool.release(ep, adm.prompt_tokens + reserved_out)
-        state.metrics.in_flight.labels(ep.url).dec()
+        state.metrics.series("in_flight", ep.url).dec()
         if result.broken:
             pool.failed(ep)
         elif result.status == 200:
@@ -274,14 +274,14 @@ async def _finish(ctx: _Ctx, adm: quota.Admission, r: RelayResult) -> None:
     except StoreUnavailable:
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
     status = str(r.status) if not r.broken else "broken"
-    state.metrics.requests.labels(ctx.route.name, m, ctx.tenant, status).inc()
+    state.metrics.series("requests", ctx.route.name, m, ctx.tenant, status).inc()
     if ok and not no_output:
-        state.metrics.prompt_tokens.labels(m, ctx.tenant).inc(
+        state.metrics.series("prompt_tokens", m, ctx.tenant).inc(
             int(prompt) if isinstance(prompt, int) else adm.prompt_tokens)
-        state.metrics.completion_tokens.labels(m, ctx.tenant).inc(int(output))
+        state.metrics.series("completion_tokens", m, ctx.tenant).inc(int(output))
         if ctx.parsed.stream and r.first_token_at is not None:
-            state.metrics.ttft.labels(m).observe(r.first_token_at - ctx.received_at)
+            state.metrics.series("ttft", m).observe(r.first_token_at - ctx.received_at)
             if r.last_token_at is not None and r.chunks > 1:
-                state.metrics.tpot.labels(m).observe(
+                state.metrics.series("tpot", m).observe(
                     (r.last_token_at - r.first_token_at) / (r.chunks - 1))
     await asyncio.sleep(0)

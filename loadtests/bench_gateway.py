@@ -58,12 +58,18 @@ async def _wait(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def start_stack(redis: bool, workdir: Path, workers: int = 1
+def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "echo"
                 ) -> tuple[list[subprocess.Popen[bytes]], str, str, int]:
     procs: list[subprocess.Popen[bytes]] = []
     up_port, gw_port = free_port(), free_port()
-    procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
-                                   str(up_port), "--chunks", "8"]))
+    if upstream == "echo":
+        procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream",
+                                       "--port", str(up_port), "--chunks", "8"]))
+    else:  # the reference backend at a tiny time scale
+        procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "backend", "--port",
+                                       str(up_port), "--served-model-name", "m",
+                                       "--time-scale", "0.0001", "--output-len", "fixed:8",
+                                       "--log-level", "warning"]))
     redis_url = None
     if redis:
         rport = free_port()
@@ -86,6 +92,16 @@ def start_stack(redis: bool, workdir: Path, workers: int = 1
     gw = subprocess.Popen(cmd)
     procs.append(gw)
     return procs, f"http://127.0.0.1:{up_port}/v1", f"http://127.0.0.1:{gw_port}/v1", gw.pid
+
+
+async def _wait_ok(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(1200):
+            async with s.get(url) as r:
+                if r.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} never became ready")
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
@@ -179,11 +195,15 @@ def turn_salt(rng: random.Random) -> str:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-gw-"))
-    procs, direct, gateway, gw_pid = start_stack(not args.no_redis, work, args.workers)
+    procs, direct, gateway, gw_pid = start_stack(not args.no_redis, work, args.workers,
+                                                 args.upstream)
     try:
         await _wait(direct.rsplit("/v1", 1)[0] + "/v1/models")
+        if args.upstream == "backend":
+            await _wait_ok(direct.rsplit("/v1", 1)[0] + "/health")
         await _wait(gateway.rsplit("/v1", 1)[0] + "/health")
-        report: dict[str, Any] = {"redis": not args.no_redis}
+        report: dict[str, Any] = {"redis": not args.no_redis, "upstream": args.upstream,
+                                  "workers": args.workers}
         report["latency_1_client"] = await latency(direct, gateway, args.requests)
         if shutil.which("wrk"):
             d_rate = _wrk(direct, args.seconds, work)
@@ -215,6 +235,8 @@ def main() -> None:
     p.add_argument("--no-redis", action="store_true", help="in-memory limiter instead")
     p.add_argument("--workers", type=int, default=1, help="gateway processes (--workers)")
     p.add_argument("--skip-agent", action="store_true", help="skip the conversation part")
+    p.add_argument("--upstream", choices=("echo", "backend"), default="echo",
+                   help="a minimal echo server, or the reference backend at time-scale 1e-4")
     print(json.dumps(asyncio.run(main_async(p.parse_args())), indent=2))
 
 
