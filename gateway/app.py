@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -102,10 +101,6 @@ async def admin_limiter(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[GATEWAY]
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-    # No cookie jar (upstream cookies never matter here) and no decompression: less per request.
-    state.http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                       cookie_jar=aiohttp.DummyCookieJar())
     watcher = app.get(WATCHER)
     task = asyncio.ensure_future(watcher.run()) if watcher is not None else None
     yield
@@ -115,7 +110,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await task
     if state.background:
         await asyncio.wait(state.background, timeout=5)
-    await state.http.close()
+    await state.upstream.close()
     await state.store.close()
     state.executor.shutdown(wait=False, cancel_futures=True)
 

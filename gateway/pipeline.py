@@ -28,6 +28,7 @@ from gateway.errors import APIError, bad
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult, relay_body, relay_stream
 from gateway.state import GATEWAY, GatewayState, PolicyView
+from gateway.upstream import UpstreamResponse
 
 log = logging.getLogger("tokengate.gateway")
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -137,14 +138,12 @@ def _headers(ctx: _Ctx, adm: quota.Admission, ep: EndpointState,
 
 
 async def _open(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
-                ) -> tuple[aiohttp.ClientResponse, EndpointState] | APIError:
+                ) -> tuple[UpstreamResponse, EndpointState] | APIError:
     """Send to the model's endpoints in turn until one answers (or says it is the client's
     fault); returns the last error when none would."""
-    assert state.http is not None
     tried: list[EndpointState] = []
     payload = _upstream_body(ctx, m)
     s = ctx.view.policy.settings
-    timeout = aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s)
     last: APIError = APIError(502, f"no endpoint of {m.name} answered", type="server_error",
                               code="upstream_unavailable")
     while (ep := pool.pick(tried)) is not None:
@@ -154,9 +153,11 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
             headers["Authorization"] = f"Bearer {ep.api_key}"
         path = "/chat/completions" if ctx.kind == "chat" else "/completions"
         try:
-            up = await state.http.post(ep.url + path, data=payload, headers=headers,
-                                       timeout=timeout)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            up = await asyncio.wait_for(
+                state.upstream.post(ep.url + path, payload, headers,
+                                    connect_timeout_s=s.connect_timeout_s),
+                s.request_timeout_s)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             pool.failed(ep)
             state.metrics.series("upstream_errors", ep.url, "connect").inc()
             log.warning("endpoint %s failed: %s", ep.url, exc)
@@ -216,25 +217,26 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     state.metrics.overhead.observe(time.perf_counter() - ctx.received_at)
     result = RelayResult(status=up.status)
     try:
-        headers = _headers(ctx, adm, ep, failover)
-        if ctx.parsed.stream and up.status == 200:
-            resp = web.StreamResponse(status=200, headers={
-                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
+        async with asyncio.timeout(policy.settings.request_timeout_s):
+            headers = _headers(ctx, adm, ep, failover)
+            if ctx.parsed.stream and up.status == 200:
+                resp = web.StreamResponse(status=200, headers={
+                    **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
 
-            async def progress(n: int) -> None:
-                await quota.charge_progress(state.store, adm, n)
+                async def progress(n: int) -> None:
+                    await quota.charge_progress(state.store, adm, n)
 
-            result = await relay_stream(
-                up, resp, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
-                pass_usage=ctx.parsed.include_usage, on_tokens=progress,
-                every=policy.settings.progressive_charge_tokens)
-            await resp.write_eof()
-            return resp
-        body, result = await relay_body(up, upstream_model=adm.model.upstream_name,
-                                        served_model=adm.model.name)
-        return web.Response(status=up.status, body=body, headers={
-            **headers, "Content-Type": up.headers.get("Content-Type", "application/json")})
+                result = await relay_stream(
+                    up, resp, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
+                    pass_usage=ctx.parsed.include_usage, on_tokens=progress,
+                    every=policy.settings.progressive_charge_tokens)
+                await resp.write_eof()
+                return resp
+            body, result = await relay_body(up, upstream_model=adm.model.upstream_name,
+                                            served_model=adm.model.name)
+            return web.Response(status=up.status, body=body, headers={
+                **headers, "Content-Type": up.headers.get("content-type", "application/json")})
     finally:
         up.release()
         pool.release(ep, adm.prompt_tokens + reserved_out)

@@ -19,6 +19,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.upstream import UpstreamResponse
+
 
 @dataclass(slots=True)
 class RelayResult:
@@ -59,7 +61,7 @@ def _has_content(payload: bytes) -> bool:
 
 
 async def relay_stream(
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     resp: web.StreamResponse,
     *,
     upstream_model: str,
@@ -75,7 +77,7 @@ async def relay_stream(
     event: list[bytes] = []
     next_charge = every
     try:
-        async for line in upstream.content:
+        async for line in upstream.lines():
             if line not in (b"\n", b"\r\n"):
                 event.append(line)
                 continue
@@ -103,7 +105,8 @@ async def relay_stream(
             if on_tokens is not None and res.chunks >= next_charge:
                 next_charge += every
                 await on_tokens(res.chunks)
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
+            TimeoutError) as exc:
         res.broken = True
         err = {"error": {"message": f"upstream stream broke: {type(exc).__name__}",
                          "type": "server_error", "param": None, "code": "upstream_error"}}
@@ -111,7 +114,7 @@ async def relay_stream(
     return res
 
 
-async def relay_body(upstream: aiohttp.ClientResponse, *, upstream_model: str,
+async def relay_body(upstream: UpstreamResponse, *, upstream_model: str,
                      served_model: str) -> tuple[bytes, RelayResult]:
     """Read a non-streamed response; pick up its usage and rename the model."""
     body = await upstream.read()

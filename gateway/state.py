@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from backend.tokenizer import Tokenizer
@@ -18,6 +17,7 @@ from gateway.endpoints import EndpointPool
 from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
 from gateway.tokenize import TokenCounter
+from gateway.upstream import UpstreamClient
 
 
 def endpoint_key(e: Endpoint) -> str | None:
@@ -60,7 +60,7 @@ class GatewayState:
     tokenizers: Tokenizers
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
-    http: aiohttp.ClientSession | None = None
+    upstream: UpstreamClient = field(default_factory=UpstreamClient)
     draining: bool = False
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
