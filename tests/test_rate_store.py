@@ -183,3 +183,26 @@ def test_redis_store_under_uvloop(redis_server: RedisServer) -> None:
             await st.close()
 
     assert uvloop.run(main()) == (True, True)
+
+
+async def test_a_silent_redis_times_out_as_unavailable() -> None:
+    """A server that accepts but never answers: the store gives up within its timeout."""
+    from gateway.limiter.store import StoreUnavailable
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        await asyncio.sleep(5)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    st = RedisStore.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=0.2)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(StoreUnavailable):
+            await st.reserve([Charge("tenant:silent", tokens(10), 1)], "s1")
+        assert loop.time() - t0 < 1.0
+    finally:
+        await st.close()
+        server.close()
