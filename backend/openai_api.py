@@ -186,7 +186,10 @@ async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     state.engine.submit(req, stream, WordSource(state.tokenizer.output_words, rng))
     try:
         if g.stream:
-            return await _stream(request, state, g, req, stream)
+            try:
+                return await _stream(request, state, g, req, stream)
+            except ConnectionResetError:  # the client went away mid-stream: nobody to answer
+                raise asyncio.CancelledError from None
         return await _complete(state, g, req, stream)
     finally:
         if stream.finish is None:

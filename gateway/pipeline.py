@@ -227,11 +227,13 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 async def progress(n: int) -> None:
                     await quota.charge_progress(state.store, adm, n)
 
-                result = await relay_stream(
+                await relay_stream(
                     up, resp, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
                     pass_usage=ctx.parsed.include_usage, on_tokens=progress,
-                    every=policy.settings.progressive_charge_tokens)
-                await resp.write_eof()
+                    every=policy.settings.progressive_charge_tokens,
+                    every_s=policy.settings.progressive_charge_ms / 1000.0, into=result)
+                if not result.client_gone:
+                    await resp.write_eof()
                 return resp
             body, result = await relay_body(up, upstream_model=adm.model.upstream_name,
                                             served_model=adm.model.name)

@@ -2,7 +2,8 @@
 
 Server-sent events are forwarded one event at a time (never buffered beyond the event being
 read). On the way through, the relay stamps the first content chunk (TTFT), counts content
-chunks (one token each on vLLM-style servers) for progressive charging, picks up ``usage`` from
+chunks (one token each on vLLM-style servers) for progressive charging (every N tokens or T
+seconds, whichever comes first), picks up ``usage`` from
 the final chunk (and drops that chunk unless the client asked for it), and renames the upstream
 model to the one the client asked for. A stream that breaks after its first byte ends with an
 SSE error event and ``[DONE]``, cleanly.
@@ -33,6 +34,7 @@ class RelayResult:
     usage: dict[str, Any] | None = None
     broken: bool = False  # the upstream stream broke after the first byte
     bytes_sent: bool = False
+    client_gone: bool = False  # the client disconnected mid-stream
 
 
 def _rename(data: bytes, upstream: bytes, served: bytes) -> bytes:
@@ -69,13 +71,20 @@ async def relay_stream(
     pass_usage: bool,
     on_tokens: Callable[[int], Awaitable[None]] | None = None,
     every: int = 256,
+    every_s: float = 1.0,
+    into: RelayResult | None = None,
 ) -> RelayResult:
-    """Copy an SSE response to ``resp`` (already prepared) event by event."""
-    res = RelayResult(status=upstream.status)
+    """Copy an SSE response to ``resp`` (already prepared) event by event.
+
+    Progress is recorded in ``into`` as it happens, so a caller interrupted mid-stream (the
+    client went away) still knows what was streamed.
+    """
+    res = into if into is not None else RelayResult(status=upstream.status)
     up_tag = f'"model":"{upstream_model}"'.encode()
     served_tag = f'"model":"{served_model}"'.encode()
     event: list[bytes] = []
     next_charge = every
+    next_charge_at = time.perf_counter() + every_s
     try:
         async for line in upstream.lines():
             if line not in (b"\n", b"\r\n"):
@@ -102,9 +111,14 @@ async def relay_stream(
             if forward:
                 await resp.write(_rename(data, up_tag, served_tag) + b"\n")
                 res.bytes_sent = True
-            if on_tokens is not None and res.chunks >= next_charge:
-                next_charge += every
+            if on_tokens is not None and res.chunks and (
+                    res.chunks >= next_charge or (res.last_token_at or 0.0) >= next_charge_at):
+                next_charge = res.chunks + every
+                next_charge_at = time.perf_counter() + every_s
                 await on_tokens(res.chunks)
+    except ConnectionResetError:
+        # Writing to the client failed: it went away. Stop; the caller settles what was sent.
+        res.client_gone = True
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
             TimeoutError) as exc:
         res.broken = True

@@ -171,13 +171,20 @@ def test_disconnect_settles_what_was_streamed(stack: tuple[RunningGateway, Path]
             n += line.startswith("data:")
             if n == 20:
                 break
-    settled(gw)
-    time.sleep(0.3)
-    settled(gw)
-    # The 301 tokens reserved were brought down to what was streamed (~20 tokens + prompt),
-    # so a request needing 350 of the 400 TPM fits now.
+    deadline = time.monotonic() + 5
+    store = gw.state.store
+    while True:
+        settled(gw)
+        tat = store._tat[("tenant:a|model:big", "tokens")]  # type: ignore[attr-defined]
+        outstanding = (tat - time.time()) / (60 / 400)  # tokens held against a 400 TPM bucket
+        if outstanding < 250 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    # The 301 tokens reserved were brought down to what was streamed before the client left
+    # (at least the 20 it read, plus what was in flight), not refunded entirely.
+    assert 15 <= outstanding < 250, outstanding
     c = client(gw)
-    raw = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=340)
+    raw = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=100)
     assert raw.headers["x-tokengate-model"] == "big"
 
 
@@ -220,3 +227,34 @@ def test_concurrent_streams_through_the_gateway(stack: tuple[RunningGateway, Pat
     for t in threads:
         t.join(30)
     assert out == [20] * 12
+
+
+def test_long_streams_are_charged_while_they_stream(backend_factory: Factory,
+                                                    tmp_path: Path) -> None:
+    """No max_tokens: 64 tokens are reserved, the backend says 200; the overrun is charged in
+    steps of 8 tokens while streaming, not only at the end."""
+    big = backend_factory(served_model_name="llama-3-8b", time_scale=0.3,
+                          output_len="fixed:200")
+    small = backend_factory(model="llama-3.2-1b", served_model_name="llama-3.2-1b",
+                            time_scale=0.02)
+    path = write_policy(tmp_path / "p.yaml", policy_doc([f"{big.url}/v1"], [f"{small.url}/v1"]))
+    gw = start_gateway(path)
+    try:
+        store = gw.state.store
+        body = {"model": "big", "prompt": "x", "stream": True}
+        with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer key-a"}) as r:
+            n = 0
+            for line in r.iter_lines():
+                n += line.startswith("data: {")
+                if n == 120:
+                    break
+            time.sleep(0.2)
+            tat = store._tat[("tenant:a|model:big", "tokens")]  # type: ignore[attr-defined]
+            # Tokens the bucket still holds against the tenant (TAT ahead of now, 400/min):
+            outstanding = (tat - time.time()) / (60 / 400)
+            # Admission reserved 1 prompt + 64 output tokens; by 120 streamed tokens, at least
+            # 112 were charged (less what refilled since, under 7 tokens/s for ~2 s).
+            assert outstanding >= 95, outstanding
+    finally:
+        gw.close()

@@ -189,10 +189,13 @@ async def test_a_silent_redis_times_out_as_unavailable() -> None:
     """A server that accepts but never answers: the store gives up within its timeout."""
     from gateway.limiter.store import StoreUnavailable
 
+    done = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
         await reader.read(1 << 16)
-        await asyncio.sleep(5)
-        writer.close()
+        await done.wait()
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -205,4 +208,9 @@ async def test_a_silent_redis_times_out_as_unavailable() -> None:
         assert loop.time() - t0 < 1.0
     finally:
         await st.close()
+        done.set()
+        for w in writers:
+            w.close()
+            await w.wait_closed()
         server.close()
+        await server.wait_closed()

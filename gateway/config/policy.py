@@ -126,6 +126,7 @@ class Settings:
     redis_failure: Literal["fail_open", "fail_closed"] = "fail_open"
     replicas: int = 1
     progressive_charge_tokens: int = 256
+    progressive_charge_ms: int = 1000
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 4096
     request_timeout_s: float = 600.0
@@ -280,6 +281,7 @@ def _settings(d: _Decoder, raw: Any) -> Settings:
     if raw is None:
         return Settings()
     m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
+                                    "progressive_charge_ms",
                                     "max_body_bytes", "max_messages", "request_timeout_s",
                                     "connect_timeout_s", "admin_key_sha256", "admin_key_env"})
     kw: dict[str, Any] = {}
@@ -287,7 +289,8 @@ def _settings(d: _Decoder, raw: Any) -> Settings:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
             raise d.fail("settings.redis_failure", "expected fail_open or fail_closed")
         kw["redis_failure"] = m["redis_failure"]
-    for k in ("replicas", "progressive_charge_tokens", "max_body_bytes", "max_messages"):
+    for k in ("replicas", "progressive_charge_tokens", "progressive_charge_ms",
+              "max_body_bytes", "max_messages"):
         if k in m:
             kw[k] = d.integer(m[k], f"settings.{k}")
     for k in ("request_timeout_s", "connect_timeout_s"):
