@@ -288,4 +288,3 @@ async def _finish(ctx: _Ctx, adm: quota.Admission, r: RelayResult) -> None:
             if r.last_token_at is not None and r.chunks > 1:
                 state.metrics.series("tpot", m).observe(
                     (r.last_token_at - r.first_token_at) / (r.chunks - 1))
-    await asyncio.sleep(0)

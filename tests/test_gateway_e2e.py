@@ -66,6 +66,21 @@ def client(gw: RunningGateway, key: str = "key-a") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
 
 
+def read_events(r: httpx.Response, n: int) -> None:
+    """Read a streamed response until ``n`` data events arrived."""
+    seen = 0
+    for line in r.iter_lines():
+        seen += line.startswith("data: {")
+        if seen == n:
+            return
+
+
+def outstanding_tokens(gw: RunningGateway) -> float:
+    """Tokens tenant a's 400-TPM bucket on big still holds (its TAT ahead of now)."""
+    tat = gw.state.store._tat[("tenant:a|model:big", "tokens")]  # type: ignore[attr-defined]
+    return float((tat - time.time()) / (60 / 400))
+
+
 def settled(gw: RunningGateway) -> None:
     deadline = time.monotonic() + 5
     while gw.state.background and time.monotonic() < deadline:
@@ -166,17 +181,11 @@ def test_disconnect_settles_what_was_streamed(stack: tuple[RunningGateway, Path]
             "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=30,
                       headers={"Authorization": "Bearer key-a"}) as r:
-        n = 0
-        for line in r.iter_lines():
-            n += line.startswith("data:")
-            if n == 20:
-                break
+        read_events(r, 20)
     deadline = time.monotonic() + 5
-    store = gw.state.store
     while True:
         settled(gw)
-        tat = store._tat[("tenant:a|model:big", "tokens")]  # type: ignore[attr-defined]
-        outstanding = (tat - time.time()) / (60 / 400)  # tokens held against a 400 TPM bucket
+        outstanding = outstanding_tokens(gw)
         if outstanding < 250 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -240,19 +249,12 @@ def test_long_streams_are_charged_while_they_stream(backend_factory: Factory,
     path = write_policy(tmp_path / "p.yaml", policy_doc([f"{big.url}/v1"], [f"{small.url}/v1"]))
     gw = start_gateway(path)
     try:
-        store = gw.state.store
         body = {"model": "big", "prompt": "x", "stream": True}
         with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer key-a"}) as r:
-            n = 0
-            for line in r.iter_lines():
-                n += line.startswith("data: {")
-                if n == 120:
-                    break
+            read_events(r, 120)
             time.sleep(0.2)
-            tat = store._tat[("tenant:a|model:big", "tokens")]  # type: ignore[attr-defined]
-            # Tokens the bucket still holds against the tenant (TAT ahead of now, 400/min):
-            outstanding = (tat - time.time()) / (60 / 400)
+            outstanding = outstanding_tokens(gw)
             # Admission reserved 1 prompt + 64 output tokens; by 120 streamed tokens, at least
             # 112 were charged (less what refilled since, under 7 tokens/s for ~2 s).
             assert outstanding >= 95, outstanding
