@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 from gateway.config.policy import Limits, Model, Policy, Route
 from gateway.errors import APIError
-from gateway.limiter.store import BucketState, Charge, Decision, RateStore, Settlement
+from gateway.limiter.store import (
+    BucketState,
+    Charge,
+    Decision,
+    RateStore,
+    Reservation,
+    Settlement,
+)
 
 
 def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_tokens: int,
@@ -67,7 +74,9 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
         prompt = await count_prompt(candidate)
         out = expected_output(candidate)
         cs = charges(policy, tenant, route, candidate, prompt, out)
-        d = await store.reserve(cs, uuid.uuid4().hex)
+        rid = uuid.uuid4().hex
+        # No limits on any scope: nothing to reserve, no store round trip.
+        d = await store.reserve(cs, rid) if cs else Decision(True, Reservation(rid, ()))
         adm = Admission(candidate, prompt, out, d,
                         model.name if candidate is not model else None, refused=refused)
         if d.allowed:
@@ -150,8 +159,9 @@ async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
         totals = {"tokens": tokens, "tokens_day": tokens,
                   "budget": adm.model.price.cost(p, o)}
     deltas = st.deltas_to(totals)
-    await store.adjust(st.reservation, deltas, "final")
-    st.record(deltas)
+    if deltas:
+        await store.adjust(st.reservation, deltas, "final")
+        st.record(deltas)
 
 
 async def charge_progress(store: RateStore, adm: Admission, streamed: int) -> None:
