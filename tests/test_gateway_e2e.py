@@ -175,8 +175,21 @@ def test_upstream_failure_fails_over_before_the_first_byte(backend_factory: Fact
         gw.close()
 
 
-def test_disconnect_settles_what_was_streamed(stack: tuple[RunningGateway, Path]) -> None:
-    gw, _ = stack
+def test_disconnect_settles_what_was_streamed(backend_factory: Factory,
+                                              tmp_path: Path) -> None:
+    # A backend slow enough (300 tokens in ~1.2 s) that the client leaves mid-generation.
+    big = backend_factory(served_model_name="llama-3-8b", time_scale=0.5)
+    small = backend_factory(model="llama-3.2-1b", served_model_name="llama-3.2-1b",
+                            time_scale=0.02)
+    gw = start_gateway(write_policy(tmp_path / "p.yaml",
+                                    policy_doc([f"{big.url}/v1"], [f"{small.url}/v1"])))
+    try:
+        _disconnect_and_check(gw)
+    finally:
+        gw.close()
+
+
+def _disconnect_and_check(gw: RunningGateway) -> None:
     body = {"model": "big", "prompt": "x", "max_tokens": 300, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=30,
