@@ -72,7 +72,27 @@ def resolve_ports(path: str) -> tuple[str, Policy]:
     return tmp, load_policy(tmp)
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
+    busy = set()
+    for m in policy.models.values():
+        for ep in m.endpoints:
+            u = urlsplit(ep.url)
+            if _loopback(u.hostname) and u.port and not _port_free(u.hostname or "", u.port):
+                busy.add(u.netloc)
+    if busy:
+        raise RuntimeError(f"backend port(s) already in use: {', '.join(sorted(busy))}; stop what "
+                           "listens there, or write port 0 in the policy to get free ones")
+    if not _port_free(cfg.host, cfg.port):
+        raise RuntimeError(f"gateway port {cfg.host}:{cfg.port} is already in use; pass --port")
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     urls = []

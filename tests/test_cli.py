@@ -96,3 +96,57 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
             proc.kill()
             proc.wait()
         b.close()
+
+
+def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> None:
+    import hashlib
+    from pathlib import Path
+
+    import yaml
+    from redis_servers import free_port
+
+    policy = Path(str(tmp_path)) / "p.yaml"
+    policy.write_text(yaml.safe_dump({
+        "version": 1,
+        "models": {
+            "big": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}], "fallback": ["small"],
+                    "backend": {"model": "llama-3-8b", "hardware": "h200"}},
+            "small": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}],
+                      "backend": {"model": "llama-3.2-1b"}}},
+        "tenants": {"demo": {"keys": [{"sha256": hashlib.sha256(b"tg-demo-key").hexdigest()}],
+                             "model_limits": {"big": {"tpm": 100}}}},
+        "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--policy", str(policy),
+                             "--port", str(port), "--time-scale", "0.01"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().strip() for _ in range(2)]
+        assert lines == [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1",
+                         "OPENAI_API_KEY=tg-demo-key"]
+        children = subprocess.run(["pgrep", "-f", "gateway.cli backend"], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) >= 2
+        import openai
+
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="tg-demo-key",
+                          max_retries=0)
+        first = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=60,
+                                                       extra_body={"ignore_eos": True})
+        assert first.headers["x-tokengate-model"] == "big"
+        second = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=60,
+                                                        extra_body={"ignore_eos": True})
+        assert second.headers["x-tokengate-failover"] == "quota"
+        assert second.parse().model == "small"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        time.sleep(0.5)
+        for pid in children:
+            assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
