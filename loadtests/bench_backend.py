@@ -26,8 +26,9 @@ from typing import Any
 import aiohttp
 
 from gateway.up import free_port
-from loadtests.client import RequestResult, stream_request
+from loadtests.client import RequestResult, stream_request, wait_for
 from loadtests.metrics import summarize
+from loadtests.runner import LoopLag
 from loadtests.traces import TraceRequest, load_azure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,48 +40,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class LoopLag:
-    """Measures how late this process's event loop runs a 10 ms timer (client skew)."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            t = loop.time()
-            await asyncio.sleep(0.01)
-            self.samples.append(loop.time() - t - 0.01)
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    def stop(self) -> dict[str, float]:
-        if self._task:
-            self._task.cancel()
-        s = sorted(self.samples) or [0.0]
-        return {"p50_ms": s[len(s) // 2] * 1e3, "p99_ms": s[int(len(s) * 0.99)] * 1e3,
-                "max_ms": s[-1] * 1e3}
-
-
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-async def _wait_healthy(s: aiohttp.ClientSession, url: str) -> None:
-    for _ in range(1200):
-        try:
-            async with s.get(f"{url}/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} never became healthy")
 
 
 
@@ -130,11 +94,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             proc, url = start_backend(args)
             procs.append(proc)
             urls.append(url)
-        async with aiohttp.ClientSession() as s:
-            for url in urls:
-                await _wait_healthy(s, url)
-            async with s.get(f"{urls[0]}/v1/models") as r:
-                max_len = (await r.json())["data"][0]["max_model_len"]
+        for url in urls:
+            await wait_for(f"{url}/health")
+        async with aiohttp.ClientSession() as s, s.get(f"{urls[0]}/v1/models") as r:
+            max_len = (await r.json())["data"][0]["max_model_len"]
         cpu0 = [_cpu_seconds(p.pid) for p in procs]
         lag = LoopLag()
         lag.start()

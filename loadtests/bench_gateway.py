@@ -36,6 +36,7 @@ import numpy as np
 import yaml
 
 from gateway.up import free_port
+from loadtests.client import wait_for
 
 KEY = "bench-key"
 
@@ -43,19 +44,6 @@ KEY = "bench-key"
 def _cpu(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _wait(url: str) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(600):
-            try:
-                async with s.get(url) as r:
-                    if r.status < 500:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "echo"
@@ -92,16 +80,6 @@ def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "e
     gw = subprocess.Popen(cmd)
     procs.append(gw)
     return procs, f"http://127.0.0.1:{up_port}/v1", f"http://127.0.0.1:{gw_port}/v1", gw.pid
-
-
-async def _wait_ok(url: str) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(1200):
-            async with s.get(url) as r:
-                if r.status == 200:
-                    return
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} never became ready")
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
@@ -198,10 +176,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     procs, direct, gateway, gw_pid = start_stack(not args.no_redis, work, args.workers,
                                                  args.upstream)
     try:
-        await _wait(direct.rsplit("/v1", 1)[0] + "/v1/models")
+        up_base = direct.rsplit("/v1", 1)[0]
         if args.upstream == "backend":
-            await _wait_ok(direct.rsplit("/v1", 1)[0] + "/health")
-        await _wait(gateway.rsplit("/v1", 1)[0] + "/health")
+            await wait_for(f"{up_base}/health")
+        else:  # the echo server has only POST routes: any answer below 500 means it is up
+            await wait_for(f"{up_base}/v1/models", ok_below=500)
+        await wait_for(gateway.rsplit("/v1", 1)[0] + "/health")
         report: dict[str, Any] = {"redis": not args.no_redis, "upstream": args.upstream,
                                   "workers": args.workers}
         report["latency_1_client"] = await latency(direct, gateway, args.requests)

@@ -26,7 +26,7 @@ import aiohttp
 import yaml
 
 from gateway.up import free_port
-from loadtests.bench_gateway import _wait
+from loadtests.client import wait_for
 
 KEY = "limiter-bench"
 
@@ -70,8 +70,8 @@ def start(a: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], int, in
 async def run_load(a: argparse.Namespace, up: int, rport: int, ports: list[int]
                    ) -> dict[str, Any]:
     for port in ports:
-        await _wait(f"http://127.0.0.1:{port}/health")
-    await _wait(f"http://127.0.0.1:{up}/v1/models")
+        await wait_for(f"http://127.0.0.1:{port}/health")
+    await wait_for(f"http://127.0.0.1:{up}/v1/models", ok_below=500)
     cost = a.prompt + a.output
     rate = a.overload * a.tpm / 60.0 / cost  # requests/s offered
     body = json.dumps({"model": "m", "prompt": list(range(a.prompt)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,21 @@ class RequestResult:
     def itls(self) -> list[float]:
         t = self.chunk_times
         return [b - a for a, b in itertools.pairwise(t)]
+
+
+async def wait_for(url: str, *, ok_below: int = 300, timeout_s: float = 60.0) -> None:
+    """Poll ``url`` until it answers with a status below ``ok_below`` (any 2xx by default)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url) as r:
+                    if r.status < ok_below:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up in {timeout_s:.0f}s")
 
 
 def _error_code(body: bytes) -> str:

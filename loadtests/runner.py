@@ -85,9 +85,21 @@ class Progress:
         return recent[len(recent) // 2] * 1e3
 
 
-class _LoopLag:
+class LoopLag:
+    """How late this process's event loop runs a 10 ms timer: the skew client CPU could put
+    on the timestamps it takes."""
+
     def __init__(self) -> None:
         self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self.run())
+
+    def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+        return self.summary()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -120,7 +132,7 @@ async def run(target: Target, work: Sequence[Planned | Session], settings: RunSe
     by re-tokenizing the streamed text with ``count_tokens``.
     """
     progress = progress or Progress()
-    lag = _LoopLag()
+    lag = LoopLag()
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     results: list[RequestResult] = []
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -140,7 +152,7 @@ async def run(target: Target, work: Sequence[Planned | Session], settings: RunSe
                 on_tick(progress)
             return r
 
-        lag_task = asyncio.ensure_future(lag.run())
+        lag.start()
         start = time.perf_counter()
         deadline = start + settings.duration_s if settings.duration_s else None
         tasks: list[asyncio.Task[Any]] = []
@@ -161,7 +173,7 @@ async def run(target: Target, work: Sequence[Planned | Session], settings: RunSe
                 if pending:
                     await asyncio.wait(pending)
         finally:
-            lag_task.cancel()
+            lag.stop()
         duration = time.perf_counter() - start
     cancelled = progress.sent - len(results)
     for _ in range(cancelled):

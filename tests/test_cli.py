@@ -129,16 +129,10 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
                                   text=True).stdout.split()
         assert len(children) >= 2
         import openai
+        from test_gateway_e2e import assert_quota_failover
 
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="tg-demo-key",
-                          max_retries=0)
-        first = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=60,
-                                                       extra_body={"ignore_eos": True})
-        assert first.headers["x-tokengate-model"] == "big"
-        second = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=60,
-                                                        extra_body={"ignore_eos": True})
-        assert second.headers["x-tokengate-failover"] == "quota"
-        assert second.parse().model == "small"
+        assert_quota_failover(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                                            api_key="tg-demo-key", max_retries=0), 60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         time.sleep(0.5)

@@ -125,16 +125,21 @@ def test_rate_limit_error_carries_retry_after(stack: tuple[RunningGateway, Path]
     assert resp.headers["x-ratelimit-remaining-requests"] == "0"
 
 
-def test_quota_breach_is_served_by_the_fallback(stack: tuple[RunningGateway, Path]) -> None:
-    gw, _ = stack
-    c = client(gw)
-    first = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=300,
+def assert_quota_failover(c: openai.OpenAI, max_tokens: int) -> None:
+    """Two long requests to `big`: the first fits its quota, the second is served by `small`."""
+    first = c.completions.with_raw_response.create(model="big", prompt="x",
+                                                   max_tokens=max_tokens,
                                                    extra_body={"ignore_eos": True})
     assert first.headers["x-tokengate-model"] == "big"
-    raw = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=300,
+    raw = c.completions.with_raw_response.create(model="big", prompt="x", max_tokens=max_tokens,
                                                  extra_body={"ignore_eos": True})
     assert raw.headers["x-tokengate-failover"] == "quota"
     assert raw.headers["x-tokengate-model"] == "small" and raw.parse().model == "small"
+
+
+def test_quota_breach_is_served_by_the_fallback(stack: tuple[RunningGateway, Path]) -> None:
+    gw, _ = stack
+    assert_quota_failover(client(gw), 300)
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert ('tokengate_failovers_total{from_model="big",reason="quota",to_model="small"} 1.0'
             in metrics)
