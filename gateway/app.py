@@ -17,8 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import pipeline
 from gateway.errors import APIError, errors
 from gateway.limiter.resilient import ResilientStore
+from gateway.limiter.resp import FastRedis
 from gateway.reload import PolicyWatcher
 from gateway.state import GATEWAY, GatewayState
+from predictor.online import summary
+from predictor.sync import ModelSync
 
 WATCHER: web.AppKey[PolicyWatcher] = web.AppKey("tokengate_policy_watcher", PolicyWatcher)
 
@@ -80,11 +83,29 @@ async def admin_policy(request: web.Request) -> web.Response:
 
 async def admin_endpoints(request: web.Request) -> web.Response:
     state = _admin(request)
-    out = {name: [{"url": e.url, "in_flight": e.in_flight,
-                   "tokens_outstanding": e.tokens_outstanding, "served": e.served,
-                   "failed": e.failed, "healthy": e.down_until == 0.0}
-                  for e in pool.endpoints]
-           for name, pool in state.view.pools.items()}
+    view = state.view
+    out = {name: {"strategy": view.routers[name].strategy,
+                  "index": view.policy.models[name].routing.index,
+                  "endpoints": [
+                      {"url": e.url, "role": e.role, "hardware": e.hardware,
+                       "in_flight": e.in_flight, "prefill_tokens": e.prefill_tokens,
+                       "decoding": e.decoding, "tokens_outstanding": e.tokens_outstanding,
+                       "routed": e.routed, "served": e.served, "failed": e.failed,
+                       "healthy": e.down_until == 0.0, "waiting": e.waiting,
+                       "running": e.running, "kv_usage": e.kv_usage,
+                       "block_size": e.block_size, "num_gpu_blocks": e.num_gpu_blocks,
+                       "index_blocks": (state.fleet.precise if view.routers[name].precise
+                                        else state.fleet.approx).size(e.url)}
+                      for e in pool.endpoints]}
+           for name, pool in view.pools.items()}
+    return web.json_response(out, dumps=_dumps)
+
+
+async def admin_predictor(request: web.Request) -> web.Response:
+    state = _admin(request)
+    out = summary(state.predictor)
+    sync = state.sync
+    out["shared"] = None if sync is None else {"leader": sync.leader, "id": sync.id}
     return web.json_response(out, dumps=_dumps)
 
 
@@ -102,12 +123,27 @@ async def admin_limiter(request: web.Request) -> web.Response:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[GATEWAY]
     watcher = app.get(WATCHER)
-    task = asyncio.ensure_future(watcher.run()) if watcher is not None else None
+    tasks = [asyncio.ensure_future(watcher.run())] if watcher is not None else []
+    tasks.append(asyncio.ensure_future(state.fleet.scrape_loop()))
+    sync = None
+    if state.redis_url:
+        sync = state.sync = ModelSync(FastRedis(state.redis_url), state.predictor)
+        tasks.append(asyncio.ensure_future(sync.run()))
+    tasks.append(asyncio.ensure_future(state.predictor.run(
+        publish=sync.publish if sync else None,
+        may_train=(lambda: sync.leader) if sync else (lambda: True))))
     yield
-    if task is not None:
+    for task in tasks:
         task.cancel()
+    for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    if sync is not None:
+        with contextlib.suppress(Exception):
+            await sync.resign()
+        await sync.redis.aclose()  # type: ignore[attr-defined]
+    await state.fleet.close()
+    state.predictor.close()
     if state.background:
         await asyncio.wait(state.background, timeout=5)
     await state.upstream.close()
@@ -132,4 +168,5 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_get("/admin/policy", admin_policy)
     r.add_get("/admin/endpoints", admin_endpoints)
     r.add_get("/admin/limiter", admin_limiter)
+    r.add_get("/admin/predictor", admin_predictor)
     return app

@@ -1,69 +1,105 @@
-"""A model's endpoint pool: live in-flight counters, a least-outstanding-tokens pick, and
-circuit breaking. The routing issue replaces ``pick`` with its scheduler behind the same call.
+"""Endpoints and pools: live counters, scraped engine state, circuit breaking.
+
+An ``EndpointState`` is one upstream base URL, shared by every pool and policy version that
+names it (``Fleet`` in ``gateway.routing.fleet`` owns them), so its live counters survive
+policy reloads. It carries two kinds of state:
+
+* the gateway's own live counters, exact at every decision: requests in flight, uncached
+  prompt tokens sent and not yet answered (``prefill_tokens``), sequences past their first
+  token (``decoding``), tokens reserved (prompt + expected output) outstanding;
+* the engine's own view, scraped from its vLLM metrics every ~200 ms: queue, batch, KV usage,
+  block size and KV capacity.
 
 Health: an endpoint that failed ``trip_after`` times in a row (connect errors, 5xx before the
-first byte, broken streams) is skipped for ``cooldown_s``; one success resets it. When every
-endpoint is cooling down the pool still offers them (failing open beats refusing all traffic).
+first byte, broken streams, failed scrapes) is skipped for ``cooldown_s``; one success resets
+it. When every endpoint is cooling down the pool still offers them (failing open beats refusing
+all traffic).
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.config.policy import Endpoint, Model
+from gateway.config.policy import Model
 
 
 @dataclass(slots=True, eq=False)
 class EndpointState:
     url: str
-    api_key: str | None
+    api_key: str | None = None
+    role: str = "both"
+    hardware: str | None = None
+    # live counters
     in_flight: int = 0
     tokens_outstanding: int = 0
+    prefill_tokens: int = 0
+    decoding: int = 0
+    # scraped
+    kv_usage: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    scraped_at: float = 0.0
+    # health
     consecutive_failures: int = 0
     down_until: float = 0.0
     served: int = 0
     failed: int = 0
+    routed: int = 0
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
 
 
 class EndpointPool:
-    def __init__(self, model: Model, resolve_key: Callable[[Endpoint], str | None], *,
-                 seed: int = 0, trip_after: int = 3, cooldown_s: float = 5.0,
+    """One model's endpoints and their health bookkeeping."""
+
+    def __init__(self, model: Model, endpoints: Sequence[EndpointState], *,
+                 trip_after: int = 3, cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
-        self.endpoints = [EndpointState(e.url, resolve_key(e)) for e in model.endpoints]
-        self._rng = random.Random(seed)
+        self.endpoints = list(endpoints)
         self.trip_after = trip_after
         self.cooldown_s = cooldown_s
         self._clock = clock
 
-    def candidates(self, exclude: Sequence[EndpointState] = ()) -> list[EndpointState]:
+    @property
+    def disaggregated(self) -> bool:
+        return any(e.role != "both" for e in self.endpoints)
+
+    def candidates(self, exclude: Sequence[EndpointState] = (),
+                   roles: tuple[str, ...] = ("both", "prefill", "decode")
+                   ) -> list[EndpointState]:
         now = self._clock()
-        left = [e for e in self.endpoints if e not in exclude]
+        left = [e for e in self.endpoints if e not in exclude and e.role in roles]
         healthy = [e for e in left if e.healthy(now)]
         return healthy or left
 
-    def pick(self, exclude: Sequence[EndpointState] = ()) -> EndpointState | None:
-        """Least outstanding tokens, then fewest in flight; ties broken at random (seeded)."""
-        cands = self.candidates(exclude)
-        if not cands:
-            return None
-        best = min((e.tokens_outstanding, e.in_flight) for e in cands)
-        tied = [e for e in cands if (e.tokens_outstanding, e.in_flight) == best]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
-
-    def acquire(self, e: EndpointState, tokens: int) -> None:
+    @staticmethod
+    def acquire(e: EndpointState, tokens: int, prefill_tokens: int) -> None:
         e.in_flight += 1
+        e.routed += 1
         e.tokens_outstanding += tokens
+        e.prefill_tokens += prefill_tokens
 
-    def release(self, e: EndpointState, tokens: int) -> None:
+    @staticmethod
+    def first_token(e: EndpointState, prefill_tokens: int) -> None:
+        e.prefill_tokens -= prefill_tokens
+        e.decoding += 1
+
+    @staticmethod
+    def release(e: EndpointState, tokens: int, prefill_tokens: int, decoding: bool) -> None:
         e.in_flight -= 1
         e.tokens_outstanding -= tokens
+        if decoding:
+            e.decoding -= 1
+        else:
+            e.prefill_tokens -= prefill_tokens
 
     def succeeded(self, e: EndpointState) -> None:
         e.consecutive_failures = 0

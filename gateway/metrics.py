@@ -41,6 +41,25 @@ class GatewayMetrics:
                                        ["endpoint", "kind"], registry=r)
         self.policy_reloads = Counter("tokengate_policy_reloads", "Policy reload attempts.",
                                       ["outcome"], registry=r)
+        self.predictor_mape = Gauge("tokengate_predictor_mape",
+                                    "Rolling mean absolute percentage error of the latency "
+                                    "predictions requests were routed on, as a fraction.",
+                                    ["target"], registry=r)
+        self.predictor_trainings = Counter("tokengate_predictor_trainings",
+                                           "Predictor models trained by this replica.",
+                                           registry=r)
+        self.routing_decisions = Counter("tokengate_routing_decisions",
+                                         "Routing decisions by strategy and endpoint.",
+                                         ["model", "strategy", "endpoint", "stage"], registry=r)
+        self.routing_seconds = Histogram("tokengate_routing_decision_seconds",
+                                         "Time to decide where a request goes (hashing, "
+                                         "prediction, plugins).", buckets=_OVERHEAD, registry=r)
+        self.slo_actions = Counter("tokengate_slo_actions",
+                                   "Requests predicted to miss their SLO, by what was done.",
+                                   ["model", "priority", "action"], registry=r)
+        self.prefix_cached_tokens = Counter("tokengate_prefix_expected_cached_tokens",
+                                            "Prompt tokens the chosen endpoint was expected "
+                                            "to have cached.", ["model"], registry=r)
         self._children: dict[tuple[object, ...], Any] = {}
 
     def series(self, name: str, *labels: str) -> Any:

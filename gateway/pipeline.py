@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from gateway.endpoints import EndpointPool, EndpointState
 from gateway.errors import APIError, bad
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult, relay_body, relay_stream
+from gateway.routing.plugins import RequestInfo
+from gateway.routing.router import Decision, Router
 from gateway.state import GATEWAY, GatewayState, PolicyView
 from gateway.upstream import UpstreamResponse
 
@@ -60,6 +63,8 @@ class _Ctx:
     request_id: str
     received_at: float
     raw: bytes
+    slo: tuple[float | None, float | None] = (None, None)
+    priority: str = "standard"
 
 
 def _expected_output(g: GenerationRequest, m: Model) -> int:
@@ -88,6 +93,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                        "to it.", param="model", code="model_not_found")
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     ctx = _Ctx(state, view, kind, tenant, route, body, g, rid, received, raw)
+    ctx.slo = (_slo_header(request, "x-slo-ttft-ms", route.slo_ttft_ms),
+               _slo_header(request, "x-slo-tpot-ms", route.slo_tpot_ms))
+    ctx.priority = _priority(request, ctx)
     model = policy.models[g.model]
     try:
         adm = await quota.admit(state.store, policy, tenant, route, model,
@@ -112,10 +120,17 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     return await _proxy(request, ctx, adm)
 
 
-def _upstream_body(ctx: _Ctx, m: Model) -> bytes:
-    """The body sent upstream: the client's, with the upstream model name and usage asked for
-    on streams. Forwarded byte for byte when nothing needs to change (large agent prompts)."""
-    if ctx.body.get("model") == m.upstream_name and (
+_FLEX_OVERLOAD_MS = 2000.0  # flex requests wait, then are shed, above this predicted TTFT
+_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                   "remote_port": None}
+
+
+def _upstream_body(ctx: _Ctx, m: Model, kv: dict[str, Any] | None = None) -> bytes:
+    """The body sent upstream: the client's, with the upstream model name, usage asked for
+    on streams, and the prefill's ``kv_transfer_params`` when the prompt was prefilled
+    elsewhere. Forwarded byte for byte when nothing needs to change (large agent prompts)."""
+    if kv is None and ctx.body.get("model") == m.upstream_name and (
             not ctx.parsed.stream or ctx.parsed.include_usage):
         return ctx.raw
     body = dict(ctx.body)
@@ -124,45 +139,207 @@ def _upstream_body(ctx: _Ctx, m: Model) -> bytes:
         opts = dict(body.get("stream_options") or {})
         opts["include_usage"] = True
         body["stream_options"] = opts
+    if kv is not None:
+        body["kv_transfer_params"] = kv
     return orjson.dumps(body)
 
 
-def _headers(ctx: _Ctx, adm: quota.Admission, ep: EndpointState,
-             failover: str | None) -> dict[str, str]:
-    h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": ep.url,
+def _prefill_body(ctx: _Ctx, m: Model) -> bytes:
+    """vLLM's disaggregated-prefill request: one token, not streamed, KV kept for decode."""
+    body = dict(ctx.body)
+    body["model"] = m.upstream_name
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("stream_options", None)
+    body.pop("min_tokens", None)
+    body["kv_transfer_params"] = dict(_PREFILL_PARAMS)
+    return orjson.dumps(body)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """An upstream response being relayed, and what routing decided and promised for it."""
+
+    up: UpstreamResponse
+    decision: Decision
+    pool: EndpointPool
+    reserved: int  # tokens counted in the endpoint's outstanding total
+    prefill_tokens: int  # uncached tokens counted as waiting for prefill there
+    sent_at: float
+    prefill_used: bool = False
+
+
+def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
+             ) -> dict[str, str]:
+    d = sent.decision
+    h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,
          "x-tokengate-model": adm.model.name}
+    if d.prefill is not None and sent.prefill_used:
+        h["x-tokengate-prefill-endpoint"] = d.prefill.ep.url
+    if math.isfinite(d.predicted_ttft_ms):
+        h["x-tokengate-predicted-ttft-ms"] = f"{d.predicted_ttft_ms:.1f}"
+    if math.isfinite(d.predicted_tpot_ms):
+        h["x-tokengate-predicted-tpot-ms"] = f"{d.predicted_tpot_ms:.2f}"
     if failover:
         h["x-tokengate-failover"] = failover
     h.update(quota.ratelimit_headers(adm.decision.states))
     return h
 
 
-async def _open(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
-                ) -> tuple[UpstreamResponse, EndpointState] | APIError:
-    """Send to the model's endpoints in turn until one answers (or says it is the client's
-    fault); returns the last error when none would."""
-    tried: list[EndpointState] = []
-    payload = _upstream_body(ctx, m)
+def _slo_header(request: web.Request, name: str, default: float | None) -> float | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not math.isfinite(v) or v <= 0:
+        raise bad(f"header {name} must be a positive number of milliseconds, got {raw!r}",
+                  name)
+    return v
+
+
+def _priority(request: web.Request, ctx: _Ctx) -> str:
+    raw = request.headers.get("x-priority")
+    if raw is None:
+        return ctx.view.policy.tenants[ctx.tenant].priority
+    if raw not in ("critical", "standard", "flex"):
+        raise bad(f"header x-priority must be critical, standard or flex, got {raw!r}",
+                  "x-priority")
+    return raw
+
+
+def _misses_slo(d: Decision, info: RequestInfo) -> bool:
+    ttft_slo = info.slo_ttft_ms
+    if info.priority == "flex" and ttft_slo is None:
+        ttft_slo = _FLEX_OVERLOAD_MS
+    return bool((ttft_slo is not None and d.predicted_ttft_ms > ttft_slo)
+                or (info.slo_tpot_ms is not None and d.predicted_tpot_ms > info.slo_tpot_ms))
+
+
+async def _decide(state: GatewayState, ctx: _Ctx, m: Model, router: Router,
+                  info: RequestInfo) -> Decision | APIError:
+    """Where the request goes, holding it to its SLO as the route and priority say."""
+    decision = router.decide(info)
+    if decision is None:
+        return APIError(502, f"no endpoint of {m.name} is available", type="server_error",
+                        code="upstream_unavailable")
+    if info.priority == "critical" or not _misses_slo(decision, info):
+        return decision
+    action = "flex" if info.priority == "flex" else ctx.route.on_slo_miss
+    if action in ("queue", "flex"):
+        deadline = time.perf_counter() + ctx.route.queue_ms / 1000.0
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(0.02)
+            decision = router.decide(info) or decision
+            if not _misses_slo(decision, info):
+                state.metrics.series("slo_actions", m.name, info.priority, "queued").inc()
+                return decision
+        if action == "flex":
+            state.metrics.series("slo_actions", m.name, info.priority, "shed").inc()
+            return APIError(503, "the model is overloaded; flex-priority requests are shed "
+                            "first, retry later", type="service_unavailable", code="overloaded",
+                            headers={"retry-after": "2"})
+    elif action == "fallback" and ctx.route.failover and m.fallback:
+        state.metrics.series("slo_actions", m.name, info.priority, "fallback").inc()
+        return APIError(503, f"no endpoint of {m.name} is predicted to meet the SLO",
+                        type="service_unavailable", code="slo_unattainable")
+    state.metrics.series("slo_actions", m.name, info.priority, "best_effort").inc()
+    return decision
+
+
+async def _remote_prefill(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
+                          d: Decision) -> dict[str, Any] | None:
+    """Prefill on ``d.prefill``; the ``kv_transfer_params`` for decode, or None (then the
+    decode endpoint computes the prompt itself)."""
+    assert d.prefill is not None
+    ep = d.prefill.ep
     s = ctx.view.policy.settings
+    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
+    if ep.api_key:
+        headers["Authorization"] = f"Bearer {ep.api_key}"
+    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
+    pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
+    try:
+        up = await asyncio.wait_for(
+            state.upstream.post(ep.url + path, _prefill_body(ctx, m), headers,
+                                connect_timeout_s=s.connect_timeout_s), s.request_timeout_s)
+        try:
+            data = await up.read()
+        finally:
+            up.release()
+        params = orjson.loads(data).get("kv_transfer_params") if up.status == 200 else None
+    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError,
+            AttributeError) as exc:
+        log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)
+        params = None
+    finally:
+        pool.release(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens, False)
+    if not isinstance(params, dict):
+        pool.failed(ep)
+        state.metrics.series("upstream_errors", ep.url, "prefill").inc()
+        return None
+    pool.succeeded(ep)
+    return params
+
+
+async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, reserved: int
+                ) -> _Sent | APIError:
+    """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
+    says it is the client's fault); returns the last error when none would."""
+    router = ctx.view.routers[m.name]
+    pool = router.pool
+    t0 = time.perf_counter()
+    g = ctx.parsed
+    info = await router.prepare(
+        ctx.view.counters[m.name], messages=g.messages if g.kind == "chat" else None,
+        prompt_ids=g.prompt_ids, prompt_text=g.prompt_text, salt=g.cache_salt,
+        prompt_tokens=prompt_tokens, expected_output=reserved,
+        slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
+    first = await _decide(state, ctx, m, router, info)
+    state.metrics.routing_seconds.observe(time.perf_counter() - t0)
+    if isinstance(first, APIError):
+        return first
+    decision: Decision | None = first
+    s = ctx.view.policy.settings
+    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
+    tried: list[EndpointState] = []
     last: APIError = APIError(502, f"no endpoint of {m.name} answered", type="server_error",
                               code="upstream_unavailable")
-    while (ep := pool.pick(tried)) is not None:
+    while decision is not None:
+        ep = decision.endpoint.ep
         tried.append(ep)
+        state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
+                             "decode" if decision.prefill else "sole").inc()
+        kv = None
+        if decision.prefill is not None:
+            state.metrics.series("routing_decisions", m.name, router.strategy,
+                                 decision.prefill.ep.url, "prefill").inc()
+            kv = await _remote_prefill(state, ctx, m, pool, decision)
+        prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
         headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
         if ep.api_key:
             headers["Authorization"] = f"Bearer {ep.api_key}"
-        path = "/chat/completions" if ctx.kind == "chat" else "/completions"
+        tokens = info.prompt_tokens + reserved
+        pool.acquire(ep, tokens, prefill_tokens)
+        sent_at = time.perf_counter()
         try:
             up = await asyncio.wait_for(
-                state.upstream.post(ep.url + path, payload, headers,
+                state.upstream.post(ep.url + path, _upstream_body(ctx, m, kv), headers,
                                     connect_timeout_s=s.connect_timeout_s),
                 s.request_timeout_s)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            pool.release(ep, tokens, prefill_tokens, False)
             pool.failed(ep)
             state.metrics.series("upstream_errors", ep.url, "connect").inc()
             log.warning("endpoint %s failed: %s", ep.url, exc)
+            decision = router.decide(info, tried)
             continue
         if up.status in _RETRY_STATUSES:
+            pool.release(ep, tokens, prefill_tokens, False)
             pool.failed(ep)
             state.metrics.series("upstream_errors", ep.url, str(up.status)).inc()
             last = APIError(502 if up.status >= 500 else 429,
@@ -170,8 +347,11 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
                             code="upstream_error",
                             headers={"retry-after": up.headers.get("retry-after", "1")})
             up.release()
+            decision = router.decide(info, tried)
             continue
-        return up, ep
+        state.metrics.series("prefix_cached_tokens", m.name).inc(
+            decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
+        return _Sent(up, decision, pool, tokens, prefill_tokens, sent_at, kv is not None)
     return last
 
 
@@ -179,9 +359,12 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     state = ctx.state
     policy = ctx.view.policy
     failover = "quota" if adm.failover_from else None
-    opened = await _open(state, ctx, adm.model, ctx.view.pools[adm.model.name])
-    if isinstance(opened, APIError) and ctx.route.failover:
-        # Every endpoint failed before the first byte: try the fallback chain's models.
+    opened = await _open(state, ctx, adm.model, adm.prompt_tokens, adm.expected_output)
+    if (isinstance(opened, APIError) and ctx.route.failover
+            and opened.code not in ("overloaded",)):
+        # Every endpoint failed before the first byte (or none can meet the SLO): try the
+        # fallback chain's models.
+        reason = "slo" if opened.code == "slo_unattainable" else "upstream"
         for name in adm.model.fallback:
             if name not in ctx.route.models:
                 continue
@@ -193,15 +376,15 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 await quota.settle(state.store, nxt, output_tokens=0, prompt_tokens=None,
                                    failed_before_first_token=True)
                 continue
-            attempt = await _open(state, ctx, fb, ctx.view.pools[fb.name])
+            attempt = await _open(state, ctx, fb, nxt.prompt_tokens, nxt.expected_output)
             if isinstance(attempt, APIError):
                 await quota.settle(state.store, nxt, output_tokens=0, prompt_tokens=None,
                                    failed_before_first_token=True)
                 continue
-            state.metrics.series("failovers", "upstream", adm.model.name, fb.name).inc()
+            state.metrics.series("failovers", reason, adm.model.name, fb.name).inc()
             await quota.settle(state.store, adm, output_tokens=0, prompt_tokens=None,
                                failed_before_first_token=True)
-            adm, opened, failover = nxt, attempt, "upstream"
+            adm, opened, failover = nxt, attempt, reason
             break
     if isinstance(opened, APIError):
         await quota.settle(state.store, adm, output_tokens=0, prompt_tokens=None,
@@ -209,16 +392,18 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
         state.metrics.series("requests", ctx.route.name, adm.model.name, ctx.tenant,
                                       str(opened.status)).inc()
         raise opened
-    up, ep = opened
-    pool = ctx.view.pools[adm.model.name]
-    reserved_out = adm.expected_output
-    pool.acquire(ep, adm.prompt_tokens + reserved_out)
+    sent = opened
+    up, ep, pool = sent.up, sent.decision.endpoint.ep, sent.pool
     state.metrics.series("in_flight", ep.url).inc()
-    state.metrics.overhead.observe(time.perf_counter() - ctx.received_at)
+    state.metrics.overhead.observe(sent.sent_at - ctx.received_at)
     result = RelayResult(status=up.status)
+
+    def first_token() -> None:
+        pool.first_token(ep, sent.prefill_tokens)
+
     try:
         async with asyncio.timeout(policy.settings.request_timeout_s):
-            headers = _headers(ctx, adm, ep, failover)
+            headers = _headers(ctx, adm, sent, failover)
             if ctx.parsed.stream and up.status == 200:
                 resp = web.StreamResponse(status=200, headers={
                     **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -231,7 +416,8 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                     up, resp, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
                     pass_usage=ctx.parsed.include_usage, on_tokens=progress,
                     every=policy.settings.progressive_charge_tokens,
-                    every_s=policy.settings.progressive_charge_ms / 1000.0, into=result)
+                    every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
+                    on_first=first_token)
                 if not result.client_gone:
                     await resp.write_eof()
                 return resp
@@ -241,13 +427,14 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 **headers, "Content-Type": up.headers.get("content-type", "application/json")})
     finally:
         up.release()
-        pool.release(ep, adm.prompt_tokens + reserved_out)
+        pool.release(ep, sent.reserved, sent.prefill_tokens,
+                     decoding=ctx.parsed.stream and result.first_token_at is not None)
         state.metrics.series("in_flight", ep.url).dec()
         if result.broken:
             pool.failed(ep)
         elif result.status == 200:
             pool.succeeded(ep)
-        state.spawn(_finish(ctx, adm, result))
+        state.spawn(_finish(ctx, adm, result, sent))
 
 
 async def _count_prompt(ctx: _Ctx, m: Model) -> int:
@@ -260,7 +447,28 @@ async def _count_prompt(ctx: _Ctx, m: Model) -> int:
     return await counter.text(g.prompt_text or "")
 
 
-async def _finish(ctx: _Ctx, adm: quota.Admission, r: RelayResult) -> None:
+def _observe(ctx: _Ctx, r: RelayResult, sent: _Sent) -> None:
+    """Feed the predictor what this request saw, against the features it was routed on."""
+    if not ctx.parsed.stream or r.first_token_at is None or r.broken:
+        return
+    state, d = ctx.state, sent.decision
+    ttft_ms = (r.first_token_at - sent.sent_at) * 1000.0
+    tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
+               if r.last_token_at is not None and r.chunks > 1 else None)
+    lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
+    if lead.row is not None:
+        state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
+                                predicted_ttft_ms=lead.ttft_ms)
+        if state.sync is not None:
+            state.sync.queue_sample("ttft", lead.row, math.log(max(ttft_ms, 1e-3)))
+    if d.endpoint.row is not None and tpot_ms is not None:
+        state.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
+                                predicted_tpot_ms=d.endpoint.tpot_ms)
+        if state.sync is not None:
+            state.sync.queue_sample("tpot", d.endpoint.row, math.log(max(tpot_ms, 1e-3)))
+
+
+async def _finish(ctx: _Ctx, adm: quota.Admission, r: RelayResult, sent: _Sent) -> None:
     """Settle quota and record metrics for a proxied request (runs even after a disconnect)."""
     state = ctx.state
     m = adm.model.name
@@ -280,6 +488,7 @@ async def _finish(ctx: _Ctx, adm: quota.Admission, r: RelayResult) -> None:
     status = str(r.status) if not r.broken else "broken"
     state.metrics.series("requests", ctx.route.name, m, ctx.tenant, status).inc()
     if ok and not no_output:
+        _observe(ctx, r, sent)
         state.metrics.series("prompt_tokens", m, ctx.tenant).inc(
             int(prompt) if isinstance(prompt, int) else adm.prompt_tokens)
         state.metrics.series("completion_tokens", m, ctx.tenant).inc(int(output))

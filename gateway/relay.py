@@ -73,6 +73,7 @@ async def relay_stream(
     every: int = 256,
     every_s: float = 1.0,
     into: RelayResult | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> RelayResult:
     """Copy an SSE response to ``resp`` (already prepared) event by event.
 
@@ -106,6 +107,8 @@ async def relay_stream(
                     now = time.perf_counter()
                     if res.first_token_at is None:
                         res.first_token_at = now
+                        if on_first is not None:
+                            on_first()
                     res.last_token_at = now
                     res.chunks += 1
             if forward:

@@ -39,7 +39,8 @@ class PolicyWatcher:
         self._mtime = self._stat()
         try:
             policy = load_policy(self.path)
-            view = build_view(policy, self.state.tokenizers, self.state.executor)
+            view = build_view(policy, self.state.tokenizers, self.state.executor,
+                              self.state.fleet, self.state.predictor, self.state.view)
         except (PolicyError, ValueError) as exc:
             self.last_error = str(exc)
             self.state.metrics.policy_reloads.labels("rejected").inc()

@@ -8,6 +8,7 @@ Signals: SIGHUP reloads the policy; SIGTERM/SIGINT drain — new requests get 50
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -25,7 +26,9 @@ from gateway.limiter.resilient import ResilientStore
 from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
 from gateway.reload import PolicyWatcher
+from gateway.routing.fleet import Fleet
 from gateway.state import GatewayState, Tokenizers, build_view
+from predictor.online import OnlinePredictor
 
 log = logging.getLogger("tokengate.gateway")
 
@@ -39,6 +42,7 @@ class ServeConfig:
     reuse_port: bool = False
     drain_timeout_s: float = 30.0
     seed: int = 0
+    predictor_path: str | None = None  # load the predictor from here at start, save at stop
 
 
 def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
@@ -52,9 +56,23 @@ def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
         store = MemoryStore()
     tokenizers = Tokenizers()
     executor = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
-    state = GatewayState(build_view(policy, tokenizers, executor, cfg.seed), store,
-                         GatewayMetrics(), tokenizers, executor)
+    fleet = Fleet(interval_s=min(m.routing.scrape_interval_ms for m in
+                                 policy.models.values()) / 1000.0)
+    metrics = GatewayMetrics()
+    predictor = OnlinePredictor(on_error=lambda target, _: _mape(metrics, predictor, target))
+    if cfg.predictor_path:
+        with contextlib.suppress(FileNotFoundError):
+            predictor.load(cfg.predictor_path)
+    state = GatewayState(build_view(policy, tokenizers, executor, fleet, predictor), store,
+                         metrics, tokenizers, executor, fleet=fleet, predictor=predictor,
+                         redis_url=cfg.redis_url)
     return state, PolicyWatcher(cfg.policy, state)
+
+
+def _mape(metrics: GatewayMetrics, predictor: OnlinePredictor, target: str) -> None:
+    value = predictor.mape(target)
+    if value is not None:
+        metrics.series("predictor_mape", target).set(value)
 
 
 def in_flight(state: GatewayState) -> int:
@@ -96,4 +114,6 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
             await asyncio.sleep(0.05)
         log.info("drained (%d still in flight); stopping", in_flight(state))
     finally:
+        if cfg.predictor_path and state.predictor.models is not None:
+            state.predictor.save(cfg.predictor_path)
         await runner.cleanup()

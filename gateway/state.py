@@ -16,8 +16,12 @@ from gateway.config.policy import Endpoint, Model, Policy
 from gateway.endpoints import EndpointPool
 from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
+from gateway.routing.fleet import Fleet
+from gateway.routing.router import Router
 from gateway.tokenize import TokenCounter
 from gateway.upstream import UpstreamClient
+from predictor.online import OnlinePredictor
+from predictor.sync import ModelSync
 
 
 def endpoint_key(e: Endpoint) -> str | None:
@@ -36,6 +40,7 @@ class PolicyView:
     policy: Policy
     pools: dict[str, EndpointPool]
     counters: dict[str, TokenCounter]
+    routers: dict[str, Router]
     admin_digest: str | None
 
 
@@ -60,7 +65,11 @@ class GatewayState:
     tokenizers: Tokenizers
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
+    fleet: Fleet = field(default_factory=Fleet)
+    predictor: OnlinePredictor = field(default_factory=OnlinePredictor)
     upstream: UpstreamClient = field(default_factory=UpstreamClient)
+    redis_url: str | None = None  # shares the predictor across replicas when set
+    sync: ModelSync | None = None
     draining: bool = False
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -72,16 +81,33 @@ class GatewayState:
 
 
 def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecutor,
-               seed: int = 0) -> PolicyView:
+               fleet: Fleet, predictor: OnlinePredictor | None,
+               counters_from: PolicyView | None = None) -> PolicyView:
+    """Pools, routers and token counters for one policy version. Endpoint state lives in the
+    fleet (by URL) and token counters are kept across versions when the tokenizer settings
+    are unchanged, so a reload loses neither live counters nor caches."""
     import hashlib
 
-    pools = {name: EndpointPool(m, endpoint_key, seed=seed) for name, m in policy.models.items()}
-    counters = {name: _counter(m, tokenizers, executor) for name, m in policy.models.items()}
+    pools = {name: EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role, e.hardware)
+                                    for e in m.endpoints])
+             for name, m in policy.models.items()}
+    routers = {name: Router(pool, fleet, predictor) for name, pool in pools.items()}
+    counters = {}
+    for name, m in policy.models.items():
+        old = counters_from.counters.get(name) if counters_from else None
+        same = old is not None and counters_from is not None and _same_counting(
+            counters_from.policy.models[name], m)
+        counters[name] = old if same and old is not None else _counter(m, tokenizers, executor)
     s = policy.settings
     admin = s.admin_key_sha256
     if admin is None and s.admin_key_env and os.environ.get(s.admin_key_env):
         admin = hashlib.sha256(os.environ[s.admin_key_env].encode()).hexdigest()
-    return PolicyView(policy, pools, counters, admin)
+    return PolicyView(policy, pools, counters, routers, admin)
+
+
+def _same_counting(a: Model, b: Model) -> bool:
+    return (a.tokenizer, a.tokens_per_message, a.tokens_per_name, a.reply_priming_tokens) == (
+        b.tokenizer, b.tokens_per_message, b.tokens_per_name, b.reply_priming_tokens)
 
 
 def _counter(m: Model, tokenizers: Tokenizers, executor: ThreadPoolExecutor) -> TokenCounter:

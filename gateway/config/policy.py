@@ -58,6 +58,24 @@ class Endpoint:
     api_key_env: str | None = None
     api_key: str | None = None  # inline secrets are allowed but discouraged
     role: Literal["both", "prefill", "decode"] = "both"
+    hardware: str | None = None  # accelerator profile name: a predictor feature
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a model's pool picks endpoints (``gateway.routing``)."""
+
+    strategy: str = "predicted"
+    filters: tuple[str, ...] | None = None  # overrides the strategy's
+    scorers: Mapping[str, float] | None = None  # name -> weight; overrides the strategy's
+    picker: str | None = None
+    index: Literal["approximate", "precise"] = "approximate"
+    block_size: int | None = None  # else the endpoints' vllm:cache_config_info, else 16
+    hash_namespace: str | None = None  # else the backend profile's model name
+    load_factor: float = 1.5  # bounded load: no endpoint above c x the mean in-flight
+    remote_prefill_min_tokens: int = 256  # skip remote prefill below this many uncached
+    scrape_interval_ms: int = 200
+    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +110,7 @@ class Model:
     reply_priming_tokens: int = 3
     limits: Limits = field(default_factory=Limits)
     backend: BackendSpec = field(default_factory=BackendSpec)
+    routing: Routing = field(default_factory=Routing)
 
     @property
     def upstream_name(self) -> str:
@@ -110,6 +129,7 @@ class Tenant:
     keys: tuple[Key, ...]
     limits: Limits = field(default_factory=Limits)
     model_limits: Mapping[str, Limits] = field(default_factory=dict)
+    priority: Literal["critical", "standard", "flex"] = "standard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +139,10 @@ class Route:
     models: tuple[str, ...]
     limits: Limits = field(default_factory=Limits)
     failover: bool = True
+    slo_ttft_ms: float | None = None  # defaults for x-slo-ttft-ms / x-slo-tpot-ms
+    slo_tpot_ms: float | None = None
+    on_slo_miss: Literal["best_effort", "queue", "fallback"] = "best_effort"
+    queue_ms: float = 500.0  # how long "queue" (and flex under overload) may wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +226,11 @@ class _Decoder:
             raise self.fail(path, f"expected a non-empty string, got {raw!r}")
         return raw
 
+    def choice(self, raw: Any, path: str, allowed: set[str]) -> Any:
+        if raw not in allowed:
+            raise self.fail(path, f"expected one of {', '.join(sorted(allowed))}, got {raw!r}")
+        return raw
+
     def strings(self, raw: Any, path: str) -> tuple[str, ...]:
         if not isinstance(raw, list):
             raise self.fail(path, "expected a list of strings")
@@ -220,7 +249,8 @@ class _Decoder:
 def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
     m = d.mapping(raw, path, {"endpoints", "tokenizer", "upstream_model", "price", "fallback",
                               "default_max_tokens", "max_context", "tokens_per_message",
-                              "tokens_per_name", "reply_priming_tokens", "limits", "backend"},
+                              "tokens_per_name", "reply_priming_tokens", "limits", "backend",
+                              "routing"},
                   {"endpoints"})
     eps_raw = m["endpoints"]
     if not isinstance(eps_raw, list) or not eps_raw:
@@ -228,14 +258,15 @@ def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
     eps = []
     for i, e in enumerate(eps_raw):
         p = f"{path}.endpoints[{i}]"
-        em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role"}, {"url"})
+        em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware"}, {"url"})
         url = d.string(em["url"], f"{p}.url").rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
         role = em.get("role", "both")
         if role not in ("both", "prefill", "decode"):
             raise d.fail(f"{p}.role", "expected both, prefill or decode")
-        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role))
+        hw = d.string(em["hardware"], f"{p}.hardware") if "hardware" in em else None
+        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw))
     kw: dict[str, Any] = {}
     if "price" in m:
         pm = d.mapping(m["price"], f"{path}.price", {"input_per_1k", "output_per_1k"})
@@ -255,11 +286,49 @@ def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
         bm = d.mapping(m["backend"], f"{path}.backend", {"model", "hardware"})
         kw["backend"] = BackendSpec(**{k: d.string(v, f"{path}.backend.{k}")
                                        for k, v in bm.items()})
+    if "routing" in m:
+        kw["routing"] = _routing(d, m["routing"], f"{path}.routing")
     return Model(name, tuple(eps), **kw)
 
 
+def _routing(d: _Decoder, raw: Any, path: str) -> Routing:
+    from gateway.routing import plugins
+
+    m = d.mapping(raw, path, {"strategy", "filters", "scorers", "picker", "index", "block_size",
+                              "hash_namespace", "load_factor", "remote_prefill_min_tokens",
+                              "scrape_interval_ms", "seed"})
+    kw: dict[str, Any] = {}
+    if "strategy" in m:
+        kw["strategy"] = d.choice(m["strategy"], f"{path}.strategy", set(plugins.STRATEGIES))
+    if "filters" in m:
+        names = d.strings(m["filters"], f"{path}.filters")
+        for i, n in enumerate(names):
+            d.choice(n, f"{path}.filters[{i}]", set(plugins.FILTERS))
+        kw["filters"] = names
+    if "scorers" in m:
+        sm = d.mapping(m["scorers"], f"{path}.scorers", set(plugins.SCORERS))
+        kw["scorers"] = {str(k): d.number(v, f"{path}.scorers.{k}", positive=False)
+                         for k, v in sm.items()}
+    if "picker" in m:
+        kw["picker"] = d.choice(m["picker"], f"{path}.picker", set(plugins.PICKERS))
+    if "index" in m:
+        kw["index"] = d.choice(m["index"], f"{path}.index", {"approximate", "precise"})
+    for k in ("block_size", "remote_prefill_min_tokens", "scrape_interval_ms"):
+        if k in m:
+            kw[k] = d.integer(m[k], f"{path}.{k}")
+    if "seed" in m:
+        kw["seed"] = int(d.number(m["seed"], f"{path}.seed", positive=False))
+    if "load_factor" in m:
+        kw["load_factor"] = d.number(m["load_factor"], f"{path}.load_factor")
+        if kw["load_factor"] < 1.0:
+            raise d.fail(f"{path}.load_factor", "must be at least 1")
+    if "hash_namespace" in m:
+        kw["hash_namespace"] = d.string(m["hash_namespace"], f"{path}.hash_namespace")
+    return Routing(**kw)
+
+
 def _tenant(d: _Decoder, name: str, raw: Any, path: str) -> Tenant:
-    m = d.mapping(raw, path, {"keys", "limits", "model_limits"}, {"keys"})
+    m = d.mapping(raw, path, {"keys", "limits", "model_limits", "priority"}, {"keys"})
     if not isinstance(m["keys"], list) or not m["keys"]:
         raise d.fail(f"{path}.keys", "expected a non-empty list of keys")
     keys = []
@@ -274,7 +343,10 @@ def _tenant(d: _Decoder, name: str, raw: Any, path: str) -> Tenant:
     if not isinstance(ml, Mapping):
         raise d.fail(f"{path}.model_limits", "expected a mapping of model to limits")
     model_limits = {str(k): d.limits(v, f"{path}.model_limits.{k}") for k, v in ml.items()}
-    return Tenant(name, tuple(keys), d.limits(m.get("limits"), f"{path}.limits"), model_limits)
+    priority = d.choice(m.get("priority", "standard"), f"{path}.priority",
+                        {"critical", "standard", "flex"})
+    return Tenant(name, tuple(keys), d.limits(m.get("limits"), f"{path}.limits"), model_limits,
+                  priority)
 
 
 def _settings(d: _Decoder, raw: Any) -> Settings:
@@ -322,13 +394,21 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
     routes = {}
     for n, r in routes_raw.items():
         p = f"routes.{n}"
-        rm = d.mapping(r, p, {"tenants", "models", "limits", "failover"}, {"tenants", "models"})
+        rm = d.mapping(r, p, {"tenants", "models", "limits", "failover", "slo", "on_slo_miss",
+                              "queue_ms"}, {"tenants", "models"})
         failover = rm.get("failover", True)
         if not isinstance(failover, bool):
             raise d.fail(f"{p}.failover", "expected true or false")
-        routes[str(n)] = Route(str(n), d.strings(rm["tenants"], f"{p}.tenants"),
-                               d.strings(rm["models"], f"{p}.models"),
-                               d.limits(rm.get("limits"), f"{p}.limits"), failover)
+        slo = d.mapping(rm.get("slo") or {}, f"{p}.slo", {"ttft_ms", "tpot_ms"})
+        routes[str(n)] = Route(
+            str(n), d.strings(rm["tenants"], f"{p}.tenants"),
+            d.strings(rm["models"], f"{p}.models"), d.limits(rm.get("limits"), f"{p}.limits"),
+            failover,
+            d.number(slo["ttft_ms"], f"{p}.slo.ttft_ms") if "ttft_ms" in slo else None,
+            d.number(slo["tpot_ms"], f"{p}.slo.tpot_ms") if "tpot_ms" in slo else None,
+            d.choice(rm.get("on_slo_miss", "best_effort"), f"{p}.on_slo_miss",
+                     {"best_effort", "queue", "fallback"}),
+            d.number(rm.get("queue_ms", 500.0), f"{p}.queue_ms"))
     settings = _settings(d, top.get("settings"))
     # -- cross references --
     for m in models.values():

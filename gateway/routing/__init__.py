@@ -1,0 +1,1 @@
+"""The routing brain: endpoint state, prefix index, scheduling plugins, prefill→decode."""

@@ -1,0 +1,172 @@
+"""Every upstream endpoint the gateway knows, by URL, and the loops that watch them.
+
+* ``endpoint(...)`` hands out one ``EndpointState`` per base URL, reused across pools and
+  policy versions, so live counters and health survive a reload.
+* ``scrape_loop`` reads each endpoint's vLLM metrics (``/metrics``) every ``interval_s``:
+  queue, batch, KV usage, ``cache_config_info`` (block size, KV capacity, which sizes the
+  approximate prefix index), prefix-cache counters. A failed scrape counts as a failure for
+  the circuit breaker; a successful one after a trip brings the endpoint back.
+* ``follow_kv_events`` keeps the precise prefix index: a snapshot of ``/kv/blocks`` then the
+  ``/kv/events`` stream from its sequence number (re-snapshotting on a ``reset`` or a broken
+  stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Iterable
+
+import aiohttp
+import orjson
+
+from gateway.endpoints import EndpointState
+from gateway.routing.prefix import ApproxIndex, PreciseIndex
+
+log = logging.getLogger("tokengate.routing")
+_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def base_url(url: str) -> str:
+    """``http://host:port/v1`` → ``http://host:port`` (where /metrics and /health live)."""
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The gauges and counters a router needs from vLLM's Prometheus text (summed over label
+    sets, e.g. several model names); ``block_size``/``num_gpu_blocks`` from cache_config_info."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:") or "_bucket" in line:
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.group(1).removesuffix("_total"), m.group(2), m.group(3)
+        if name == "vllm:cache_config_info" and labels:
+            for k, v in _LABEL.findall(labels):
+                if k in ("block_size", "num_gpu_blocks"):
+                    with contextlib.suppress(ValueError):
+                        out[k] = float(v)
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+class Fleet:
+    def __init__(self, *, interval_s: float = 0.2, trip_after: int = 3,
+                 cooldown_s: float = 5.0) -> None:
+        self.endpoints: dict[str, EndpointState] = {}
+        self.approx = ApproxIndex()
+        self.precise = PreciseIndex()
+        self.interval_s = interval_s
+        self.trip_after = trip_after
+        self.cooldown_s = cooldown_s
+        self.precise_urls: set[str] = set()
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self.scrapes = 0
+
+    def endpoint(self, url: str, api_key: str | None, role: str, hardware: str | None
+                 ) -> EndpointState:
+        e = self.endpoints.get(url)
+        if e is None:
+            e = self.endpoints[url] = EndpointState(url)
+        e.api_key, e.role, e.hardware = api_key, role, hardware
+        return e
+
+    def want_precise(self, urls: Iterable[str]) -> None:
+        self.precise_urls.update(urls)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=max(1.0, 5 * self.interval_s)))
+        return self._session
+
+    async def scrape(self, e: EndpointState) -> bool:
+        headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+        try:
+            async with self._http().get(base_url(e.url) + "/metrics", headers=headers) as r:
+                if r.status != 200:
+                    raise aiohttp.ClientError(f"/metrics answered {r.status}")
+                text = await r.text()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            e.consecutive_failures += 1
+            if e.consecutive_failures >= self.trip_after:
+                e.down_until = time.monotonic() + self.cooldown_s
+            return False
+        m = parse_vllm_metrics(text)
+        e.running = m.get("vllm:num_requests_running", 0.0)
+        e.waiting = m.get("vllm:num_requests_waiting", 0.0)
+        e.kv_usage = m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc", 0.0))
+        e.prefix_queries = m.get("vllm:prefix_cache_queries", e.prefix_queries)
+        e.prefix_hits = m.get("vllm:prefix_cache_hits", e.prefix_hits)
+        if "block_size" in m:
+            e.block_size = int(m["block_size"])
+        if "num_gpu_blocks" in m and int(m["num_gpu_blocks"]) != e.num_gpu_blocks:
+            e.num_gpu_blocks = int(m["num_gpu_blocks"])
+            self.approx.set_capacity(e.url, e.num_gpu_blocks)
+        e.scraped_at = time.monotonic()
+        if e.down_until and e.consecutive_failures:
+            e.consecutive_failures = 0
+            e.down_until = 0.0
+        self.scrapes += 1
+        return True
+
+    async def scrape_loop(self) -> None:
+        while True:
+            eps = list(self.endpoints.values())
+            if eps:
+                await asyncio.gather(*(self.scrape(e) for e in eps))
+            for url in self.precise_urls:
+                t = self._followers.get(url)
+                if t is None or t.done():
+                    self._followers[url] = asyncio.ensure_future(self.follow_kv_events(url))
+            await asyncio.sleep(self.interval_s)
+
+    async def follow_kv_events(self, url: str) -> None:
+        """Keep ``precise`` exact for one endpoint until cancelled."""
+        base = base_url(url)
+        e = self.endpoints.get(url)
+        headers = {"Authorization": f"Bearer {e.api_key}"} if e and e.api_key else {}
+        s = self._http()
+        while True:
+            try:
+                async with s.get(base + "/kv/blocks", headers=headers) as r:
+                    snap = orjson.loads(await r.read())
+                self.precise.reset(url, snap["block_hashes"])
+                since = int(snap["seq"])
+                async with s.get(f"{base}/kv/events?since={since}", headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=None,
+                                                               sock_read=60)) as r:
+                    event = ""
+                    async for raw in r.content:
+                        line = raw.decode().rstrip("\n")
+                        if line.startswith("event:"):
+                            event = line[6:].strip()
+                        elif line.startswith("data:") and event == "kv":
+                            batch = orjson.loads(line[5:])
+                            self.precise.apply(url, batch["events"])
+                        elif line.startswith("data:") and event == "reset":
+                            break  # events were missed: take a new snapshot
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
+                log.debug("kv events from %s: %s", url, exc)
+            await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        for t in self._followers.values():
+            t.cancel()
+        for t in self._followers.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._followers.clear()
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,217 @@
+"""Scheduling plugins: filters, scorers and pickers, registered by name; strategies are named
+profiles of them, and a policy may configure its own per pool.
+
+A decision runs ``filters`` (each narrows the candidates, and never to nothing: a filter that
+would reject everyone is skipped, so the request still goes to the least-bad endpoint), then
+every ``scorer`` (each returns one score per candidate in [0, 1], higher is better), sums them
+with their weights, and lets the ``picker`` choose. Scorers that need predictions or prefix
+matches read them from the candidates, which the router fills in once per decision.
+
+Strategies:
+
+=================  ===========================================================================
+``round_robin``    every endpoint in turn
+``least_request``  fewest requests in flight from this gateway
+``prefix``         prefix affinity with load: cached share ×3, in-flight ×2, free KV ×1, under
+                   the bounded-load guard (the SGLang / llm-d style heuristic)
+``predicted``      lowest predicted TTFT among endpoints predicted to hold the TPOT SLO
+                   (default)
+=================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.endpoints import EndpointState
+
+Scores = npt.NDArray[np.float64]
+
+
+@dataclass(slots=True)
+class Candidate:
+    ep: EndpointState
+    cached_tokens: int = 0
+    uncached_tokens: int = 0
+    ttft_ms: float = math.nan
+    tpot_ms: float = math.nan
+    row: npt.NDArray[np.float64] | None = None  # predictor features
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    prompt_tokens: int
+    expected_output: int
+    hashes: Sequence[int] = ()
+    block_size: int = 16
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    priority: str = "standard"
+
+
+@dataclass(slots=True)
+class PluginConfig:
+    load_factor: float = 1.5
+    state: dict[str, int] = field(default_factory=dict)  # pickers' memory (round robin)
+
+
+Filter = Callable[[RequestInfo, list[Candidate], PluginConfig], list[Candidate]]
+Scorer = Callable[[RequestInfo, list[Candidate]], Scores]
+Picker = Callable[[list[Candidate], Scores, random.Random, PluginConfig], Candidate]
+
+
+# -- filters ----------------------------------------------------------------------------------
+
+def bounded_load(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig
+                 ) -> list[Candidate]:
+    """Consistent hashing with bounded loads (Mirrokni et al.): no endpoint may take a request
+    that puts it above ``load_factor`` × the mean in-flight (plus this request)."""
+    total = sum(c.ep.in_flight for c in cands) + 1
+    cap = math.ceil(cfg.load_factor * total / len(cands))
+    return [c for c in cands if c.ep.in_flight + 1 <= cap]
+
+
+def tpot_slo(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig) -> list[Candidate]:
+    """Endpoints predicted to stream within the request's TPOT SLO."""
+    if req.slo_tpot_ms is None:
+        return cands
+    return [c for c in cands if not c.tpot_ms > req.slo_tpot_ms]
+
+
+def ttft_slo(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig) -> list[Candidate]:
+    """Endpoints predicted to answer within the request's TTFT SLO."""
+    if req.slo_ttft_ms is None:
+        return cands
+    return [c for c in cands if not c.ttft_ms > req.slo_ttft_ms]
+
+
+FILTERS: dict[str, Filter] = {"bounded_load": bounded_load, "tpot_slo": tpot_slo,
+                              "ttft_slo": ttft_slo}
+
+
+# -- scorers ----------------------------------------------------------------------------------
+
+def _lower_is_better(x: Scores) -> Scores:
+    lo, hi = float(x.min()), float(x.max())
+    if hi - lo <= 1e-12:
+        return np.ones_like(x)
+    out: Scores = (hi - x) / (hi - lo)
+    return out
+
+
+def least_request(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    return _lower_is_better(np.array([c.ep.in_flight for c in cands], dtype=np.float64))
+
+
+def least_tokens(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    return _lower_is_better(np.array([c.ep.tokens_outstanding for c in cands],
+                                     dtype=np.float64))
+
+
+def queue(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    """Shortest engine queue (scraped ``num_requests_waiting``)."""
+    return _lower_is_better(np.array([c.ep.waiting for c in cands], dtype=np.float64))
+
+
+def kv_free(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    return np.clip(1.0 - np.array([c.ep.kv_usage for c in cands], dtype=np.float64), 0.0, 1.0)
+
+
+def prefix(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    """Share of the prompt the endpoint already caches."""
+    if req.prompt_tokens <= 0:
+        return np.zeros(len(cands))
+    return np.array([c.cached_tokens / req.prompt_tokens for c in cands], dtype=np.float64)
+
+
+def predicted_ttft(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    t = np.array([c.ttft_ms for c in cands], dtype=np.float64)
+    out: Scores = np.maximum(t.min(), 1e-3) / np.maximum(t, 1e-3)
+    return out
+
+
+def predicted_tpot(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    t = np.array([c.tpot_ms for c in cands], dtype=np.float64)
+    out: Scores = np.maximum(t.min(), 1e-3) / np.maximum(t, 1e-3)
+    return out
+
+
+SCORERS: dict[str, Scorer] = {
+    "least_request": least_request, "least_tokens": least_tokens, "queue": queue,
+    "kv_free": kv_free, "prefix": prefix, "predicted_ttft": predicted_ttft,
+    "predicted_tpot": predicted_tpot}
+NEEDS_PREDICTION = frozenset({"predicted_ttft", "predicted_tpot", "tpot_slo", "ttft_slo"})
+NEEDS_PREFIX = frozenset({"prefix"}) | NEEDS_PREDICTION
+
+
+# -- pickers ----------------------------------------------------------------------------------
+
+def max_score(cands: list[Candidate], scores: Scores, rng: random.Random, cfg: PluginConfig
+              ) -> Candidate:
+    """The best score; ties broken at random (seeded)."""
+    best = float(scores.max())
+    tied = [c for c, s in zip(cands, scores, strict=True) if s >= best - 1e-9]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def round_robin(cands: list[Candidate], scores: Scores, rng: random.Random, cfg: PluginConfig
+                ) -> Candidate:
+    """The next endpoint after the last one picked (by URL order, skipping the excluded)."""
+    last = cfg.state.get("rr", -1)
+    cfg.state["rr"] = last + 1
+    return sorted(cands, key=lambda c: c.ep.url)[(last + 1) % len(cands)]
+
+
+def weighted_random(cands: list[Candidate], scores: Scores, rng: random.Random,
+                    cfg: PluginConfig) -> Candidate:
+    w = np.maximum(scores, 0.0)
+    if float(w.sum()) <= 0:
+        return rng.choice(cands)
+    return rng.choices(cands, weights=list(w))[0]
+
+
+PICKERS: dict[str, Picker] = {"max_score": max_score, "round_robin": round_robin,
+                              "weighted_random": weighted_random}
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    filters: tuple[str, ...]
+    scorers: Mapping[str, float]
+    picker: str
+
+    @property
+    def needs_prediction(self) -> bool:
+        return bool(NEEDS_PREDICTION & (set(self.filters) | set(self.scorers)))
+
+    @property
+    def needs_prefix(self) -> bool:
+        return bool(NEEDS_PREFIX & (set(self.filters) | set(self.scorers)))
+
+
+STRATEGIES: dict[str, Profile] = {
+    "round_robin": Profile((), {}, "round_robin"),
+    "least_request": Profile((), {"least_request": 1.0}, "max_score"),
+    "prefix": Profile(("bounded_load",), {"prefix": 3.0, "least_request": 2.0, "kv_free": 1.0},
+                      "max_score"),
+    "predicted": Profile(("tpot_slo",), {"predicted_ttft": 1.0}, "max_score"),
+}
+
+
+def run(profile: Profile, req: RequestInfo, cands: list[Candidate], rng: random.Random,
+        cfg: PluginConfig) -> tuple[Candidate, Scores]:
+    for name in profile.filters:
+        kept = FILTERS[name](req, cands, cfg)
+        if kept:
+            cands = kept
+    total = np.zeros(len(cands))
+    for name, weight in profile.scorers.items():
+        if weight:
+            total += weight * SCORERS[name](req, cands)
+    return PICKERS[profile.picker](cands, total, rng, cfg), total

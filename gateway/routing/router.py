@@ -1,0 +1,181 @@
+"""One model's routing decision: prompt hashes → candidates → predictions → plugins → pick,
+and for disaggregated pools, a prefill endpoint then a decode endpoint.
+
+``Router.prepare`` works out what the decision needs about the request once (prompt block
+hashes through the cached ``PromptHasher``); ``Router.decide`` is synchronous and cheap so it
+can run again on a retry with the failed endpoints excluded. Predictions for every candidate of
+a stage come from one predictor call; the chosen endpoint's blocks are recorded in the
+approximate index after the decision.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backend.profiles import HARDWARE
+from gateway.config.policy import Model
+from gateway.endpoints import EndpointPool, EndpointState
+from gateway.routing import plugins
+from gateway.routing.fleet import Fleet
+from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
+from gateway.routing.prefix import PromptHasher
+from gateway.tokenize import TokenCounter
+from predictor.features import ROLE_CODE
+from predictor.online import OnlinePredictor
+
+_DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
+
+
+@dataclass(slots=True)
+class Decision:
+    endpoint: Candidate  # the decode endpoint, or the only one
+    prefill: Candidate | None = None  # set when the prompt is prefilled elsewhere
+    strategy: str = ""
+
+    @property
+    def predicted_ttft_ms(self) -> float:
+        c = self.prefill or self.endpoint
+        return c.ttft_ms
+
+    @property
+    def predicted_tpot_ms(self) -> float:
+        return self.endpoint.tpot_ms
+
+
+def _hw(name: str | None) -> tuple[float, float]:
+    hw = HARDWARE.get(name or "")
+    return (hw.hbm_bandwidth / 1e12, hw.peak_flops / 1e12) if hw else (0.0, 0.0)
+
+
+def profile_for(model: Model) -> Profile:
+    r = model.routing
+    base = plugins.STRATEGIES[r.strategy]
+    return Profile(r.filters if r.filters is not None else base.filters,
+                   dict(r.scorers) if r.scorers is not None else base.scorers,
+                   r.picker or base.picker)
+
+
+class Router:
+    def __init__(self, pool: EndpointPool, fleet: Fleet,
+                 predictor: OnlinePredictor | None) -> None:
+        self.pool = pool
+        self.model = pool.model
+        self.fleet = fleet
+        self.predictor = predictor
+        r = self.model.routing
+        self.profile = profile_for(self.model)
+        self.strategy = r.strategy
+        self.rng = random.Random(r.seed)
+        self.cfg = PluginConfig(load_factor=r.load_factor)
+        self.cfg_prefill = PluginConfig(load_factor=r.load_factor)
+        self.namespace = r.hash_namespace or self.model.backend.model
+        self._hasher: PromptHasher | None = None
+        self.precise = r.index == "precise"
+        if self.precise:
+            fleet.want_precise(e.url for e in pool.endpoints)
+
+    @property
+    def index(self) -> Any:
+        return self.fleet.precise if self.precise else self.fleet.approx
+
+    def block_size(self) -> int:
+        if self.model.routing.block_size:
+            return self.model.routing.block_size
+        for e in self.pool.endpoints:
+            if e.block_size:
+                return e.block_size
+        return 16
+
+    def hasher(self) -> PromptHasher:
+        bs = self.block_size()
+        if self._hasher is None or self._hasher.block_size != bs:
+            self._hasher = PromptHasher(self.namespace, bs)
+        return self._hasher
+
+    async def prepare(self, counter: TokenCounter, *, messages: Sequence[Mapping[str, Any]]
+                      | None, prompt_ids: Sequence[int] | None, prompt_text: str | None,
+                      salt: str | None, prompt_tokens: int, expected_output: int,
+                      slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+                      priority: str) -> RequestInfo:
+        h = self.hasher()
+        if messages is not None:
+            hashes, _ = await h.chat(counter, messages, salt)
+        else:
+            ids = prompt_ids if prompt_ids is not None else await counter.text_ids(
+                prompt_text or "")
+            hashes = h.tokens(ids, salt)
+        return RequestInfo(prompt_tokens, expected_output, hashes, h.block_size, slo_ttft_ms,
+                           slo_tpot_ms, priority)
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _candidates(self, req: RequestInfo, eps: list[EndpointState], role: str | None = None
+                    ) -> list[Candidate]:
+        index = self.index
+        out = []
+        for e in eps:
+            blocks = index.matched(e.url, req.hashes) if req.hashes else 0
+            cached = min(blocks * req.block_size, max(req.prompt_tokens - 1, 0))
+            out.append(Candidate(e, cached, req.prompt_tokens - cached))
+        return out
+
+    def _predict(self, req: RequestInfo, cands: list[Candidate], role: str | None = None
+                 ) -> None:
+        if self.predictor is None or not cands:
+            return
+        x = np.empty((len(cands), 11), dtype=np.float64)
+        for i, c in enumerate(cands):
+            e = c.ep
+            bw, tf = _hw(e.hardware)
+            x[i] = (req.prompt_tokens, c.uncached_tokens, e.kv_usage, e.running, e.waiting,
+                    e.in_flight, e.prefill_tokens, e.decoding,
+                    ROLE_CODE.get(role or e.role, 0.0), bw, tf)
+        ttft, tpot = self.predictor.predict(x)
+        for i, c in enumerate(cands):
+            c.ttft_ms, c.tpot_ms, c.row = float(ttft[i]), float(tpot[i]), x[i]
+
+    def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
+               cfg: PluginConfig, role: str | None = None) -> Candidate:
+        cands = self._candidates(req, eps, role)
+        if profile.needs_prediction:
+            self._predict(req, cands, role)
+        pick, _ = plugins.run(profile, req, cands, self.rng, cfg)
+        if not profile.needs_prediction:
+            self._predict(req, [pick], role)
+        return pick
+
+    def decide(self, req: RequestInfo, exclude: Sequence[EndpointState] = ()
+               ) -> Decision | None:
+        pool = self.pool
+        if not pool.disaggregated:
+            eps = pool.candidates(exclude)
+            if not eps:
+                return None
+            pick = self._stage(self.profile, req, eps, self.cfg)
+            self.index.record(pick.ep.url, req.hashes)
+            return Decision(pick, None, self.strategy)
+        decoders = pool.candidates(exclude, roles=("decode", "both"))
+        if not decoders:
+            return None
+        decode_profile = _DECODE if self.strategy == "predicted" else self.profile
+        dec = self._stage(decode_profile, req, decoders, self.cfg, "decode")
+        prefill: Candidate | None = None
+        if dec.uncached_tokens > self.model.routing.remote_prefill_min_tokens:
+            prefillers = [e for e in pool.candidates(exclude, roles=("prefill", "both"))
+                          if e is not dec.ep]
+            if prefillers:
+                prefill = self._stage(self.profile, req, prefillers, self.cfg_prefill,
+                                      "prefill")
+                self.index.record(prefill.ep.url, req.hashes)
+        self.index.record(dec.ep.url, req.hashes)
+        return Decision(dec, prefill, self.strategy)
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,221 @@
+"""Online TTFT/TPOT prediction: samples in, XGBoost models trained in the background, out.
+
+* ``predict(x)`` answers for every candidate of a decision in one call: the compiled trees of
+  the current models (``trees.CompiledTrees``), or the analytic estimate before there are any.
+  Models are fitted on log milliseconds, so squared error there is relative error here.
+* ``observe(...)`` records what a request actually saw against the features it was routed on,
+  adds the sample to a stratified buffer, and keeps the rolling absolute percentage error of
+  the prediction that was used: live accuracy, measured rather than assumed.
+* ``run()`` retrains every ``retrain_s`` once ``min_samples`` are in and new ones arrived, in a
+  worker thread (XGBoost releases the GIL while it fits), then swaps the new pair in with one
+  assignment: a decision sees the old models or the new ones, never a mix.
+* ``save``/``load`` write and read both models as XGBoost JSON; ``predictor.sync`` shares them
+  across gateway replicas through Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from predictor import analytic
+from predictor.buffer import SampleBuffer
+from predictor.features import FEATURES
+from predictor.trees import CompiledTrees
+
+log = logging.getLogger("tokengate.predictor")
+TARGETS = ("ttft", "tpot")
+
+
+@dataclass(frozen=True, slots=True)
+class Models:
+    version: int
+    ttft: CompiledTrees
+    tpot: CompiledTrees
+    raw: dict[str, str]  # target -> XGBoost model JSON
+    samples: int
+
+    @classmethod
+    def from_raw(cls, version: int, raw: dict[str, str], samples: int = 0) -> Models:
+        return cls(version, CompiledTrees(raw["ttft"]), CompiledTrees(raw["tpot"]), raw, samples)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": self.version, "features": list(FEATURES),
+                           "samples": self.samples, "models": self.raw}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Models:
+        doc = json.loads(data)
+        if list(doc.get("features", [])) != list(FEATURES):
+            raise ValueError("the saved model was trained on a different feature list")
+        return cls.from_raw(int(doc["version"]), doc["models"], int(doc.get("samples", 0)))
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    min_samples: int = 200
+    retrain_s: float = 5.0
+    rounds: int = 80
+    max_depth: int = 6
+    eta: float = 0.15
+    per_bucket: int = 512
+    window: int = 1000  # observations in the rolling error
+
+
+class OnlinePredictor:
+    def __init__(self, config: TrainConfig | None = None,
+                 on_error: Callable[[str, float], None] | None = None) -> None:
+        self.config = config or TrainConfig()
+        self.buffers = {t: SampleBuffer(self.config.per_bucket) for t in TARGETS}
+        self.models: Models | None = None
+        self.errors: dict[str, deque[float]] = {
+            t: deque(maxlen=self.config.window) for t in TARGETS}
+        self._on_error = on_error
+        self._trained_at_count = 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="predictor-train")
+        self.trainings = 0
+        self.last_train_s = 0.0
+
+    # -- inference --------------------------------------------------------------------------
+
+    def predict(self, x: npt.NDArray[np.float64]
+                ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Predicted (TTFT ms, TPOT ms) for each row of ``x``."""
+        m = self.models  # one read: a concurrent swap cannot mix two versions
+        if m is None:
+            return analytic.predict_ttft_ms(x), analytic.predict_tpot_ms(x)
+        return np.exp(m.ttft.predict(x)), np.exp(m.tpot.predict(x))
+
+    @property
+    def source(self) -> str:
+        return "analytic" if self.models is None else f"xgboost-v{self.models.version}"
+
+    # -- observations -----------------------------------------------------------------------
+
+    def observe(self, row: npt.NDArray[np.float64], *, ttft_ms: float | None,
+                tpot_ms: float | None, predicted_ttft_ms: float | None = None,
+                predicted_tpot_ms: float | None = None) -> None:
+        for target, actual, predicted in (("ttft", ttft_ms, predicted_ttft_ms),
+                                          ("tpot", tpot_ms, predicted_tpot_ms)):
+            if actual is None or not math.isfinite(actual) or actual <= 0:
+                continue
+            self.buffers[target].add(row, math.log(actual))
+            if predicted is not None:
+                err = (predicted - actual) / actual
+                self.errors[target].append(err)
+                if self._on_error is not None:
+                    self._on_error(target, abs(err))
+
+    def mape(self, target: str) -> float | None:
+        errs = self.errors[target]
+        return float(np.mean(np.abs(errs))) if errs else None
+
+    def error_summary(self, target: str) -> dict[str, float]:
+        """Signed relative errors (predicted − actual) / actual: quantiles and MAPE."""
+        errs = np.asarray(self.errors[target])
+        if errs.size == 0:
+            return {}
+        q = np.percentile(errs, [1, 10, 50, 90, 99])
+        return {"n": float(errs.size), "mape": float(np.mean(np.abs(errs))),
+                "p01": float(q[0]), "p10": float(q[1]), "p50": float(q[2]), "p90": float(q[3]),
+                "p99": float(q[4]), "within_10pct": float(np.mean(np.abs(errs) <= 0.10))}
+
+    def add_samples(self, target: str, rows: npt.NDArray[np.float64],
+                    log_targets: npt.NDArray[np.float64]) -> None:
+        """Samples observed elsewhere (another replica), already as log milliseconds."""
+        for r, y in zip(rows, log_targets, strict=True):
+            self.buffers[target].add(r, float(y))
+
+    # -- training ---------------------------------------------------------------------------
+
+    def ready_to_train(self) -> bool:
+        n = min(len(b) for b in self.buffers.values())
+        added = sum(b.added for b in self.buffers.values())
+        return n >= self.config.min_samples and added > self._trained_at_count
+
+    def train_now(self) -> Models | None:
+        """Fit both models on the current buffers and swap them in (call from a thread)."""
+        import xgboost as xgb
+
+        added = sum(b.added for b in self.buffers.values())
+        raw: dict[str, str] = {}
+        n = 0
+        for target in TARGETS:
+            x, y = self.buffers[target].arrays()
+            if len(y) < self.config.min_samples:
+                return None
+            n += len(y)
+            booster = xgb.train(
+                {"max_depth": self.config.max_depth, "eta": self.config.eta, "nthread": 1,
+                 "objective": "reg:squarederror", "min_child_weight": 2, "subsample": 0.9,
+                 "seed": 0, "verbosity": 0},
+                xgb.DMatrix(x, label=y, feature_names=list(FEATURES)), self.config.rounds)
+            raw[target] = bytes(booster.save_raw("json")).decode()
+        version = (self.models.version if self.models else 0) + 1
+        models = Models.from_raw(version, raw, n)
+        self.models = models
+        self._trained_at_count = added
+        self.trainings += 1
+        return models
+
+    async def train_async(self) -> Models | None:
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        models = await loop.run_in_executor(self._executor, self.train_now)
+        self.last_train_s = loop.time() - t
+        return models
+
+    async def run(self, publish: Callable[[Models], Any] | None = None,
+                  may_train: Callable[[], bool] = lambda: True) -> None:
+        """Retrain in the background forever (cancel to stop)."""
+        while True:
+            await asyncio.sleep(self.config.retrain_s)
+            if not may_train() or not self.ready_to_train():
+                continue
+            try:
+                models = await self.train_async()
+            except Exception:  # a failed fit keeps the current models
+                log.exception("predictor training failed")
+                continue
+            if models is not None and publish is not None:
+                res = publish(models)
+                if asyncio.iscoroutine(res):
+                    await res
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        if self.models is None:
+            raise ValueError("no trained model to save yet")
+        Path(path).write_bytes(self.models.to_json())
+
+    def load(self, path: str | Path) -> None:
+        self.models = Models.from_json(Path(path).read_bytes())
+
+    def adopt(self, models: Models) -> None:
+        """Use models trained elsewhere (they replace ours only if newer)."""
+        if self.models is None or models.version > self.models.version:
+            self.models = models
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def summary(p: OnlinePredictor) -> dict[str, Any]:
+    return {"source": p.source, "trainings": p.trainings,
+            "last_train_s": round(p.last_train_s, 4),
+            "samples": {t: len(b) for t, b in p.buffers.items()},
+            "strata": {t: {f"{k[0]}:{k[1]}": v for k, v in b.strata().items()}
+                       for t, b in p.buffers.items()},
+            "error": {t: p.error_summary(t) for t in TARGETS}}
