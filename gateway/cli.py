@@ -197,6 +197,17 @@ def _serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    help="the backends' time scale (<1 runs faster)")
     u.add_argument("--log-dir", help="where the backends' logs go (default: a temp dir)")
     u.add_argument("--log-level", default="warning")
+    g = u.add_argument_group("shape the demo pool (applied on top of --policy)")
+    g.add_argument("--pool", help="the model whose pool the flags below shape (default: "
+                   "demo-large, else the policy's first model)")
+    g.add_argument("--strategy", choices=("round_robin", "least_request", "prefix", "predicted"),
+                   help="the pool's routing strategy")
+    g.add_argument("--index", choices=("approximate", "precise"), help="prefix index mode")
+    g.add_argument("--backends", type=int, help="N aggregated reference backends")
+    g.add_argument("--pd", metavar="P:D", help="P prefill + D decode reference backends")
+    g.add_argument("--model", dest="backend_model", help="model profile the backends simulate")
+    g.add_argument("--hardware", help="hardware profile the backends simulate")
+    g.add_argument("--no-quota", action="store_true", help="drop every limit (benchmark runs)")
 
 
 def _serve_workers(ns: argparse.Namespace) -> int:
@@ -286,10 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if ns.command == "serve":
                 return _serve_workers(ns)
-            from gateway.up import UpConfig, up
+            from gateway.up import PoolShape, UpConfig, up
 
+            shape = PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd,
+                              ns.backend_model, ns.hardware, ns.no_quota)
             _run(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
-                             ns.log_dir)))
+                             ns.log_dir, shape=shape)))
         except (PolicyError, ValueError, RuntimeError, OSError) as exc:
             print(f"tokengate {ns.command}: {exc}", file=sys.stderr)
             return 2

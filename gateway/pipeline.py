@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -65,6 +65,7 @@ class _Ctx:
     raw: bytes
     slo: tuple[float | None, float | None] = (None, None)
     priority: str = "standard"
+    text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
 
 
 def _expected_output(g: GenerationRequest, m: Model) -> int:
@@ -296,7 +297,8 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
     g = ctx.parsed
     info = await router.prepare(
         ctx.view.counters[m.name], messages=g.messages if g.kind == "chat" else None,
-        prompt_ids=g.prompt_ids, prompt_text=g.prompt_text, salt=g.cache_salt,
+        prompt_ids=g.prompt_ids if g.prompt_ids is not None else ctx.text_ids.get(m.name),
+        prompt_text=g.prompt_text, salt=g.cache_salt,
         prompt_tokens=prompt_tokens, expected_output=reserved,
         slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
     first = await _decide(state, ctx, m, router, info)
@@ -444,7 +446,9 @@ async def _count_prompt(ctx: _Ctx, m: Model) -> int:
         return await counter.chat(g.messages)
     if g.prompt_ids is not None:
         return len(g.prompt_ids)
-    return await counter.text(g.prompt_text or "")
+    ids = await counter.text_ids(g.prompt_text or "")
+    ctx.text_ids[m.name] = ids  # routing hashes the same ids: tokenize once
+    return len(ids)
 
 
 def _observe(ctx: _Ctx, r: RelayResult, sent: _Sent) -> None:

@@ -88,7 +88,8 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
     are unchanged, so a reload loses neither live counters nor caches."""
     import hashlib
 
-    pools = {name: EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role, e.hardware)
+    pools = {name: EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role,
+                                                   e.hardware or m.backend.hardware)
                                     for e in m.endpoints])
              for name, m in policy.models.items()}
     routers = {name: Router(pool, fleet, predictor) for name, pool in pools.items()}

