@@ -207,6 +207,8 @@ def _serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument("--pd", metavar="P:D", help="P prefill + D decode reference backends")
     g.add_argument("--model", dest="backend_model", help="model profile the backends simulate")
     g.add_argument("--hardware", help="hardware profile the backends simulate")
+    g.add_argument("--max-batched-tokens", type=int,
+                   help="the backends' per-step token budget (chunked prefill)")
     g.add_argument("--no-quota", action="store_true", help="drop every limit (benchmark runs)")
 
 
@@ -300,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.up import PoolShape, UpConfig, up
 
             shape = PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd,
-                              ns.backend_model, ns.hardware, ns.no_quota)
+                              ns.backend_model, ns.hardware, ns.no_quota,
+                              ns.max_batched_tokens)
             _run(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape)))
         except (PolicyError, ValueError, RuntimeError, OSError) as exc:

@@ -57,6 +57,7 @@ class PoolShape:
     model: str | None = None
     hardware: str | None = None
     no_quota: bool = False
+    max_batched_tokens: int | None = None
 
     def apply(self, raw: dict[str, Any]) -> bool:
         """Rewrite the policy document in place; True when anything changed."""
@@ -86,7 +87,8 @@ class PoolShape:
                               + [{"url": "http://127.0.0.1:0/v1", "role": "decode"}] * d)
             m["endpoints"] = [dict(e) for e in m["endpoints"]]
             changed = True
-        for flag, key in ((self.model, "model"), (self.hardware, "hardware")):
+        for flag, key in ((self.model, "model"), (self.hardware, "hardware"),
+                          (self.max_batched_tokens, "max_num_batched_tokens")):
             if flag:
                 m.setdefault("backend", {})[key] = flag
                 changed = True
@@ -171,6 +173,8 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
                    "--port", str(u.port), "--model", m.backend.model, "--hardware",
                    m.backend.hardware, "--served-model-name", m.upstream_name,
                    "--time-scale", str(cfg.time_scale), "--role", ep.role]
+            if m.backend.max_num_batched_tokens:
+                cmd += ["--max-num-batched-tokens", str(m.backend.max_num_batched_tokens)]
             cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
             log.close()
             urls.append(f"{u.scheme}://{u.netloc}")

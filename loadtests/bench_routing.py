@@ -78,6 +78,8 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
            "--time-scale", "1", "--log-dir", str(log_dir), *shape]
     if args.index:
         cmd += ["--index", args.index]
+    if args.max_batched_tokens:
+        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     with open(log_dir / "up.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -205,6 +207,8 @@ def main() -> None:
     p.add_argument("--pd", default=None, help="also compare P:D disaggregated vs aggregated")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--hardware", default="h100-sxm")
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="the backends' chunked-prefill budget per step")
     p.add_argument("--index", choices=("approximate", "precise"), default=None)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)

@@ -93,6 +93,7 @@ class BackendSpec:
 
     model: str = "llama-3-8b"
     hardware: str = "h100-sxm"
+    max_num_batched_tokens: int | None = None  # the engine's per-step token budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +284,12 @@ def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
     kw["limits"] = d.limits(m.get("limits"), f"{path}.limits")
     if "backend" in m:
-        bm = d.mapping(m["backend"], f"{path}.backend", {"model", "hardware"})
-        kw["backend"] = BackendSpec(**{k: d.string(v, f"{path}.backend.{k}")
-                                       for k, v in bm.items()})
+        bm = d.mapping(m["backend"], f"{path}.backend",
+                       {"model", "hardware", "max_num_batched_tokens"})
+        bkw: dict[str, Any] = {
+            k: d.integer(v, f"{path}.backend.{k}") if k == "max_num_batched_tokens"
+            else d.string(v, f"{path}.backend.{k}") for k, v in bm.items()}
+        kw["backend"] = BackendSpec(**bkw)
     if "routing" in m:
         kw["routing"] = _routing(d, m["routing"], f"{path}.routing")
     return Model(name, tuple(eps), **kw)

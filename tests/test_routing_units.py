@@ -1,0 +1,340 @@
+"""Routing units: block hashing, the prefix indexes, plugins, the PD decider, endpoint scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backend.kv_hash import extend_block_hashes, root_hash
+from backend.tokenizer import Tokenizer
+from gateway.config.policy import parse_policy
+from gateway.endpoints import EndpointPool, EndpointState
+from gateway.routing import plugins
+from gateway.routing.fleet import Fleet, parse_vllm_metrics
+from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
+from gateway.routing.prefix import ApproxIndex, PreciseIndex, PromptHasher, block_hashes
+from gateway.routing.router import Router
+from gateway.tokenize import TokenCounter
+from gateway.up import PoolShape
+from predictor.features import FEATURES, EndpointSnapshot, build_matrix
+
+ROOT = root_hash("llama-3-8b")
+
+
+# -- block hashing ----------------------------------------------------------------------------
+
+def test_only_full_blocks_are_hashed_and_hashes_chain() -> None:
+    ids = list(range(100, 164))
+    assert len(block_hashes(ids[:15], 16, ROOT)) == 0
+    assert len(block_hashes(ids[:31], 16, ROOT)) == 1
+    assert len(block_hashes(ids[:32], 16, ROOT)) == 2
+    base = block_hashes(ids, 16, ROOT)
+    changed = list(ids)
+    changed[3] += 1  # a token of the first block: every later hash changes (chaining)
+    assert all(a != b for a, b in zip(base, block_hashes(changed, 16, ROOT), strict=True))
+    changed = list(ids)
+    changed[40] += 1  # third block: the first two stay
+    other = block_hashes(changed, 16, ROOT)
+    assert other[:2] == base[:2] and other[2] != base[2] and other[3] != base[3]
+
+
+def test_model_and_salt_separate_caches() -> None:
+    ids = list(range(500, 564))
+    plain = block_hashes(ids, 16, ROOT)
+    assert set(plain).isdisjoint(block_hashes(ids, 16, root_hash("llama-3-70b")))
+    assert set(plain).isdisjoint(block_hashes(ids, 16, ROOT, salt="tenant-a"))
+    assert block_hashes(ids, 16, ROOT, salt="t") == block_hashes(ids, 16, ROOT, salt="t")
+
+
+def test_gateway_hashes_equal_the_backends(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)
+    theirs: list[Any] = []
+    extend_block_hashes(theirs, ids, 16, ROOT, "salt")
+    assert block_hashes(ids, 16, ROOT, "salt") == theirs
+
+
+def test_chat_hashes_are_incremental_and_match_the_backend_template(
+        tokenizer: Tokenizer) -> None:
+    counter = TokenCounter(tokenizer)
+    hasher = PromptHasher("llama-3-8b", 16)
+    msgs: list[dict[str, str]] = [{"role": "system", "content": "You are terse. " * 30}]
+
+    async def go() -> None:
+        for turn in range(6):
+            msgs.append({"role": "user", "content": f"question {turn} " + "detail " * 25})
+            hashes, n = await hasher.chat(counter, msgs)
+            ids = tokenizer.chat_ids(msgs)
+            assert n == len(ids) == await counter.chat(msgs)
+            assert hashes == block_hashes(ids, 16, hasher.root)
+            msgs.append({"role": "assistant", "content": "answer " * (7 + turn)})
+
+    before = hasher.blocks_hashed
+    asyncio.run(go())
+    # Every turn hashed only what it added: far fewer blocks than re-hashing each prompt.
+    total_blocks = sum(len(tokenizer.chat_ids(msgs[:k])) // 16 for k in range(2, 13, 2))
+    assert hasher.blocks_hashed - before < total_blocks / 2
+
+
+# -- indexes ------------------------------------------------------------------------------------
+
+def test_approx_index_longest_prefix_and_lru_eviction() -> None:
+    idx = ApproxIndex()
+    idx.set_capacity("a", 6)
+    p = [1, 2, 3, 4]
+    idx.record("a", p)
+    assert idx.matched("a", [1, 2, 3, 4, 5]) == 4
+    assert idx.matched("a", [1, 2, 9]) == 2
+    assert idx.matched("a", [9, 1]) == 0
+    assert idx.matched("b", p) == 0
+    idx.record("a", [10, 11, 12])  # 7 blocks > 6: the oldest prompt's tail goes first
+    assert idx.size("a") == 6
+    assert idx.matched("a", p) == 3
+    assert idx.matched("a", [10, 11, 12]) == 3
+    idx.forget("a")
+    assert idx.matched("a", [10]) == 0
+
+
+def test_precise_index_follows_kv_events() -> None:
+    idx = PreciseIndex()
+    idx.apply("a", [{"type": "BlockStored", "block_hashes": [1, 2, 3]}])
+    assert idx.matched("a", [1, 2, 3, 4]) == 3
+    idx.record("a", [1, 2, 3, 4])  # decisions do not change the precise view
+    assert idx.matched("a", [1, 2, 3, 4]) == 3
+    idx.apply("a", [{"type": "BlockRemoved", "block_hashes": [3]}])
+    assert idx.matched("a", [1, 2, 3]) == 2
+    idx.apply("a", [{"type": "AllBlocksCleared", "block_hashes": []}])
+    assert idx.matched("a", [1]) == 0
+    idx.reset("a", [7, 8])
+    assert idx.matched("a", [7, 8, 9]) == 2
+
+
+# -- plugins ------------------------------------------------------------------------------------
+
+def cands(*spec: dict[str, Any]) -> list[Candidate]:
+    out = []
+    for i, s in enumerate(spec):
+        ep = EndpointState(f"http://e{i}", in_flight=s.get("in_flight", 0),
+                           kv_usage=s.get("kv", 0.0), waiting=s.get("waiting", 0.0))
+        out.append(Candidate(ep, s.get("cached", 0), 100 - s.get("cached", 0),
+                             s.get("ttft", math.nan), s.get("tpot", math.nan)))
+    return out
+
+
+REQ = RequestInfo(prompt_tokens=100, expected_output=10)
+
+
+@pytest.mark.parametrize(("scorer", "spec", "expected"), [
+    ("least_request", [{"in_flight": 0}, {"in_flight": 2}, {"in_flight": 4}], [1.0, 0.5, 0.0]),
+    ("least_request", [{"in_flight": 3}, {"in_flight": 3}], [1.0, 1.0]),
+    ("queue", [{"waiting": 5}, {"waiting": 0}], [0.0, 1.0]),
+    ("kv_free", [{"kv": 0.25}, {"kv": 1.0}], [0.75, 0.0]),
+    ("prefix", [{"cached": 0}, {"cached": 50}, {"cached": 99}], [0.0, 0.5, 0.99]),
+    ("predicted_ttft", [{"ttft": 100.0}, {"ttft": 200.0}, {"ttft": 400.0}], [1.0, 0.5, 0.25]),
+    ("predicted_tpot", [{"tpot": 10.0}, {"tpot": 40.0}], [1.0, 0.25]),
+])
+def test_scorers_are_normalised(scorer: str, spec: list[dict[str, Any]],
+                                expected: list[float]) -> None:
+    got = plugins.SCORERS[scorer](REQ, cands(*spec))
+    assert np.allclose(got, expected)
+    assert ((got >= 0) & (got <= 1)).all()
+
+
+def test_bounded_load_keeps_a_hot_prefix_from_piling_on() -> None:
+    # Endpoint 0 holds the whole prompt but already has 6 of the 8 requests in flight.
+    cs = cands({"cached": 99, "in_flight": 6}, {"in_flight": 1}, {"in_flight": 1})
+    kept = plugins.bounded_load(REQ, cs, PluginConfig(load_factor=1.5))
+    assert [c.ep.url for c in kept] == ["http://e1", "http://e2"]
+    pick, _ = plugins.run(plugins.STRATEGIES["prefix"], REQ, cs, random.Random(0),
+                          PluginConfig(load_factor=1.5))
+    assert pick.ep.url != "http://e0"
+    # Without the load, affinity wins.
+    cs = cands({"cached": 99, "in_flight": 1}, {"in_flight": 1}, {"in_flight": 0})
+    pick, _ = plugins.run(plugins.STRATEGIES["prefix"], REQ, cs, random.Random(0),
+                          PluginConfig(load_factor=1.5))
+    assert pick.ep.url == "http://e0"
+
+
+def test_slo_filter_never_leaves_nothing() -> None:
+    req = RequestInfo(100, 10, slo_tpot_ms=20.0)
+    cs = cands({"ttft": 50.0, "tpot": 30.0}, {"ttft": 500.0, "tpot": 15.0})
+    pick, _ = plugins.run(plugins.STRATEGIES["predicted"], req, cs, random.Random(0),
+                          PluginConfig())
+    assert pick.ep.url == "http://e1"  # the fast-TTFT endpoint would break the TPOT SLO
+    cs = cands({"ttft": 50.0, "tpot": 30.0}, {"ttft": 500.0, "tpot": 35.0})
+    pick, _ = plugins.run(plugins.STRATEGIES["predicted"], req, cs, random.Random(0),
+                          PluginConfig())
+    assert pick.ep.url == "http://e0"  # nobody meets it: the least bad by TTFT
+
+
+def test_pickers_round_robin_and_seeded_ties() -> None:
+    cfg = PluginConfig()
+    cs = cands({}, {}, {})
+    seen = [plugins.round_robin(cs, np.zeros(3), random.Random(0), cfg).ep.url
+            for _ in range(6)]
+    assert seen == ["http://e0", "http://e1", "http://e2"] * 2
+    a = [plugins.max_score(cs, np.ones(3), random.Random(7), cfg).ep.url for _ in range(5)]
+    rng = random.Random(7)
+    b = [plugins.max_score(cs, np.ones(3), rng, cfg).ep.url for _ in range(1)]
+    assert a[0] == b[0]
+    picks = {plugins.max_score(cs, np.ones(3), rng, cfg).ep.url for _ in range(50)}
+    assert len(picks) == 3  # ties spread, not always the first
+
+
+# -- router: features and the PD decider ------------------------------------------------------
+
+def pool_policy(roles: list[str], **routing: Any) -> tuple[EndpointPool, Fleet]:
+    doc = {"version": 1, "models": {"m": {
+        "endpoints": [{"url": f"http://127.0.0.1:{9000 + i}/v1", "role": r,
+                       "hardware": "h100-sxm"} for i, r in enumerate(roles)],
+        "routing": {"block_size": 16, **routing}}},
+        "tenants": {"t": {"keys": [{"sha256": "0" * 64}]}},
+        "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    m = parse_policy(doc).models["m"]
+    fleet = Fleet()
+    eps = [fleet.endpoint(e.url, None, e.role, e.hardware) for e in m.endpoints]
+    return EndpointPool(m, eps), fleet
+
+
+def test_feature_matrix_columns() -> None:
+    x = build_matrix(1000, [400, 1000], [EndpointSnapshot(kv_usage=0.5, running=3, waiting=1,
+                                                          in_flight=2, prefill_tokens=800,
+                                                          decoding=1, role="decode",
+                                                          hw_bandwidth_tbs=3.35,
+                                                          hw_tflops=989.0),
+                                         EndpointSnapshot()])
+    assert x.shape == (2, len(FEATURES))
+    row = dict(zip(FEATURES, x[0], strict=True))
+    assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "kv_usage": 0.5,
+                   "running": 3, "waiting": 1, "in_flight": 2, "prefill_tokens": 800,
+                   "decoding": 1, "role": 2.0, "hw_bandwidth_tbs": 3.35, "hw_tflops": 989.0}
+
+
+def test_router_builds_features_from_live_and_scraped_state() -> None:
+    from predictor.online import OnlinePredictor
+
+    pool, fleet = pool_policy(["both", "both"])
+    pool.endpoints[0].waiting, pool.endpoints[0].kv_usage = 2.0, 0.4
+    EndpointPool.acquire(pool.endpoints[0], 500, 300)
+    router = Router(pool, fleet, OnlinePredictor())
+    hashes = block_hashes(list(range(64)), 16, router.hasher().root)
+    fleet.approx.record(pool.endpoints[1].url, hashes[:2])
+    d = router.decide(RequestInfo(64, 8, hashes, 16))
+    assert d is not None
+    by_url = {c.ep.url: c for c in [d.endpoint]}
+    row = dict(zip(FEATURES, d.endpoint.row if d.endpoint.row is not None else [],
+                   strict=True))
+    # The idle endpoint that caches half the prompt is predicted faster and picked.
+    assert list(by_url) == [pool.endpoints[1].url]
+    assert row["uncached_tokens"] == 32 and row["in_flight"] == 0
+    assert row["hw_tflops"] == pytest.approx(989.0)
+
+
+def test_pd_decider_prefills_remotely_unless_decode_caches_the_prompt() -> None:
+    from predictor.online import OnlinePredictor
+
+    pool, fleet = pool_policy(["prefill", "prefill", "decode"], remote_prefill_min_tokens=32)
+    router = Router(pool, fleet, OnlinePredictor())
+    hashes = block_hashes(list(range(1000)), 16, router.hasher().root)
+    EndpointPool.acquire(pool.endpoints[0], 5000, 4000)  # prefill 0 is busy
+    d = router.decide(RequestInfo(1000, 8, hashes, 16))
+    assert d is not None and d.prefill is not None
+    assert d.endpoint.ep.role == "decode" and d.prefill.ep is pool.endpoints[1]
+    assert d.predicted_ttft_ms == d.prefill.ttft_ms
+    # The decision recorded the prompt on the decode endpoint: the next identical prompt is
+    # cached there but for under 32 tokens, so it is decoded without a remote prefill.
+    d2 = router.decide(RequestInfo(1000, 8, hashes, 16))
+    assert d2 is not None and d2.prefill is None and d2.endpoint.uncached_tokens <= 32
+    # No decode endpoint at all: no decision.
+    assert router.decide(RequestInfo(1000, 8, hashes, 16), exclude=[pool.endpoints[2]]) is None
+
+
+def test_round_robin_router_still_predicts_for_the_headers() -> None:
+    from predictor.online import OnlinePredictor
+
+    pool, fleet = pool_policy(["both", "both", "both"], strategy="round_robin")
+    router = Router(pool, fleet, OnlinePredictor())
+    urls = [router.decide(RequestInfo(10, 1)).endpoint.ep.url  # type: ignore[union-attr]
+            for _ in range(6)]
+    assert urls == [e.url for e in pool.endpoints] * 2
+    d = router.decide(RequestInfo(10, 1))
+    assert d is not None and math.isfinite(d.predicted_ttft_ms)
+
+
+def test_policy_routing_section_is_strict() -> None:
+    from gateway.config.policy import PolicyError
+
+    with pytest.raises(PolicyError, match=r"models.m.routing.strategy: expected one of"):
+        pool_policy(["both"], strategy="fastest")
+    with pytest.raises(PolicyError, match=r"models.m.routing.scorers.prefx: unknown key"):
+        pool_policy(["both"], scorers={"prefx": 1})
+    with pytest.raises(PolicyError, match=r"models.m.routing.load_factor: must be at least 1"):
+        pool_policy(["both"], load_factor=0.5)
+    pool, _ = pool_policy(["both"], strategy="prefix", scorers={"prefix": 1, "queue": 2},
+                          index="precise")
+    r = pool.model.routing
+    assert r.strategy == "prefix" and dict(r.scorers or {}) == {"prefix": 1, "queue": 2}
+
+
+def test_parse_vllm_metrics(backend_factory: Any) -> None:
+    import httpx
+
+    b = backend_factory()
+    m = parse_vllm_metrics(httpx.get(f"{b.url}/metrics").text)
+    assert m["block_size"] == 16 and m["num_gpu_blocks"] > 1000
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert "vllm:prefix_cache_queries" in m
+    fleet = Fleet()
+    ep = fleet.endpoint(f"{b.url}/v1", None, "both", None)
+
+    async def scrape() -> bool:
+        try:
+            return await fleet.scrape(ep)
+        finally:
+            await fleet.close()
+
+    assert asyncio.run(scrape())
+    assert ep.block_size == 16 and ep.num_gpu_blocks == m["num_gpu_blocks"]
+
+
+def test_scrape_failures_trip_and_recovery_restores(backend_factory: Any) -> None:
+    from redis_servers import free_port
+
+    fleet = Fleet(trip_after=2)
+    dead = fleet.endpoint(f"http://127.0.0.1:{free_port()}/v1", None, "both", None)
+
+    async def go() -> None:
+        try:
+            assert not await fleet.scrape(dead)
+            assert dead.down_until == 0.0
+            assert not await fleet.scrape(dead)
+            assert dead.down_until > 0.0  # tripped: skipped by the pools until it answers
+        finally:
+            await fleet.close()
+
+    asyncio.run(go())
+
+
+def test_pool_shape_flags_rewrite_the_demo_pool() -> None:
+    raw: dict[str, Any] = {"models": {"demo-large": {"endpoints": [{"url": "http://x/v1"}]},
+                                      "demo-small": {"endpoints": [{"url": "http://y/v1"}],
+                                                     "limits": {"tpm": 5}}},
+                           "tenants": {"demo": {"keys": [], "model_limits": {"x": {}}}}}
+    assert PoolShape(pd="2:1", strategy="prefix", model="llama-3.1-8b",
+                     hardware="h200", no_quota=True).apply(raw)
+    m = raw["models"]["demo-large"]
+    assert [e["role"] for e in m["endpoints"]] == ["prefill", "prefill", "decode"]
+    assert all(e["url"] == "http://127.0.0.1:0/v1" for e in m["endpoints"])
+    assert m["routing"] == {"strategy": "prefix"}
+    assert m["backend"] == {"model": "llama-3.1-8b", "hardware": "h200"}
+    assert "limits" not in raw["models"]["demo-small"]
+    assert "model_limits" not in raw["tenants"]["demo"]
+    with pytest.raises(ValueError, match="P:D"):
+        PoolShape(pd="2").apply(raw)
+    with pytest.raises(ValueError, match="no such model"):
+        PoolShape(pool="nope", backends=2).apply(raw)
+    assert not PoolShape().apply(raw)
