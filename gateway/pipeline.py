@@ -314,6 +314,7 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
     while decision is not None:
         ep = decision.endpoint.ep
         tried.append(ep)
+        router.commit(decision, info)
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
         kv = None

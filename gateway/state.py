@@ -92,6 +92,7 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
                                                    e.hardware or m.backend.hardware)
                                     for e in m.endpoints])
              for name, m in policy.models.items()}
+    fleet.retain(e.url for m in policy.models.values() for e in m.endpoints)
     routers = {name: Router(pool, fleet, predictor) for name, pool in pools.items()}
     counters = {}
     for name, m in policy.models.items():

