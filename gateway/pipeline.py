@@ -400,9 +400,12 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     state.metrics.series("in_flight", ep.url).inc()
     state.metrics.overhead.observe(sent.sent_at - ctx.received_at)
     result = RelayResult(status=up.status)
+    decoding = False
 
     def first_token() -> None:
+        nonlocal decoding
         pool.first_token(ep, sent.prefill_tokens)
+        decoding = True
 
     try:
         async with asyncio.timeout(policy.settings.request_timeout_s):
@@ -430,8 +433,7 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 **headers, "Content-Type": up.headers.get("content-type", "application/json")})
     finally:
         up.release()
-        pool.release(ep, sent.reserved, sent.prefill_tokens,
-                     decoding=ctx.parsed.stream and result.first_token_at is not None)
+        pool.release(ep, sent.reserved, sent.prefill_tokens, decoding=decoding)
         state.metrics.series("in_flight", ep.url).dec()
         if result.broken:
             pool.failed(ep)

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,10 @@ class OnlinePredictor:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="predictor-train")
         self.trainings = 0
         self.last_train_s = 0.0
+        # TOKENGATE_PREDICTOR_DUMP=FILE appends every observation as a JSON line (features,
+        # actual and predicted): offline analysis and training from real traffic.
+        dump = os.environ.get("TOKENGATE_PREDICTOR_DUMP")
+        self._dump = open(dump, "a") if dump else None  # noqa: SIM115 - lives with the predictor
 
     # -- inference --------------------------------------------------------------------------
 
@@ -106,6 +111,11 @@ class OnlinePredictor:
     def observe(self, row: npt.NDArray[np.float64], *, ttft_ms: float | None,
                 tpot_ms: float | None, predicted_ttft_ms: float | None = None,
                 predicted_tpot_ms: float | None = None) -> None:
+        if self._dump is not None:
+            self._dump.write(json.dumps({"x": row.tolist(), "ttft": ttft_ms, "tpot": tpot_ms,
+                                         "pred_ttft": predicted_ttft_ms,
+                                         "pred_tpot": predicted_tpot_ms,
+                                         "source": self.source}) + "\n")
         for target, actual, predicted in (("ttft", ttft_ms, predicted_ttft_ms),
                                           ("tpot", tpot_ms, predicted_tpot_ms)):
             if actual is None or not math.isfinite(actual) or actual <= 0:
@@ -210,6 +220,8 @@ class OnlinePredictor:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._dump is not None:
+            self._dump.close()
 
 
 def summary(p: OnlinePredictor) -> dict[str, Any]:

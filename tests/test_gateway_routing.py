@@ -178,6 +178,8 @@ def test_predictor_learns_online_and_reports_its_error(backend_factory: Factory,
             time.sleep(0.05)
         assert gw.state.predictor.source.startswith("xgboost-v")
         stream(c, "after training " + LONG, max_tokens=4)
+        with pytest.raises(openai.BadRequestError):  # over the context: upstream says 400
+            stream(c, LONG * 16, max_tokens=4)
         gm = httpx.get(f"{gw.url}/metrics").text
         assert 'tokengate_predictor_mape{target="ttft"}' in gm
         assert 'tokengate_predictor_mape{target="tpot"}' in gm
@@ -187,7 +189,9 @@ def test_predictor_learns_online_and_reports_its_error(backend_factory: Factory,
         eps = httpx.get(f"{gw.url}/admin/endpoints",
                         headers={"Authorization": "Bearer admin-key"}).json()["big"]
         assert eps["strategy"] == "predicted"
-        assert all(e["block_size"] == 16 and e["in_flight"] == 0 for e in eps["endpoints"])
-        assert sum(e["routed"] for e in eps["endpoints"]) == 31
+        for e in eps["endpoints"]:  # every live counter is back to zero
+            assert e["block_size"] == 16
+            assert (e["in_flight"], e["prefill_tokens"], e["decoding"]) == (0, 0, 0), e
+        assert sum(e["routed"] for e in eps["endpoints"]) == 32
     finally:
         gw.close()
