@@ -18,9 +18,10 @@ all traffic).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.config.policy import Model
 
@@ -36,6 +37,7 @@ class EndpointState:
     tokens_outstanding: int = 0
     prefill_tokens: int = 0
     decoding: int = 0
+    pending: dict[int, float] = field(default_factory=dict)  # ticket -> sent, in send order
     # scraped
     kv_usage: float = 0.0
     running: float = 0.0
@@ -54,6 +56,27 @@ class EndpointState:
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
+
+    def oldest_pending_ms(self, now: float) -> float:
+        """How long the oldest request still waiting for its first token has waited."""
+        for sent in self.pending.values():
+            return max(now - sent, 0.0) * 1000.0
+        return 0.0
+
+
+_tickets = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's share of an endpoint's live counters, given back exactly once."""
+
+    ep: EndpointState
+    tokens: int
+    prefill_tokens: int
+    key: int
+    decoding: bool = False
+    released: bool = False
 
 
 class EndpointPool:
@@ -81,25 +104,40 @@ class EndpointPool:
         return healthy or left
 
     @staticmethod
-    def acquire(e: EndpointState, tokens: int, prefill_tokens: int) -> None:
+    def acquire(e: EndpointState, tokens: int, prefill_tokens: int) -> Ticket:
+        """A request is sent to ``e``: ``tokens`` reserved, ``prefill_tokens`` to compute."""
+        t = Ticket(e, tokens, prefill_tokens, next(_tickets))
         e.in_flight += 1
         e.routed += 1
         e.tokens_outstanding += tokens
         e.prefill_tokens += prefill_tokens
+        e.pending[t.key] = time.monotonic()
+        return t
 
     @staticmethod
-    def first_token(e: EndpointState, prefill_tokens: int) -> None:
-        e.prefill_tokens -= prefill_tokens
+    def first_token(t: Ticket) -> None:
+        """The request's first token arrived: its prompt is computed, it now decodes."""
+        if t.decoding or t.released:
+            return
+        t.decoding = True
+        e = t.ep
+        e.prefill_tokens -= t.prefill_tokens
         e.decoding += 1
+        e.pending.pop(t.key, None)
 
     @staticmethod
-    def release(e: EndpointState, tokens: int, prefill_tokens: int, decoding: bool) -> None:
+    def release(t: Ticket) -> None:
+        if t.released:
+            return
+        t.released = True
+        e = t.ep
         e.in_flight -= 1
-        e.tokens_outstanding -= tokens
-        if decoding:
+        e.tokens_outstanding -= t.tokens
+        if t.decoding:
             e.decoding -= 1
         else:
-            e.prefill_tokens -= prefill_tokens
+            e.prefill_tokens -= t.prefill_tokens
+            e.pending.pop(t.key, None)
 
     def succeeded(self, e: EndpointState) -> None:
         e.consecutive_failures = 0

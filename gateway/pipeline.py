@@ -24,7 +24,7 @@ from aiohttp import web
 from backend.protocol import GenerationRequest, Kind, load_json, validate
 from gateway import quota
 from gateway.config.policy import Model, Policy, Route
-from gateway.endpoints import EndpointPool, EndpointState
+from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError, bad
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult, relay_body, relay_stream
@@ -121,6 +121,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     return await _proxy(request, ctx, adm)
 
 
+# TPOT is learned and scored only over streams of at least this many tokens: over one or two
+# gaps it is a single step's time, decided by whether a prefill chunk shared that step, which
+# no feature of the endpoint can tell in advance.
+_TPOT_MIN_TOKENS = 8
 _FLEX_OVERLOAD_MS = 2000.0  # flex requests wait, then are shed, above this predicted TTFT
 _PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                    "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
@@ -166,8 +170,7 @@ class _Sent:
     up: UpstreamResponse
     decision: Decision
     pool: EndpointPool
-    reserved: int  # tokens counted in the endpoint's outstanding total
-    prefill_tokens: int  # uncached tokens counted as waiting for prefill there
+    ticket: Ticket  # this request's share of the endpoint's live counters
     sent_at: float
     prefill_used: bool = False
 
@@ -263,7 +266,7 @@ async def _remote_prefill(state: GatewayState, ctx: _Ctx, m: Model, pool: Endpoi
     if ep.api_key:
         headers["Authorization"] = f"Bearer {ep.api_key}"
     path = "/chat/completions" if ctx.kind == "chat" else "/completions"
-    pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
+    ticket = pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
     try:
         up = await asyncio.wait_for(
             state.upstream.post(ep.url + path, _prefill_body(ctx, m), headers,
@@ -278,7 +281,7 @@ async def _remote_prefill(state: GatewayState, ctx: _Ctx, m: Model, pool: Endpoi
         log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)
         params = None
     finally:
-        pool.release(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens, False)
+        pool.release(ticket)
     if not isinstance(params, dict):
         pool.failed(ep)
         state.metrics.series("upstream_errors", ep.url, "prefill").inc()
@@ -327,7 +330,7 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
         if ep.api_key:
             headers["Authorization"] = f"Bearer {ep.api_key}"
         tokens = info.prompt_tokens + reserved
-        pool.acquire(ep, tokens, prefill_tokens)
+        ticket = pool.acquire(ep, tokens, prefill_tokens)
         sent_at = time.perf_counter()
         try:
             up = await asyncio.wait_for(
@@ -335,14 +338,17 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
                                     connect_timeout_s=s.connect_timeout_s),
                 s.request_timeout_s)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            pool.release(ep, tokens, prefill_tokens, False)
+            pool.release(ticket)
             pool.failed(ep)
             state.metrics.series("upstream_errors", ep.url, "connect").inc()
             log.warning("endpoint %s failed: %s", ep.url, exc)
             decision = router.decide(info, tried)
             continue
+        except BaseException:  # cancelled (the client left): give the counters back
+            pool.release(ticket)
+            raise
         if up.status in _RETRY_STATUSES:
-            pool.release(ep, tokens, prefill_tokens, False)
+            pool.release(ticket)
             pool.failed(ep)
             state.metrics.series("upstream_errors", ep.url, str(up.status)).inc()
             last = APIError(502 if up.status >= 500 else 429,
@@ -354,7 +360,7 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
             continue
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return _Sent(up, decision, pool, tokens, prefill_tokens, sent_at, kv is not None)
+        return _Sent(up, decision, pool, ticket, sent_at, kv is not None)
     return last
 
 
@@ -400,12 +406,9 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     state.metrics.series("in_flight", ep.url).inc()
     state.metrics.overhead.observe(sent.sent_at - ctx.received_at)
     result = RelayResult(status=up.status)
-    decoding = False
 
     def first_token() -> None:
-        nonlocal decoding
-        pool.first_token(ep, sent.prefill_tokens)
-        decoding = True
+        pool.first_token(sent.ticket)
 
     try:
         async with asyncio.timeout(policy.settings.request_timeout_s):
@@ -433,7 +436,7 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 **headers, "Content-Type": up.headers.get("content-type", "application/json")})
     finally:
         up.release()
-        pool.release(ep, sent.reserved, sent.prefill_tokens, decoding=decoding)
+        pool.release(sent.ticket)
         state.metrics.series("in_flight", ep.url).dec()
         if result.broken:
             pool.failed(ep)
@@ -461,7 +464,7 @@ def _observe(ctx: _Ctx, r: RelayResult, sent: _Sent) -> None:
     state, d = ctx.state, sent.decision
     ttft_ms = (r.first_token_at - sent.sent_at) * 1000.0
     tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
-               if r.last_token_at is not None and r.chunks > 1 else None)
+               if r.last_token_at is not None and r.chunks >= _TPOT_MIN_TOKENS else None)
     lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
     if lead.row is not None:
         state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,

@@ -5,12 +5,15 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ==========================  ====================================================================
 ``prompt_tokens``           prompt length of the request
 ``uncached_tokens``         prompt tokens the endpoint is expected to compute (prefix index)
+``expected_output``         ``max_tokens`` (or the model's default): how long it will decode
 ``kv_usage``                endpoint KV-cache usage in [0, 1] (scraped ``vllm:kv_cache_usage_perc``)
 ``running``                 requests in the endpoint's batch (scraped ``num_requests_running``)
 ``waiting``                 requests queued at the endpoint (scraped ``num_requests_waiting``)
 ``in_flight``               requests this gateway has in flight to the endpoint (live)
 ``prefill_tokens``          uncached prompt tokens sent there and not yet answered (live)
 ``decoding``                this gateway's sequences decoding there (first token seen) (live)
+``oldest_pending_ms``       how long the oldest request awaiting its first token there has
+                            waited (live): how far the prefill queue's head has progressed
 ``role``                    0 aggregated, 1 prefill, 2 decode
 ``hw_bandwidth_tbs``        accelerator HBM bandwidth, TB/s (hardware class; 0 when unknown)
 ``hw_tflops``               accelerator dense BF16 peak, TFLOP/s (0 when unknown)
@@ -28,8 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 FEATURES: tuple[str, ...] = (
-    "prompt_tokens", "uncached_tokens", "kv_usage", "running", "waiting", "in_flight",
-    "prefill_tokens", "decoding", "role", "hw_bandwidth_tbs", "hw_tflops",
+    "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
+    "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "role", "hw_bandwidth_tbs",
+    "hw_tflops",
 )
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
 F = {name: i for i, name in enumerate(FEATURES)}
@@ -45,17 +49,19 @@ class EndpointSnapshot:
     in_flight: float = 0.0
     prefill_tokens: float = 0.0
     decoding: float = 0.0
+    oldest_pending_ms: float = 0.0
     role: str = "both"
     hw_bandwidth_tbs: float = 0.0
     hw_tflops: float = 0.0
 
 
-def build_matrix(prompt_tokens: int, uncached: list[int] | npt.NDArray[np.int64],
+def build_matrix(prompt_tokens: int, expected_output: int,
+                 uncached: list[int] | npt.NDArray[np.int64],
                  endpoints: list[EndpointSnapshot]) -> npt.NDArray[np.float64]:
     """One row per candidate endpoint, columns in ``FEATURES`` order."""
     x = np.empty((len(endpoints), len(FEATURES)), dtype=np.float64)
     for i, e in enumerate(endpoints):
-        x[i] = (prompt_tokens, uncached[i], e.kv_usage, e.running, e.waiting, e.in_flight,
-                e.prefill_tokens, e.decoding, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs,
-                e.hw_tflops)
+        x[i] = (prompt_tokens, uncached[i], expected_output, e.kv_usage, e.running, e.waiting,
+                e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
+                ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs, e.hw_tflops)
     return x

@@ -41,15 +41,19 @@ TARGETS = ("ttft", "tpot")
 
 @dataclass(frozen=True, slots=True)
 class Models:
+    """One version of the learned models; a target without enough samples yet has none and
+    keeps the analytic estimate."""
+
     version: int
-    ttft: CompiledTrees
-    tpot: CompiledTrees
+    ttft: CompiledTrees | None
+    tpot: CompiledTrees | None
     raw: dict[str, str]  # target -> XGBoost model JSON
     samples: int
 
     @classmethod
     def from_raw(cls, version: int, raw: dict[str, str], samples: int = 0) -> Models:
-        return cls(version, CompiledTrees(raw["ttft"]), CompiledTrees(raw["tpot"]), raw, samples)
+        return cls(version, CompiledTrees(raw["ttft"]) if "ttft" in raw else None,
+                   CompiledTrees(raw["tpot"]) if "tpot" in raw else None, raw, samples)
 
     def to_json(self) -> bytes:
         return json.dumps({"version": self.version, "features": list(FEATURES),
@@ -71,7 +75,7 @@ class TrainConfig:
     max_depth: int = 6
     eta: float = 0.15
     per_bucket: int = 512
-    window: int = 1000  # observations in the rolling error
+    window: int = 500  # observations in the rolling error
 
 
 class OnlinePredictor:
@@ -100,11 +104,16 @@ class OnlinePredictor:
         m = self.models  # one read: a concurrent swap cannot mix two versions
         if m is None:
             return analytic.predict_ttft_ms(x), analytic.predict_tpot_ms(x)
-        return np.exp(m.ttft.predict(x)), np.exp(m.tpot.predict(x))
+        ttft = np.exp(m.ttft.predict(x)) if m.ttft else analytic.predict_ttft_ms(x)
+        tpot = np.exp(m.tpot.predict(x)) if m.tpot else analytic.predict_tpot_ms(x)
+        return ttft, tpot
 
     @property
     def source(self) -> str:
-        return "analytic" if self.models is None else f"xgboost-v{self.models.version}"
+        m = self.models
+        if m is None:
+            return "analytic"
+        return f"xgboost-v{m.version}" + ("" if m.ttft and m.tpot else "-partial")
 
     # -- observations -----------------------------------------------------------------------
 
@@ -150,12 +159,13 @@ class OnlinePredictor:
     # -- training ---------------------------------------------------------------------------
 
     def ready_to_train(self) -> bool:
-        n = min(len(b) for b in self.buffers.values())
+        n = max(len(b) for b in self.buffers.values())
         added = sum(b.added for b in self.buffers.values())
         return n >= self.config.min_samples and added > self._trained_at_count
 
     def train_now(self) -> Models | None:
-        """Fit both models on the current buffers and swap them in (call from a thread)."""
+        """Fit a model for every target with enough samples and swap the set in (call from a
+        thread)."""
         import xgboost as xgb
 
         added = sum(b.added for b in self.buffers.values())
@@ -164,7 +174,7 @@ class OnlinePredictor:
         for target in TARGETS:
             x, y = self.buffers[target].arrays()
             if len(y) < self.config.min_samples:
-                return None
+                continue
             n += len(y)
             booster = xgb.train(
                 {"max_depth": self.config.max_depth, "eta": self.config.eta, "nthread": 1,
@@ -172,6 +182,8 @@ class OnlinePredictor:
                  "seed": 0, "verbosity": 0},
                 xgb.DMatrix(x, label=y, feature_names=list(FEATURES)), self.config.rounds)
             raw[target] = bytes(booster.save_raw("json")).decode()
+        if not raw:
+            return None
         version = (self.models.version if self.models else 0) + 1
         models = Models.from_raw(version, raw, n)
         self.models = models

@@ -172,12 +172,12 @@ def test_predictor_learns_online_and_reports_its_error(backend_factory: Factory,
     try:
         c = client(gw)
         for i in range(30):
-            stream(c, f"{i} " + LONG[: 40 * (1 + i % 10)], max_tokens=4)
+            stream(c, f"{i} " + LONG[: 40 * (1 + i % 10)], max_tokens=8)
         deadline = time.monotonic() + 10
         while gw.state.predictor.models is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert gw.state.predictor.source.startswith("xgboost-v")
-        stream(c, "after training " + LONG, max_tokens=4)
+        stream(c, "after training " + LONG, max_tokens=8)
         with pytest.raises(openai.BadRequestError):  # over the context: upstream says 400
             stream(c, LONG * 16, max_tokens=4)
         gm = httpx.get(f"{gw.url}/metrics").text

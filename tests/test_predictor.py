@@ -61,6 +61,18 @@ def test_compiled_trees_match_xgboost_including_missing_values() -> None:
     assert c.n_trees == 50 and c.depth <= 6
 
 
+def test_a_target_without_samples_keeps_the_analytic_estimate() -> None:
+    p = OnlinePredictor(TrainConfig(min_samples=100))
+    x, ttft, _ = world(300)
+    for i in range(300):  # only TTFT observations (e.g. every stream was short)
+        p.observe(x[i], ttft_ms=float(ttft[i]), tpot_ms=None)
+    assert p.ready_to_train() and p.train_now() is not None
+    assert p.source == "xgboost-v1-partial"
+    pt, pp = p.predict(x[:5])
+    assert np.array_equal(pp, analytic.predict_tpot_ms(x[:5]))
+    assert not np.allclose(pt, analytic.predict_ttft_ms(x[:5]))
+
+
 def test_analytic_fallback_before_the_first_model() -> None:
     p = OnlinePredictor()
     assert p.source == "analytic" and p.models is None

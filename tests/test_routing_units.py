@@ -201,17 +201,17 @@ def pool_policy(roles: list[str], **routing: Any) -> tuple[EndpointPool, Fleet]:
 
 
 def test_feature_matrix_columns() -> None:
-    x = build_matrix(1000, [400, 1000], [EndpointSnapshot(kv_usage=0.5, running=3, waiting=1,
-                                                          in_flight=2, prefill_tokens=800,
-                                                          decoding=1, role="decode",
-                                                          hw_bandwidth_tbs=3.35,
-                                                          hw_tflops=989.0),
-                                         EndpointSnapshot()])
+    x = build_matrix(1000, 64, [400, 1000], [
+        EndpointSnapshot(kv_usage=0.5, running=3, waiting=1, in_flight=2, prefill_tokens=800,
+                         decoding=1, oldest_pending_ms=12.5, role="decode",
+                         hw_bandwidth_tbs=3.35, hw_tflops=989.0),
+        EndpointSnapshot()])
     assert x.shape == (2, len(FEATURES))
     row = dict(zip(FEATURES, x[0], strict=True))
-    assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "kv_usage": 0.5,
-                   "running": 3, "waiting": 1, "in_flight": 2, "prefill_tokens": 800,
-                   "decoding": 1, "role": 2.0, "hw_bandwidth_tbs": 3.35, "hw_tflops": 989.0}
+    assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "expected_output": 64,
+                   "kv_usage": 0.5, "running": 3, "waiting": 1, "in_flight": 2,
+                   "prefill_tokens": 800, "decoding": 1, "oldest_pending_ms": 12.5,
+                   "role": 2.0, "hw_bandwidth_tbs": 3.35, "hw_tflops": 989.0}
 
 
 def test_router_builds_features_from_live_and_scraped_state() -> None:
@@ -231,6 +231,7 @@ def test_router_builds_features_from_live_and_scraped_state() -> None:
     # The idle endpoint that caches half the prompt is predicted faster and picked.
     assert list(by_url) == [pool.endpoints[1].url]
     assert row["uncached_tokens"] == 32 and row["in_flight"] == 0
+    assert row["expected_output"] == 8 and row["oldest_pending_ms"] == 0
     assert row["hw_tflops"] == pytest.approx(989.0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
 from gateway.routing.prefix import PromptHasher
 from gateway.tokenize import TokenCounter
-from predictor.features import ROLE_CODE
+from predictor.features import FEATURES, ROLE_CODE
 from predictor.online import OnlinePredictor
 
 _DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
@@ -129,13 +130,14 @@ class Router:
                  ) -> None:
         if self.predictor is None or not cands:
             return
-        x = np.empty((len(cands), 11), dtype=np.float64)
+        x = np.empty((len(cands), len(FEATURES)), dtype=np.float64)
+        now = time.monotonic()
         for i, c in enumerate(cands):
             e = c.ep
             bw, tf = _hw(e.hardware)
-            x[i] = (req.prompt_tokens, c.uncached_tokens, e.kv_usage, e.running, e.waiting,
-                    e.in_flight, e.prefill_tokens, e.decoding,
-                    ROLE_CODE.get(role or e.role, 0.0), bw, tf)
+            x[i] = (req.prompt_tokens, c.uncached_tokens, req.expected_output, e.kv_usage,
+                    e.running, e.waiting, e.in_flight, e.prefill_tokens, e.decoding,
+                    e.oldest_pending_ms(now), ROLE_CODE.get(role or e.role, 0.0), bw, tf)
         ttft, tpot = self.predictor.predict(x)
         for i, c in enumerate(cands):
             c.ttft_ms, c.tpot_ms, c.row = float(ttft[i]), float(tpot[i]), x[i]
