@@ -37,7 +37,10 @@ class EndpointState:
     tokens_outstanding: int = 0
     prefill_tokens: int = 0
     decoding: int = 0
-    pending: dict[int, float] = field(default_factory=dict)  # ticket -> sent, in send order
+    # ticket -> (sent, prefill tokens) of requests awaiting their first token, in send order
+    pending: dict[int, tuple[float, int]] = field(default_factory=dict)
+    prefill_rate: float = 0.0  # tokens/ms, EWMA of head-of-queue prefills observed
+    head_done_at: float = 0.0  # when the last head-of-queue request got its first token
     # scraped
     kv_usage: float = 0.0
     running: float = 0.0
@@ -59,9 +62,39 @@ class EndpointState:
 
     def oldest_pending_ms(self, now: float) -> float:
         """How long the oldest request still waiting for its first token has waited."""
-        for sent in self.pending.values():
+        for sent, _ in self.pending.values():
             return max(now - sent, 0.0) * 1000.0
         return 0.0
+
+    def prefill_queue_ms(self, now: float) -> float:
+        """Estimated prefill work ahead of a new request, in ms: the uncached tokens awaiting
+        their first token, less what the queue's head has likely computed since it started
+        (at the observed prefill rate), over that rate. A virtual queue: exact counters,
+        one learned rate."""
+        if not self.pending:
+            return 0.0
+        rate = self.prefill_rate or DEFAULT_PREFILL_RATE
+        sent, tokens = next(iter(self.pending.values()))
+        done = min(float(tokens), rate * max(now - max(sent, self.head_done_at), 0.0) * 1e3)
+        return max(self.prefill_tokens - done, 0.0) / rate
+
+    def prefill_done(self, key: int, tokens: int, now: float) -> None:
+        """A request got its first token; if it headed the queue, learn the prefill rate."""
+        entry = self.pending.pop(key, None)
+        if entry is None:
+            return
+        if not self.pending or next(iter(self.pending)) > key:  # it was the head
+            span_ms = (now - max(entry[0], self.head_done_at)) * 1e3
+            if tokens >= RATE_MIN_TOKENS and span_ms > 0:
+                sample = tokens / span_ms
+                self.prefill_rate = sample if not self.prefill_rate else (
+                    (1 - RATE_ALPHA) * self.prefill_rate + RATE_ALPHA * sample)
+            self.head_done_at = now
+
+
+DEFAULT_PREFILL_RATE = 30.0  # tokens/ms before any observation (an 8B model on one H100)
+RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
+RATE_ALPHA = 0.2
 
 
 _tickets = itertools.count(1)
@@ -111,7 +144,7 @@ class EndpointPool:
         e.routed += 1
         e.tokens_outstanding += tokens
         e.prefill_tokens += prefill_tokens
-        e.pending[t.key] = time.monotonic()
+        e.pending[t.key] = (time.monotonic(), prefill_tokens)
         return t
 
     @staticmethod
@@ -123,7 +156,7 @@ class EndpointPool:
         e = t.ep
         e.prefill_tokens -= t.prefill_tokens
         e.decoding += 1
-        e.pending.pop(t.key, None)
+        e.prefill_done(t.key, t.prefill_tokens, time.monotonic())
 
     @staticmethod
     def release(t: Ticket) -> None:

@@ -14,6 +14,9 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ``decoding``                this gateway's sequences decoding there (first token seen) (live)
 ``oldest_pending_ms``       how long the oldest request awaiting its first token there has
                             waited (live): how far the prefill queue's head has progressed
+``prefill_queue_ms``        the endpoint's virtual prefill queue (live): uncached tokens
+                            awaiting a first token, less the head's likely progress, over
+                            the prefill rate observed there
 ``role``                    0 aggregated, 1 prefill, 2 decode
 ``hw_bandwidth_tbs``        accelerator HBM bandwidth, TB/s (hardware class; 0 when unknown)
 ``hw_tflops``               accelerator dense BF16 peak, TFLOP/s (0 when unknown)
@@ -32,8 +35,8 @@ import numpy.typing as npt
 
 FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
-    "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "role", "hw_bandwidth_tbs",
-    "hw_tflops",
+    "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms", "role",
+    "hw_bandwidth_tbs", "hw_tflops",
 )
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
 F = {name: i for i, name in enumerate(FEATURES)}
@@ -50,6 +53,7 @@ class EndpointSnapshot:
     prefill_tokens: float = 0.0
     decoding: float = 0.0
     oldest_pending_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
     role: str = "both"
     hw_bandwidth_tbs: float = 0.0
     hw_tflops: float = 0.0
@@ -63,5 +67,5 @@ def build_matrix(prompt_tokens: int, expected_output: int,
     for i, e in enumerate(endpoints):
         x[i] = (prompt_tokens, uncached[i], expected_output, e.kv_usage, e.running, e.waiting,
                 e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
-                ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs, e.hw_tflops)
+                e.prefill_queue_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs, e.hw_tflops)
     return x

@@ -200,10 +200,34 @@ def pool_policy(roles: list[str], **routing: Any) -> tuple[EndpointPool, Fleet]:
     return EndpointPool(m, eps), fleet
 
 
+def test_virtual_prefill_queue_learns_the_rate_and_discounts_the_head() -> None:
+    import time as _time
+
+    e = EndpointState("http://e")
+    a = EndpointPool.acquire(e, 4000, 3000)
+    b = EndpointPool.acquire(e, 2000, 1000)
+    now = _time.monotonic()
+    # Nothing observed yet: the default rate; the head has had ~0 ms to progress.
+    assert e.prefill_queue_ms(now) == pytest.approx(4000 / 30.0, rel=0.01)
+    # The head's first token arrives 100 ms after it was sent: 30 tokens/ms observed.
+    sent_a = e.pending[a.key][0]
+    e.prefill_done(a.key, 3000, sent_a + 0.1)
+    assert e.prefill_rate == pytest.approx(30.0)
+    e.prefill_tokens -= 3000
+    # b is the head now, started when a finished: 10 ms later a third of it is done.
+    assert e.prefill_queue_ms(sent_a + 0.11) == pytest.approx((1000 - 300) / 30.0)
+    assert e.prefill_queue_ms(sent_a + 1.0) == 0.0
+    # A request finishing out of order teaches nothing about the head's rate.
+    c = EndpointPool.acquire(e, 600, 600)
+    e.prefill_done(c.key, 600, sent_a + 0.2)
+    assert e.prefill_rate == pytest.approx(30.0) and b.key in e.pending
+
+
 def test_feature_matrix_columns() -> None:
     x = build_matrix(1000, 64, [400, 1000], [
         EndpointSnapshot(kv_usage=0.5, running=3, waiting=1, in_flight=2, prefill_tokens=800,
-                         decoding=1, oldest_pending_ms=12.5, role="decode",
+                         decoding=1, oldest_pending_ms=12.5, prefill_queue_ms=40.0,
+                         role="decode",
                          hw_bandwidth_tbs=3.35, hw_tflops=989.0),
         EndpointSnapshot()])
     assert x.shape == (2, len(FEATURES))
@@ -211,7 +235,8 @@ def test_feature_matrix_columns() -> None:
     assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "expected_output": 64,
                    "kv_usage": 0.5, "running": 3, "waiting": 1, "in_flight": 2,
                    "prefill_tokens": 800, "decoding": 1, "oldest_pending_ms": 12.5,
-                   "role": 2.0, "hw_bandwidth_tbs": 3.35, "hw_tflops": 989.0}
+                   "prefill_queue_ms": 40.0, "role": 2.0, "hw_bandwidth_tbs": 3.35,
+                   "hw_tflops": 989.0}
 
 
 def test_router_builds_features_from_live_and_scraped_state() -> None:
