@@ -19,6 +19,7 @@ all traffic).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class EndpointState:
     # ticket -> (sent, prefill tokens) of requests awaiting their first token, in send order
     pending: dict[int, tuple[float, int]] = field(default_factory=dict)
     prefill_rate: float = 0.0  # tokens/ms, EWMA of head-of-queue prefills observed
+    arrivals: float = 0.0  # uncached tokens sent here, exponentially decayed (tau ARRIVAL_TAU_S)
+    arrivals_at: float = 0.0
     head_done_at: float = 0.0  # when the last head-of-queue request got its first token
     # scraped
     kv_usage: float = 0.0
@@ -78,6 +81,16 @@ class EndpointState:
         done = min(float(tokens), rate * max(now - max(sent, self.head_done_at), 0.0) * 1e3)
         return max(self.prefill_tokens - done, 0.0) / rate
 
+    def arrival_rate(self, now: float) -> float:
+        """Uncached prompt tokens sent here per second, recently (exponentially weighted over
+        ``ARRIVAL_TAU_S``): the prefill work that will share the steps of a request decoding
+        here, which is what its TPOT depends on."""
+        return self.arrivals * math.exp(-(now - self.arrivals_at) / ARRIVAL_TAU_S) / ARRIVAL_TAU_S
+
+    def add_arrival(self, tokens: int, now: float) -> None:
+        self.arrivals = self.arrivals * math.exp(-(now - self.arrivals_at) / ARRIVAL_TAU_S) + tokens
+        self.arrivals_at = now
+
     def prefill_done(self, key: int, tokens: int, now: float) -> None:
         """A request got its first token; if it headed the queue, learn the prefill rate."""
         entry = self.pending.pop(key, None)
@@ -95,6 +108,7 @@ class EndpointState:
 DEFAULT_PREFILL_RATE = 30.0  # tokens/ms before any observation (an 8B model on one H100)
 RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
 RATE_ALPHA = 0.2
+ARRIVAL_TAU_S = 5.0
 
 
 _tickets = itertools.count(1)
@@ -144,7 +158,9 @@ class EndpointPool:
         e.routed += 1
         e.tokens_outstanding += tokens
         e.prefill_tokens += prefill_tokens
-        e.pending[t.key] = (time.monotonic(), prefill_tokens)
+        now = time.monotonic()
+        e.pending[t.key] = (now, prefill_tokens)
+        e.add_arrival(prefill_tokens, now)
         return t
 
     @staticmethod

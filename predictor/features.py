@@ -17,6 +17,8 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ``prefill_queue_ms``        the endpoint's virtual prefill queue (live): uncached tokens
                             awaiting a first token, less the head's likely progress, over
                             the prefill rate observed there
+``prefill_arrivals``        uncached tokens/s recently sent there (live, decayed over 5 s):
+                            prefill work that will share a decoding request's steps
 ``role``                    0 aggregated, 1 prefill, 2 decode
 ``hw_bandwidth_tbs``        accelerator HBM bandwidth, TB/s (hardware class; 0 when unknown)
 ``hw_tflops``               accelerator dense BF16 peak, TFLOP/s (0 when unknown)
@@ -35,8 +37,8 @@ import numpy.typing as npt
 
 FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
-    "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms", "role",
-    "hw_bandwidth_tbs", "hw_tflops",
+    "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms",
+    "prefill_arrivals", "role", "hw_bandwidth_tbs", "hw_tflops",
 )
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
 F = {name: i for i, name in enumerate(FEATURES)}
@@ -54,6 +56,7 @@ class EndpointSnapshot:
     decoding: float = 0.0
     oldest_pending_ms: float = 0.0
     prefill_queue_ms: float = 0.0
+    prefill_arrivals: float = 0.0
     role: str = "both"
     hw_bandwidth_tbs: float = 0.0
     hw_tflops: float = 0.0
@@ -67,5 +70,6 @@ def build_matrix(prompt_tokens: int, expected_output: int,
     for i, e in enumerate(endpoints):
         x[i] = (prompt_tokens, uncached[i], expected_output, e.kv_usage, e.running, e.waiting,
                 e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
-                e.prefill_queue_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs, e.hw_tflops)
+                e.prefill_queue_ms, e.prefill_arrivals, ROLE_CODE.get(e.role, 0.0),
+                e.hw_bandwidth_tbs, e.hw_tflops)
     return x
