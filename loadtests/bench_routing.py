@@ -1,27 +1,30 @@
 """Routing benchmark: the same Mooncake schedule through the gateway, once per strategy.
 
-    python -m loadtests.bench_routing [--requests 1000] [--trace-scale 0.42]
-        [--strategies round_robin,least_request,prefix,predicted] [--pd 2:2]
+    python -m loadtests.bench_routing [--requests 1000] [--trace-scale 0.28] [--pd 3:1]
+        [--strategies round_robin,least_request,prefix,predicted]
 
 For each strategy a fresh ``tokengate up`` stack is started (4 reference backends simulating
-``--model`` on ``--hardware`` at time scale 1, the gateway with that strategy and no quotas),
-the first ``--requests`` of ``../shared/traces/mooncake_synthetic.jsonl`` are replayed open-loop
-with their timestamps multiplied by ``--trace-scale`` (the same schedule and prompts for every
+``--model`` on ``--hardware`` at time scale 1 with a chunked-prefill budget of
+``--max-batched-tokens``, the gateway with that strategy and no quotas), the first
+``--requests`` of ``../shared/traces/mooncake_synthetic.jsonl`` are replayed open-loop with
+their timestamps multiplied by ``--trace-scale`` (the same schedule and prompts for every
 strategy; prompts share prefixes exactly where the trace's ``hash_ids`` do), and the stack is
 stopped. The load harness writes its compare-mode report (markdown, JSON, CSV, overlaid
-plots) under ``--out``; this script adds, per strategy, the backends' prefix-cache hit rate
-(``vllm:prefix_cache_hits / queries``), requests per endpoint, the gateway's decision cost and,
-for ``predicted``, the predictor's live error.
+plots) under ``--out``/compare; this script adds, per run, the offered prefill utilization,
+the backends' prefix-cache hit rate (``vllm:prefix_cache_hits / queries``), requests per
+endpoint, the gateway's decision cost, and the predictor's live error distribution.
 
-With ``--pd P:D`` it also runs ``predicted`` on P prefill + D decode backends and on
-P+D aggregated ones (the long prompts of this trace interfere with decodes on aggregated
-endpoints), and reports TPOT p99 and goodput for both.
+Load. The first 1,000 requests carry 11.85 M prompt tokens over 272.7 s (median prompt 2.9 K,
+mean 11.9 K tokens). Defaults: Llama-3.1-8B (128 K context: the trace has 40 K+ prompts) on
+B200 with a 2,048-token step budget, so a decode step that shares a prefill chunk stays under
+the 50 ms TPOT SLO; at ``--trace-scale 0.28`` the prompts' lone prefill time (the backend's
+timing model, no reuse) is 74 % of the 4 endpoints' time: busy, not saturated.
 
-Load: the first 1,000 requests carry 11.85 M prompt tokens over 272.7 s (43.5 K tokens/s at
-scale 1). A Llama-3.1-8B reference backend on an H100 prefills ~31 K tokens/s at these lengths
-(TTFT 16 K ≈ 554 ms), so 4 backends hold ~124 K tokens/s; at ``--trace-scale 0.42`` the offered
-103 K tokens/s, less the ~17 % the trace's own prefix reuse can save, is ~70 % of the fleet's
-prefill capacity.
+With ``--pd P:D`` it also runs ``predicted`` on P prefill + D decode backends and on P+D
+aggregated ones, at ``--pd-trace-scale`` with vLLM's default budget of 8,192 tokens (long
+prompts' chunks then stretch the decode steps they share), and reports TPOT p99 and goodput.
+The Mooncake prompts are long and the outputs short, so prefill capacity is what a
+disaggregated pool must keep: 3:1, not 2:2.
 """
 
 from __future__ import annotations

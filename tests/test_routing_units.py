@@ -70,7 +70,7 @@ def test_chat_hashes_are_incremental_and_match_the_backend_template(
             hashes, n = await hasher.chat(counter, msgs)
             ids = tokenizer.chat_ids(msgs)
             assert n == len(ids) == await counter.chat(msgs)
-            assert hashes == block_hashes(ids, 16, hasher.root)
+            assert list(hashes) == block_hashes(ids, 16, hasher.root)
             msgs.append({"role": "assistant", "content": "answer " * (7 + turn)})
 
     before = hasher.blocks_hashed
@@ -91,12 +91,18 @@ def test_approx_index_longest_prefix_and_lru_eviction() -> None:
     assert idx.matched("a", [1, 2, 9]) == 2
     assert idx.matched("a", [9, 1]) == 0
     assert idx.matched("b", p) == 0
-    idx.record("a", [10, 11, 12])  # 7 blocks > 6: the oldest prompt's tail goes first
+    idx.record("a", [10, 11, 12])  # 7 blocks: within the 25% slack
+    assert idx.size("a") == 7
+    idx.record("a", [1, 2])  # the shared head of p is used again: recent now
+    idx.record("a", [20, 21, 22])  # 10 > 7.5: down to the 6 most recently sent
     assert idx.size("a") == 6
-    assert idx.matched("a", p) == 3
-    assert idx.matched("a", [10, 11, 12]) == 3
+    assert idx.matched("a", [20, 21, 22]) == 3
+    assert idx.matched("a", p) == 2  # p's tail went first; its head was refreshed
+    assert idx.matched("a", [10, 11, 12]) == 1  # the older prompt keeps only its head
+    idx.set_capacity("a", 3)  # a smaller capacity scraped later trims at once
+    assert idx.size("a") == 3 and idx.matched("a", [20, 21, 22]) == 3
     idx.forget("a")
-    assert idx.matched("a", [10]) == 0
+    assert idx.matched("a", [20]) == 0
 
 
 def test_precise_index_follows_kv_events() -> None:

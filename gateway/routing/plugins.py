@@ -42,6 +42,7 @@ class Candidate:
     ttft_ms: float = math.nan
     tpot_ms: float = math.nan
     row: npt.NDArray[np.float64] | None = None  # predictor features
+    matched_blocks: int = 0  # leading prompt blocks the index says it holds
 
 
 @dataclass(slots=True)
@@ -206,6 +207,8 @@ STRATEGIES: dict[str, Profile] = {
 
 def run(profile: Profile, req: RequestInfo, cands: list[Candidate], rng: random.Random,
         cfg: PluginConfig) -> tuple[Candidate, Scores]:
+    if len(cands) == 1 and profile.picker != "round_robin":
+        return cands[0], np.ones(1)
     for name in profile.filters:
         kept = FILTERS[name](req, cands, cfg)
         if kept:

@@ -8,9 +8,10 @@ hash state after a request's messages is cached under a key chained from the mes
 so the next turn of the same conversation hashes only its new messages (the per-message token
 ids come from ``gateway.tokenize``'s cache). Computed once per request.
 
-*Approximate index* (``ApproxIndex``): per endpoint, an LRU of block hashes sized from the
-endpoint's KV capacity (``num_gpu_blocks`` scraped from ``vllm:cache_config_info``), updated
-only after a routing decision and forgetting in the order the engine would evict.
+*Approximate index* (``ApproxIndex``): per endpoint, the block hashes it was sent, sized from
+the endpoint's KV capacity (``num_gpu_blocks`` scraped from ``vllm:cache_config_info``),
+updated only when a decision is acted on and forgetting the least recently sent first, as the
+engine's LRU would.
 
 *Precise index* (``PreciseIndex``): per endpoint, exactly the hashes the backend's
 ``/kv/events`` stream says it holds (``gateway.routing.kvevents`` follows it).
@@ -26,6 +27,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from backend.kv_hash import BlockHash, hash_block, root_hash
 from gateway.tokenize import TokenCounter
@@ -67,7 +70,7 @@ class PromptHasher:
         self.blocks_hashed = 0
 
     async def chat(self, counter: TokenCounter, messages: Sequence[Mapping[str, Any]],
-                   salt: str | None = None) -> tuple[list[int], int]:
+                   salt: str | None = None) -> tuple[Sequence[int], int]:
         """(block hashes, prompt tokens as the template renders them) of a chat prompt."""
         chain = [hash((self.root, salt))]
         for m in messages:
@@ -92,7 +95,7 @@ class PromptHasher:
         tokens = len(hashes) * self.block_size + len(tail) + len(counter.priming_ids)
         extend_hashes(hashes, tail, counter.priming_ids, self.block_size, self.root, salt_b)
         self.blocks_hashed += len(hashes) - before
-        return list(hashes), tokens
+        return hashes, tokens
 
     def tokens(self, ids: Sequence[int], salt: str | None = None) -> list[int]:
         hashes = block_hashes(ids, self.block_size, self.root, salt)
@@ -109,7 +112,7 @@ class PromptHasher:
 
 class Index(Protocol):
     def matched(self, endpoint: str, hashes: Sequence[int]) -> int: ...
-    def record(self, endpoint: str, hashes: Sequence[int]) -> None: ...
+    def record(self, endpoint: str, hashes: Sequence[int], matched: int = 0) -> None: ...
 
 
 def _longest(held: Mapping[int, Any] | set[int], hashes: Sequence[int]) -> int:
@@ -129,44 +132,65 @@ def _longest(held: Mapping[int, Any] | set[int], hashes: Sequence[int]) -> int:
 
 
 class ApproxIndex:
-    """What each endpoint probably caches, from the gateway's own decisions."""
+    """What each endpoint probably caches, from the gateway's own decisions.
+
+    Per endpoint, block hash → the decision that last sent it there (a tick). Recording a
+    prompt is one C-level ``dict.update`` however long the prompt (a 100K-token agent turn
+    touches ~6,000 blocks); when an endpoint holds 25% more blocks than its KV capacity, the
+    least recently sent ones are dropped in one pass down to the capacity: LRU by decision,
+    amortised O(1) per block.
+    """
+
+    SLACK = 1.25
 
     def __init__(self, default_capacity: int = 100_000) -> None:
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._seen: dict[str, dict[int, int]] = {}
         self._cap: dict[str, int] = {}
+        self._tick = 0
         self.default_capacity = default_capacity
 
     def set_capacity(self, endpoint: str, blocks: int) -> None:
         self._cap[endpoint] = max(int(blocks), 1)
-        self._trim(endpoint)
+        seen = self._seen.get(endpoint)
+        if seen is not None and len(seen) > self._cap[endpoint]:
+            self._evict(seen, self._cap[endpoint])
 
     def matched(self, endpoint: str, hashes: Sequence[int]) -> int:
-        lru = self._lru.get(endpoint)
-        return _longest(lru, hashes) if lru else 0
+        seen = self._seen.get(endpoint)
+        return _longest(seen, hashes) if seen else 0
 
-    def record(self, endpoint: str, hashes: Sequence[int]) -> None:
-        """The request was sent there: its blocks are now the endpoint's most recent."""
-        lru = self._lru.setdefault(endpoint, OrderedDict())
-        # Touch tail-first so the prompt's first blocks end most recent: an LRU engine evicts a
-        # prefix's tail before its head, and so does this index.
-        for h in reversed(hashes):
-            lru[h] = None
-            lru.move_to_end(h)
-        self._trim(endpoint)
+    REFRESH_EVERY = 64  # decisions: how stale a cached prefix's recency may get
+
+    def record(self, endpoint: str, hashes: Sequence[int], matched: int = 0) -> None:
+        """The request was sent there: its blocks are now the endpoint's most recent.
+        ``matched`` leading blocks were already there; they are refreshed only when their
+        recency is older than ``REFRESH_EVERY`` decisions, so a long agent conversation
+        pays for its new blocks, not for its whole history, on every turn."""
+        if not hashes:
+            return
+        seen = self._seen.setdefault(endpoint, {})
+        self._tick += 1
+        start = 0
+        if matched and seen.get(hashes[matched - 1], 0) > self._tick - self.REFRESH_EVERY:
+            start = matched
+        # Tail first: among blocks sent by the same decision, the tail is dropped first.
+        seen.update(dict.fromkeys(reversed(hashes[start:]), self._tick))
+        cap = self._cap.get(endpoint, self.default_capacity)
+        if len(seen) > cap * self.SLACK:
+            self._evict(seen, cap)
+
+    @staticmethod
+    def _evict(seen: dict[int, int], cap: int) -> None:
+        keys = list(seen)
+        ticks = np.fromiter(seen.values(), dtype=np.int64, count=len(keys))
+        for i in np.argsort(ticks, kind="stable")[:len(keys) - cap]:
+            del seen[keys[i]]
 
     def forget(self, endpoint: str) -> None:
-        self._lru.pop(endpoint, None)
+        self._seen.pop(endpoint, None)
 
     def size(self, endpoint: str) -> int:
-        return len(self._lru.get(endpoint, ()))
-
-    def _trim(self, endpoint: str) -> None:
-        lru = self._lru.get(endpoint)
-        if lru is None:
-            return
-        cap = self._cap.get(endpoint, self.default_capacity)
-        while len(lru) > cap:
-            lru.popitem(last=False)
+        return len(self._seen.get(endpoint, ()))
 
 
 class PreciseIndex:
@@ -179,7 +203,7 @@ class PreciseIndex:
         held = self._held.get(endpoint)
         return _longest(held, hashes) if held else 0
 
-    def record(self, endpoint: str, hashes: Sequence[int]) -> None:
+    def record(self, endpoint: str, hashes: Sequence[int], matched: int = 0) -> None:
         """Decisions do not change the precise view: the engine's events will."""
 
     def reset(self, endpoint: str, hashes: Iterable[int] = ()) -> None:

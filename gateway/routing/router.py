@@ -10,6 +10,7 @@ records the chosen endpoints' blocks in the approximate index when the request i
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -49,6 +50,7 @@ class Decision:
         return self.endpoint.tpot_ms
 
 
+@functools.cache
 def _hw(name: str | None) -> tuple[float, float]:
     hw = HARDWARE.get(name or "")
     return (hw.hbm_bandwidth / 1e12, hw.peak_flops / 1e12) if hw else (0.0, 0.0)
@@ -105,6 +107,9 @@ class Router:
                       slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                       priority: str) -> RequestInfo:
         h = self.hasher()
+        if prompt_tokens < h.block_size:  # no full block: nothing any cache could hold
+            return RequestInfo(prompt_tokens, expected_output, (), h.block_size, slo_ttft_ms,
+                               slo_tpot_ms, priority)
         if messages is not None:
             hashes, _ = await h.chat(counter, messages, salt)
         else:
@@ -123,7 +128,7 @@ class Router:
         for e in eps:
             blocks = index.matched(e.url, req.hashes) if req.hashes else 0
             cached = min(blocks * req.block_size, max(req.prompt_tokens - 1, 0))
-            out.append(Candidate(e, cached, req.prompt_tokens - cached))
+            out.append(Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks))
         return out
 
     def _predict(self, req: RequestInfo, cands: list[Candidate], role: str | None = None
@@ -181,8 +186,8 @@ class Router:
         approximate index learns only from decisions acted on, not from ones re-taken while
         a request waited for its SLO)."""
         if d.prefill is not None:
-            self.index.record(d.prefill.ep.url, req.hashes)
-        self.index.record(d.endpoint.ep.url, req.hashes)
+            self.index.record(d.prefill.ep.url, req.hashes, d.prefill.matched_blocks)
+        self.index.record(d.endpoint.ep.url, req.hashes, d.endpoint.matched_blocks)
 
 
 def finite_or_none(x: float) -> float | None:
