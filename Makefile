@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter calibration clean
+.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter bench-routing bench-predictor calibration clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ bench-gateway: install
 
 bench-limiter: install
 	$(BIN)/python -m loadtests.bench_limiter $(ARGS)
+
+bench-routing: install
+	$(BIN)/python -m loadtests.bench_routing $(ARGS)
+
+bench-predictor: install
+	$(BIN)/python -m loadtests.bench_predictor $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

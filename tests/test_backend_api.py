@@ -178,11 +178,15 @@ def test_client_disconnect_frees_the_request(backend_factory: Factory) -> None:
 
 
 def test_preemption_under_kv_pressure_completes_every_request(backend_factory: Factory) -> None:
-    b = backend_factory(num_gpu_blocks=40, time_scale=0.01)
+    # Slow enough (~0.1 s a request) that the six always overlap, even on a loaded machine:
+    # at a tiny time scale they could run one after another and never need to preempt.
+    b = backend_factory(num_gpu_blocks=40, time_scale=0.1)
     c = client(b)
     results: list[int] = []
+    start = threading.Barrier(6)
 
     def one(i: int) -> None:
+        start.wait()
         r = c.completions.create(model="llama-3-8b", prompt=[i + 1] * 100, max_tokens=120,
                                  extra_body={"ignore_eos": True})
         assert r.usage is not None
