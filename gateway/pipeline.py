@@ -466,6 +466,8 @@ def _observe(ctx: _Ctx, r: RelayResult, sent: _Sent) -> None:
     tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
                if r.last_token_at is not None and r.chunks >= _TPOT_MIN_TOKENS else None)
     lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
+    lead.ep.observed(ttft_ms, None)
+    d.endpoint.ep.observed(None, tpot_ms)
     if lead.row is not None:
         state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
                                 predicted_ttft_ms=lead.ttft_ms)

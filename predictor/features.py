@@ -19,6 +19,8 @@ Every row describes (request, endpoint) at decision time. Features, in column or
                             the prefill rate observed there
 ``prefill_arrivals``        uncached tokens/s recently sent there (live, decayed over 5 s):
                             prefill work that will share a decoding request's steps
+``recent_ttft_ms``          moving averages of the TTFT and TPOT of the streams the
+``recent_tpot_ms``          endpoint recently finished (live; 0 before the first)
 ``role``                    0 aggregated, 1 prefill, 2 decode
 ``hw_bandwidth_tbs``        accelerator HBM bandwidth, TB/s (hardware class; 0 when unknown)
 ``hw_tflops``               accelerator dense BF16 peak, TFLOP/s (0 when unknown)
@@ -38,7 +40,8 @@ import numpy.typing as npt
 FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
     "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms",
-    "prefill_arrivals", "role", "hw_bandwidth_tbs", "hw_tflops",
+    "prefill_arrivals", "recent_ttft_ms", "recent_tpot_ms", "role", "hw_bandwidth_tbs",
+    "hw_tflops",
 )
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
 F = {name: i for i, name in enumerate(FEATURES)}
@@ -57,6 +60,8 @@ class EndpointSnapshot:
     oldest_pending_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_arrivals: float = 0.0
+    recent_ttft_ms: float = 0.0
+    recent_tpot_ms: float = 0.0
     role: str = "both"
     hw_bandwidth_tbs: float = 0.0
     hw_tflops: float = 0.0
@@ -70,6 +75,6 @@ def build_matrix(prompt_tokens: int, expected_output: int,
     for i, e in enumerate(endpoints):
         x[i] = (prompt_tokens, uncached[i], expected_output, e.kv_usage, e.running, e.waiting,
                 e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
-                e.prefill_queue_ms, e.prefill_arrivals, ROLE_CODE.get(e.role, 0.0),
-                e.hw_bandwidth_tbs, e.hw_tflops)
+                e.prefill_queue_ms, e.prefill_arrivals, e.recent_ttft_ms, e.recent_tpot_ms,
+                ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs, e.hw_tflops)
     return x

@@ -229,6 +229,15 @@ def test_virtual_prefill_queue_learns_the_rate_and_discounts_the_head() -> None:
     assert e.prefill_rate == pytest.approx(30.0) and b.key in e.pending
 
 
+def test_recent_latencies_are_moving_averages() -> None:
+    e = EndpointState("http://e")
+    e.observed(100.0, None)
+    e.observed(None, 10.0)
+    assert (e.recent_ttft_ms, e.recent_tpot_ms) == (100.0, 10.0)
+    e.observed(200.0, 20.0)
+    assert e.recent_ttft_ms == pytest.approx(130.0) and e.recent_tpot_ms == pytest.approx(13.0)
+
+
 def test_arrival_rate_decays() -> None:
     e = EndpointState("http://e")
     e.add_arrival(5000, 100.0)
@@ -242,7 +251,8 @@ def test_feature_matrix_columns() -> None:
     x = build_matrix(1000, 64, [400, 1000], [
         EndpointSnapshot(kv_usage=0.5, running=3, waiting=1, in_flight=2, prefill_tokens=800,
                          decoding=1, oldest_pending_ms=12.5, prefill_queue_ms=40.0,
-                         prefill_arrivals=900.0, role="decode",
+                         prefill_arrivals=900.0, recent_ttft_ms=80.0, recent_tpot_ms=9.0,
+                         role="decode",
                          hw_bandwidth_tbs=3.35, hw_tflops=989.0),
         EndpointSnapshot()])
     assert x.shape == (2, len(FEATURES))
@@ -250,7 +260,8 @@ def test_feature_matrix_columns() -> None:
     assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "expected_output": 64,
                    "kv_usage": 0.5, "running": 3, "waiting": 1, "in_flight": 2,
                    "prefill_tokens": 800, "decoding": 1, "oldest_pending_ms": 12.5,
-                   "prefill_queue_ms": 40.0, "prefill_arrivals": 900.0, "role": 2.0,
+                   "prefill_queue_ms": 40.0, "prefill_arrivals": 900.0,
+                   "recent_ttft_ms": 80.0, "recent_tpot_ms": 9.0, "role": 2.0,
                    "hw_bandwidth_tbs": 3.35,
                    "hw_tflops": 989.0}
 

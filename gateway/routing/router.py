@@ -143,7 +143,8 @@ class Router:
             x[i] = (req.prompt_tokens, c.uncached_tokens, req.expected_output, e.kv_usage,
                     e.running, e.waiting, e.in_flight, e.prefill_tokens, e.decoding,
                     e.oldest_pending_ms(now), e.prefill_queue_ms(now), e.arrival_rate(now),
-                    ROLE_CODE.get(role or e.role, 0.0), bw, tf)
+                    e.recent_ttft_ms, e.recent_tpot_ms, ROLE_CODE.get(role or e.role, 0.0), bw,
+                    tf)
         ttft, tpot = self.predictor.predict(x)
         for i, c in enumerate(cands):
             c.ttft_ms, c.tpot_ms, c.row = float(ttft[i]), float(tpot[i]), x[i]
