@@ -94,9 +94,12 @@ class EndpointState:
         self.arrivals_at = now
 
     def observed(self, ttft_ms: float | None, tpot_ms: float | None) -> None:
-        """A stream served here finished: fold what it saw into the recent averages (a
-        request's TPOT is strongly correlated with its predecessors' on the same endpoint:
-        lag-1 autocorrelation ~0.8 measured under steady load)."""
+        """A stream served here finished: fold what it saw into the recent averages.
+
+        NOTE: consecutive requests on one endpoint have strongly correlated TPOT (lag-1 ~0.8
+        under steady load), but because they share the same future steps, not because the
+        past predicts them: a stream's TPOT is known only when it ends, and these averages
+        barely moved the predictor's error in the measurement (TPOT MAPE 0.42 -> 0.39)."""
         if ttft_ms is not None:
             self.recent_ttft_ms = ttft_ms if not self.recent_ttft_ms else (
                 (1 - RECENT_ALPHA) * self.recent_ttft_ms + RECENT_ALPHA * ttft_ms)
