@@ -22,14 +22,13 @@ import orjson
 from aiohttp import web
 
 from backend.protocol import GenerationRequest, Kind, load_json, validate
-from gateway import quota
+from gateway import disagg, quota, slo
 from gateway.config.policy import Model, Policy, Route
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError, bad
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult, relay_body, relay_stream
-from gateway.routing.plugins import RequestInfo
-from gateway.routing.router import Decision, Router
+from gateway.routing.router import Decision
 from gateway.state import GATEWAY, GatewayState, PolicyView
 from gateway.upstream import UpstreamResponse
 
@@ -94,9 +93,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                        "to it.", param="model", code="model_not_found")
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     ctx = _Ctx(state, view, kind, tenant, route, body, g, rid, received, raw)
-    ctx.slo = (_slo_header(request, "x-slo-ttft-ms", route.slo_ttft_ms),
-               _slo_header(request, "x-slo-tpot-ms", route.slo_tpot_ms))
-    ctx.priority = _priority(request, ctx)
+    ctx.slo = (slo.header(request, "x-slo-ttft-ms", route.slo_ttft_ms),
+               slo.header(request, "x-slo-tpot-ms", route.slo_tpot_ms))
+    ctx.priority = slo.priority(request, policy.tenants[tenant].priority)
     model = policy.models[g.model]
     try:
         adm = await quota.admit(state.store, policy, tenant, route, model,
@@ -125,10 +124,6 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
 # gaps it is a single step's time, decided by whether a prefill chunk shared that step, which
 # no feature of the endpoint can tell in advance.
 _TPOT_MIN_TOKENS = 8
-_FLEX_OVERLOAD_MS = 2000.0  # flex requests wait, then are shed, above this predicted TTFT
-_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                   "remote_port": None}
 
 
 def _upstream_body(ctx: _Ctx, m: Model, kv: dict[str, Any] | None = None) -> bytes:
@@ -146,20 +141,6 @@ def _upstream_body(ctx: _Ctx, m: Model, kv: dict[str, Any] | None = None) -> byt
         body["stream_options"] = opts
     if kv is not None:
         body["kv_transfer_params"] = kv
-    return orjson.dumps(body)
-
-
-def _prefill_body(ctx: _Ctx, m: Model) -> bytes:
-    """vLLM's disaggregated-prefill request: one token, not streamed, KV kept for decode."""
-    body = dict(ctx.body)
-    body["model"] = m.upstream_name
-    body["stream"] = False
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body.pop("stream_options", None)
-    body.pop("min_tokens", None)
-    body["kv_transfer_params"] = dict(_PREFILL_PARAMS)
     return orjson.dumps(body)
 
 
@@ -192,104 +173,6 @@ def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
     return h
 
 
-def _slo_header(request: web.Request, name: str, default: float | None) -> float | None:
-    raw = request.headers.get(name)
-    if raw is None:
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1.0
-    if not math.isfinite(v) or v <= 0:
-        raise bad(f"header {name} must be a positive number of milliseconds, got {raw!r}",
-                  name)
-    return v
-
-
-def _priority(request: web.Request, ctx: _Ctx) -> str:
-    raw = request.headers.get("x-priority")
-    if raw is None:
-        return ctx.view.policy.tenants[ctx.tenant].priority
-    if raw not in ("critical", "standard", "flex"):
-        raise bad(f"header x-priority must be critical, standard or flex, got {raw!r}",
-                  "x-priority")
-    return raw
-
-
-def _misses_slo(d: Decision, info: RequestInfo) -> bool:
-    ttft_slo = info.slo_ttft_ms
-    if info.priority == "flex" and ttft_slo is None:
-        ttft_slo = _FLEX_OVERLOAD_MS
-    return bool((ttft_slo is not None and d.predicted_ttft_ms > ttft_slo)
-                or (info.slo_tpot_ms is not None and d.predicted_tpot_ms > info.slo_tpot_ms))
-
-
-async def _decide(state: GatewayState, ctx: _Ctx, m: Model, router: Router,
-                  info: RequestInfo) -> Decision | APIError:
-    """Where the request goes, holding it to its SLO as the route and priority say."""
-    decision = router.decide(info)
-    if decision is None:
-        return APIError(502, f"no endpoint of {m.name} is available", type="server_error",
-                        code="upstream_unavailable")
-    if info.priority == "critical" or not _misses_slo(decision, info):
-        return decision
-    action = "flex" if info.priority == "flex" else ctx.route.on_slo_miss
-    if action in ("queue", "flex"):
-        deadline = time.perf_counter() + ctx.route.queue_ms / 1000.0
-        while time.perf_counter() < deadline:
-            await asyncio.sleep(0.02)
-            decision = router.decide(info) or decision
-            if not _misses_slo(decision, info):
-                state.metrics.series("slo_actions", m.name, info.priority, "queued").inc()
-                return decision
-        if action == "flex":
-            state.metrics.series("slo_actions", m.name, info.priority, "shed").inc()
-            return APIError(503, "the model is overloaded; flex-priority requests are shed "
-                            "first, retry later", type="service_unavailable", code="overloaded",
-                            headers={"retry-after": "2"})
-    elif action == "fallback" and ctx.route.failover and m.fallback:
-        state.metrics.series("slo_actions", m.name, info.priority, "fallback").inc()
-        return APIError(503, f"no endpoint of {m.name} is predicted to meet the SLO",
-                        type="service_unavailable", code="slo_unattainable")
-    state.metrics.series("slo_actions", m.name, info.priority, "best_effort").inc()
-    return decision
-
-
-async def _remote_prefill(state: GatewayState, ctx: _Ctx, m: Model, pool: EndpointPool,
-                          d: Decision) -> dict[str, Any] | None:
-    """Prefill on ``d.prefill``; the ``kv_transfer_params`` for decode, or None (then the
-    decode endpoint computes the prompt itself)."""
-    assert d.prefill is not None
-    ep = d.prefill.ep
-    s = ctx.view.policy.settings
-    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
-    if ep.api_key:
-        headers["Authorization"] = f"Bearer {ep.api_key}"
-    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
-    ticket = pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
-    try:
-        up = await asyncio.wait_for(
-            state.upstream.post(ep.url + path, _prefill_body(ctx, m), headers,
-                                connect_timeout_s=s.connect_timeout_s), s.request_timeout_s)
-        try:
-            data = await up.read()
-        finally:
-            up.release()
-        params = orjson.loads(data).get("kv_transfer_params") if up.status == 200 else None
-    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError,
-            AttributeError) as exc:
-        log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)
-        params = None
-    finally:
-        pool.release(ticket)
-    if not isinstance(params, dict):
-        pool.failed(ep)
-        state.metrics.series("upstream_errors", ep.url, "prefill").inc()
-        return None
-    pool.succeeded(ep)
-    return params
-
-
 async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, reserved: int
                 ) -> _Sent | APIError:
     """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
@@ -304,7 +187,7 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
         prompt_text=g.prompt_text, salt=g.cache_salt,
         prompt_tokens=prompt_tokens, expected_output=reserved,
         slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
-    first = await _decide(state, ctx, m, router, info)
+    first = await slo.decide(state, ctx.route, m, router, info)
     state.metrics.routing_seconds.observe(time.perf_counter() - t0)
     if isinstance(first, APIError):
         return first
@@ -324,7 +207,8 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
         if decision.prefill is not None:
             state.metrics.series("routing_decisions", m.name, router.strategy,
                                  decision.prefill.ep.url, "prefill").inc()
-            kv = await _remote_prefill(state, ctx, m, pool, decision)
+            kv = await disagg.remote_prefill(state, ctx.view.policy.settings, ctx.kind,
+                                             ctx.request_id, ctx.body, m, pool, decision)
         prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
         headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
         if ep.api_key:

@@ -1,0 +1,65 @@
+"""A model's ``routing:`` section: how its pool picks endpoints (``gateway.routing``).
+
+Names of strategies, filters, scorers and pickers are checked against the plugin registry, so a
+typo is a policy error naming the file and path, not a surprise at the first request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a model's pool picks endpoints (``gateway.routing``)."""
+
+    strategy: str = "predicted"
+    filters: tuple[str, ...] | None = None  # overrides the strategy's
+    scorers: Mapping[str, float] | None = None  # name -> weight; overrides the strategy's
+    picker: str | None = None
+    index: Literal["approximate", "precise"] = "approximate"
+    block_size: int | None = None  # else the endpoints' vllm:cache_config_info, else 16
+    hash_namespace: str | None = None  # else the backend profile's model name
+    load_factor: float = 1.5  # bounded load: no endpoint above c x the mean in-flight
+    remote_prefill_min_tokens: int = 256  # skip remote prefill below this many uncached
+    scrape_interval_ms: int = 200
+    seed: int = 0
+
+
+def parse_routing(d: Any, raw: Any, path: str) -> Routing:
+    """The ``routing:`` section of a model, decoded strictly with the policy's decoder."""
+    from gateway.routing import plugins
+
+    m = d.mapping(raw, path, {"strategy", "filters", "scorers", "picker", "index", "block_size",
+                              "hash_namespace", "load_factor", "remote_prefill_min_tokens",
+                              "scrape_interval_ms", "seed"})
+    kw: dict[str, Any] = {}
+    if "strategy" in m:
+        kw["strategy"] = d.choice(m["strategy"], f"{path}.strategy", set(plugins.STRATEGIES))
+    if "filters" in m:
+        names = d.strings(m["filters"], f"{path}.filters")
+        for i, n in enumerate(names):
+            d.choice(n, f"{path}.filters[{i}]", set(plugins.FILTERS))
+        kw["filters"] = names
+    if "scorers" in m:
+        sm = d.mapping(m["scorers"], f"{path}.scorers", set(plugins.SCORERS))
+        kw["scorers"] = {str(k): d.number(v, f"{path}.scorers.{k}", positive=False)
+                         for k, v in sm.items()}
+    if "picker" in m:
+        kw["picker"] = d.choice(m["picker"], f"{path}.picker", set(plugins.PICKERS))
+    if "index" in m:
+        kw["index"] = d.choice(m["index"], f"{path}.index", {"approximate", "precise"})
+    for k in ("block_size", "remote_prefill_min_tokens", "scrape_interval_ms"):
+        if k in m:
+            kw[k] = d.integer(m[k], f"{path}.{k}")
+    if "seed" in m:
+        kw["seed"] = int(d.number(m["seed"], f"{path}.seed", positive=False))
+    if "load_factor" in m:
+        kw["load_factor"] = d.number(m["load_factor"], f"{path}.load_factor")
+        if kw["load_factor"] < 1.0:
+            raise d.fail(f"{path}.load_factor", "must be at least 1")
+    if "hash_namespace" in m:
+        kw["hash_namespace"] = d.string(m["hash_namespace"], f"{path}.hash_namespace")
+    return Routing(**kw)

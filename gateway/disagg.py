@@ -1,0 +1,76 @@
+"""Prefill/decode disaggregation, the proxy's half of vLLM's NixlConnector protocol.
+
+The prefill endpoint gets the client's body with ``stream: false``, ``max_tokens: 1`` (and
+``max_completion_tokens: 1`` if present), ``stream_options`` and ``min_tokens`` removed and
+``kv_transfer_params.do_remote_decode``; its answer's ``kv_transfer_params`` go to the decode
+endpoint with the original body (``pipeline._upstream_body``). Both calls carry the same
+``X-Request-Id``. Any failure returns None: the decode endpoint then computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.config.policy import Model, Settings
+from gateway.endpoints import EndpointPool
+from gateway.routing.router import Decision
+from gateway.state import GatewayState
+
+log = logging.getLogger("tokengate.gateway")
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                  "remote_port": None}
+
+
+def prefill_body(client_body: dict[str, Any], m: Model) -> bytes:
+    """vLLM's disaggregated-prefill request: one token, not streamed, KV kept for decode."""
+    body = dict(client_body)
+    body["model"] = m.upstream_name
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("stream_options", None)
+    body.pop("min_tokens", None)
+    body["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    return orjson.dumps(body)
+
+
+async def remote_prefill(state: GatewayState, s: Settings, kind: str, request_id: str,
+                         client_body: dict[str, Any], m: Model, pool: EndpointPool,
+                         d: Decision) -> dict[str, Any] | None:
+    """Prefill on ``d.prefill``; the ``kv_transfer_params`` for decode, or None (then the
+    decode endpoint computes the prompt itself)."""
+    assert d.prefill is not None
+    ep = d.prefill.ep
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    if ep.api_key:
+        headers["Authorization"] = f"Bearer {ep.api_key}"
+    path = "/chat/completions" if kind == "chat" else "/completions"
+    ticket = pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
+    try:
+        up = await asyncio.wait_for(
+            state.upstream.post(ep.url + path, prefill_body(client_body, m), headers,
+                                connect_timeout_s=s.connect_timeout_s), s.request_timeout_s)
+        try:
+            data = await up.read()
+        finally:
+            up.release()
+        params = orjson.loads(data).get("kv_transfer_params") if up.status == 200 else None
+    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError,
+            AttributeError) as exc:
+        log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)
+        params = None
+    finally:
+        pool.release(ticket)
+    if not isinstance(params, dict):
+        pool.failed(ep)
+        state.metrics.series("upstream_errors", ep.url, "prefill").inc()
+        return None
+    pool.succeeded(ep)
+    return params
