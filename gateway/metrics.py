@@ -52,8 +52,9 @@ class GatewayMetrics:
                                          "Routing decisions by strategy and endpoint.",
                                          ["model", "strategy", "endpoint", "stage"], registry=r)
         self.routing_seconds = Histogram("tokengate_routing_decision_seconds",
-                                         "Time to decide where a request goes (hashing, "
-                                         "prediction, plugins).", buckets=_OVERHEAD, registry=r)
+                                         "Time to decide where a request goes: hashing, "
+                                         "prediction, plugins, and any wait its SLO or "
+                                         "priority imposed.", buckets=_OVERHEAD, registry=r)
         self.slo_actions = Counter("tokengate_slo_actions",
                                    "Requests predicted to miss their SLO, by what was done.",
                                    ["model", "priority", "action"], registry=r)
