@@ -65,6 +65,17 @@ class EndpointState:
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
 
+    def count_failure(self, now: float, trip_after: int, cooldown_s: float) -> None:
+        """One more failure in a row (a request or a scrape); ``trip_after`` of them take the
+        endpoint out for ``cooldown_s``."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= trip_after:
+            self.down_until = now + cooldown_s
+
+    def reset_health(self) -> None:
+        self.consecutive_failures = 0
+        self.down_until = 0.0
+
     def oldest_pending_ms(self, now: float) -> float:
         """How long the oldest request still waiting for its first token has waited."""
         for sent, _ in self.pending.values():
@@ -206,12 +217,9 @@ class EndpointPool:
             e.pending.pop(t.key, None)
 
     def succeeded(self, e: EndpointState) -> None:
-        e.consecutive_failures = 0
-        e.down_until = 0.0
+        e.reset_health()
         e.served += 1
 
     def failed(self, e: EndpointState) -> None:
         e.failed += 1
-        e.consecutive_failures += 1
-        if e.consecutive_failures >= self.trip_after:
-            e.down_until = self._clock() + self.cooldown_s
+        e.count_failure(self._clock(), self.trip_after, self.cooldown_s)

@@ -70,11 +70,11 @@ class EndpointSnapshot:
 def build_matrix(prompt_tokens: int, expected_output: int,
                  uncached: list[int] | npt.NDArray[np.int64],
                  endpoints: list[EndpointSnapshot]) -> npt.NDArray[np.float64]:
-    """One row per candidate endpoint, columns in ``FEATURES`` order."""
-    x = np.empty((len(endpoints), len(FEATURES)), dtype=np.float64)
-    for i, e in enumerate(endpoints):
-        x[i] = (prompt_tokens, uncached[i], expected_output, e.kv_usage, e.running, e.waiting,
-                e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
-                e.prefill_queue_ms, e.prefill_arrivals, e.recent_ttft_ms, e.recent_tpot_ms,
-                ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs, e.hw_tflops)
-    return x
+    """One row per candidate endpoint, columns in ``FEATURES`` order (the only place that
+    knows the order: the router builds its rows here)."""
+    return np.array([(prompt_tokens, u, expected_output, e.kv_usage, e.running, e.waiting,
+                      e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
+                      e.prefill_queue_ms, e.prefill_arrivals, e.recent_ttft_ms,
+                      e.recent_tpot_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs,
+                      e.hw_tflops) for u, e in zip(uncached, endpoints, strict=True)],
+                    dtype=np.float64).reshape(len(endpoints), len(FEATURES))

@@ -111,9 +111,7 @@ class Fleet:
                     raise aiohttp.ClientError(f"/metrics answered {r.status}")
                 text = await r.text()
         except (aiohttp.ClientError, OSError, TimeoutError):
-            e.consecutive_failures += 1
-            if e.consecutive_failures >= self.trip_after:
-                e.down_until = time.monotonic() + self.cooldown_s
+            e.count_failure(time.monotonic(), self.trip_after, self.cooldown_s)
             return False
         m = parse_vllm_metrics(text)
         e.running = m.get("vllm:num_requests_running", 0.0)
@@ -128,8 +126,7 @@ class Fleet:
             self.approx.set_capacity(e.url, e.num_gpu_blocks)
         e.scraped_at = time.monotonic()
         if e.down_until and e.consecutive_failures:
-            e.consecutive_failures = 0
-            e.down_until = 0.0
+            e.reset_health()
         self.scrapes += 1
         return True
 

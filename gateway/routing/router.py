@@ -11,14 +11,11 @@ records the chosen endpoints' blocks in the approximate index when the request i
 from __future__ import annotations
 
 import functools
-import math
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from backend.profiles import HARDWARE
 from gateway.config.policy import Model
@@ -28,7 +25,7 @@ from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
 from gateway.routing.prefix import PromptHasher
 from gateway.tokenize import TokenCounter
-from predictor.features import FEATURES, ROLE_CODE
+from predictor.features import EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
 
 _DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
@@ -135,16 +132,17 @@ class Router:
                  ) -> None:
         if self.predictor is None or not cands:
             return
-        x = np.empty((len(cands), len(FEATURES)), dtype=np.float64)
         now = time.monotonic()
-        for i, c in enumerate(cands):
+        snaps = []
+        for c in cands:
             e = c.ep
             bw, tf = _hw(e.hardware)
-            x[i] = (req.prompt_tokens, c.uncached_tokens, req.expected_output, e.kv_usage,
-                    e.running, e.waiting, e.in_flight, e.prefill_tokens, e.decoding,
-                    e.oldest_pending_ms(now), e.prefill_queue_ms(now), e.arrival_rate(now),
-                    e.recent_ttft_ms, e.recent_tpot_ms, ROLE_CODE.get(role or e.role, 0.0), bw,
-                    tf)
+            snaps.append(EndpointSnapshot(
+                e.kv_usage, e.running, e.waiting, e.in_flight, e.prefill_tokens, e.decoding,
+                e.oldest_pending_ms(now), e.prefill_queue_ms(now), e.arrival_rate(now),
+                e.recent_ttft_ms, e.recent_tpot_ms, role or e.role, bw, tf))
+        x = build_matrix(req.prompt_tokens, req.expected_output,
+                         [c.uncached_tokens for c in cands], snaps)
         ttft, tpot = self.predictor.predict(x)
         for i, c in enumerate(cands):
             c.ttft_ms, c.tpot_ms, c.row = float(ttft[i]), float(tpot[i]), x[i]
@@ -189,7 +187,3 @@ class Router:
         if d.prefill is not None:
             self.index.record(d.prefill.ep.url, req.hashes, d.prefill.matched_blocks)
         self.index.record(d.endpoint.ep.url, req.hashes, d.endpoint.matched_blocks)
-
-
-def finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
