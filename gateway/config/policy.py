@@ -13,7 +13,6 @@ dollar ``budget`` per day.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,14 +21,12 @@ from typing import Any, Literal
 
 import yaml
 
+from gateway.config.decode import Decoder
+from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
 from gateway.config.routing import Routing, parse_routing
 from gateway.limiter.bucket import Limit
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class PolicyError(ValueError):
-    """An invalid policy; the message names file, path and reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,71 +164,17 @@ class Policy:
         return list(seen)
 
 
-# -- strict decoding --------------------------------------------------------------------------
-
-class _Decoder:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, reason: str) -> PolicyError:
-        return PolicyError(f"{self.source}: {path or '<root>'}: {reason}")
-
-    def mapping(self, raw: Any, path: str, allowed: set[str],
-                required: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
-        if not isinstance(raw, Mapping):
-            raise self.fail(path, f"expected a mapping, got {type(raw).__name__}")
-        for k in raw:
-            if k not in allowed:
-                raise self.fail(f"{path}.{k}" if path else str(k),
-                                f"unknown key (allowed: {', '.join(sorted(allowed))})")
-        for k in required:
-            if k not in raw:
-                raise self.fail(path, f"missing required key '{k}'")
-        return dict(raw)
-
-    def number(self, raw: Any, path: str, *, positive: bool = True) -> float:
-        if isinstance(raw, str):
-            with contextlib.suppress(ValueError):
-                raw = float(raw)
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise self.fail(path, f"expected a number, got {raw!r}")
-        if positive and raw <= 0:
-            raise self.fail(path, f"must be positive, got {raw}")
-        if raw < 0:
-            raise self.fail(path, f"must not be negative, got {raw}")
-        return float(raw)
-
-    def integer(self, raw: Any, path: str) -> int:
-        if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
-            raise self.fail(path, f"expected a positive integer, got {raw!r}")
-        return raw
-
-    def string(self, raw: Any, path: str) -> str:
-        if not isinstance(raw, str) or not raw:
-            raise self.fail(path, f"expected a non-empty string, got {raw!r}")
-        return raw
-
-    def choice(self, raw: Any, path: str, allowed: set[str]) -> Any:
-        if raw not in allowed:
-            raise self.fail(path, f"expected one of {', '.join(sorted(allowed))}, got {raw!r}")
-        return raw
-
-    def strings(self, raw: Any, path: str) -> tuple[str, ...]:
-        if not isinstance(raw, list):
-            raise self.fail(path, "expected a list of strings")
-        return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(raw))
-
-    def limits(self, raw: Any, path: str) -> Limits:
-        if raw is None:
-            return Limits()
-        m = self.mapping(raw, path, {"rpm", "tpm", "tpd", "burst", "budget"})
-        vals = {k: self.number(v, f"{path}.{k}") for k, v in m.items()}
-        if "burst" in vals and "tpm" not in vals:
-            raise self.fail(f"{path}.burst", "burst applies to tpm, which is not set")
-        return Limits(**vals)
+def _limits(d: Decoder, raw: Any, path: str) -> Limits:
+    if raw is None:
+        return Limits()
+    m = d.mapping(raw, path, {"rpm", "tpm", "tpd", "burst", "budget"})
+    vals = {k: d.number(v, f"{path}.{k}") for k, v in m.items()}
+    if "burst" in vals and "tpm" not in vals:
+        raise d.fail(f"{path}.burst", "burst applies to tpm, which is not set")
+    return Limits(**vals)
 
 
-def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
+def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     m = d.mapping(raw, path, {"endpoints", "tokenizer", "upstream_model", "price", "fallback",
                               "default_max_tokens", "max_context", "tokens_per_message",
                               "tokens_per_name", "reply_priming_tokens", "limits", "backend",
@@ -266,7 +209,7 @@ def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
             kw[k] = d.integer(m[k], f"{path}.{k}")
     if "fallback" in m:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
-    kw["limits"] = d.limits(m.get("limits"), f"{path}.limits")
+    kw["limits"] = _limits(d, m.get("limits"), f"{path}.limits")
     if "backend" in m:
         bm = d.mapping(m["backend"], f"{path}.backend",
                        {"model", "hardware", "max_num_batched_tokens"})
@@ -279,7 +222,7 @@ def _model(d: _Decoder, name: str, raw: Any, path: str) -> Model:
     return Model(name, tuple(eps), **kw)
 
 
-def _tenant(d: _Decoder, name: str, raw: Any, path: str) -> Tenant:
+def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
     m = d.mapping(raw, path, {"keys", "limits", "model_limits", "priority"}, {"keys"})
     if not isinstance(m["keys"], list) or not m["keys"]:
         raise d.fail(f"{path}.keys", "expected a non-empty list of keys")
@@ -294,14 +237,14 @@ def _tenant(d: _Decoder, name: str, raw: Any, path: str) -> Tenant:
     ml = m.get("model_limits") or {}
     if not isinstance(ml, Mapping):
         raise d.fail(f"{path}.model_limits", "expected a mapping of model to limits")
-    model_limits = {str(k): d.limits(v, f"{path}.model_limits.{k}") for k, v in ml.items()}
+    model_limits = {str(k): _limits(d, v, f"{path}.model_limits.{k}") for k, v in ml.items()}
     priority = d.choice(m.get("priority", "standard"), f"{path}.priority",
                         {"critical", "standard", "flex"})
-    return Tenant(name, tuple(keys), d.limits(m.get("limits"), f"{path}.limits"), model_limits,
+    return Tenant(name, tuple(keys), _limits(d, m.get("limits"), f"{path}.limits"), model_limits,
                   priority)
 
 
-def _settings(d: _Decoder, raw: Any) -> Settings:
+def _settings(d: Decoder, raw: Any) -> Settings:
     if raw is None:
         return Settings()
     m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
@@ -331,7 +274,7 @@ def _settings(d: _Decoder, raw: Any) -> Settings:
 
 
 def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
-    d = _Decoder(source)
+    d = Decoder(source)
     top = d.mapping(doc, "", {"version", "settings", "models", "tenants", "routes"},
                     {"models", "tenants", "routes"})
     if top.get("version", 1) != 1:
@@ -354,7 +297,7 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
         slo = d.mapping(rm.get("slo") or {}, f"{p}.slo", {"ttft_ms", "tpot_ms"})
         routes[str(n)] = Route(
             str(n), d.strings(rm["tenants"], f"{p}.tenants"),
-            d.strings(rm["models"], f"{p}.models"), d.limits(rm.get("limits"), f"{p}.limits"),
+            d.strings(rm["models"], f"{p}.models"), _limits(d, rm.get("limits"), f"{p}.limits"),
             failover,
             d.number(slo["ttft_ms"], f"{p}.slo.ttft_ms") if "ttft_ms" in slo else None,
             d.number(slo["tpot_ms"], f"{p}.slo.tpot_ms") if "tpot_ms" in slo else None,
@@ -393,7 +336,7 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
     return Policy(models, tenants, routes, settings, source, index)
 
 
-def _check_cycle(d: _Decoder, models: Mapping[str, Model], start: str) -> None:
+def _check_cycle(d: Decoder, models: Mapping[str, Model], start: str) -> None:
     seen = [start]
     frontier = list(models[start].fallback)
     while frontier:

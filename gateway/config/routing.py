@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.config.decode import Decoder
+
 
 @dataclass(frozen=True, slots=True)
 class Routing:
@@ -28,7 +30,7 @@ class Routing:
     seed: int = 0
 
 
-def parse_routing(d: Any, raw: Any, path: str) -> Routing:
+def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
     """The ``routing:`` section of a model, decoded strictly with the policy's decoder."""
     from gateway.routing import plugins
 
