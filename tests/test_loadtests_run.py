@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import RunningBackend
 
 from backend.textgen import LengthDistribution
@@ -36,7 +37,7 @@ def test_synthetic_run_writes_a_complete_report(backend_factory: Factory, tmp_pa
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(rep[key]) >= {"mean", "p50", "p90", "p99"} and rep[key]["p50"] > 0
     assert rep["requests"] == rep["completed"] == 30 and rep["failed"] == 0
-    assert rep["output_throughput"] * rep["duration_s"] == 30 * 12
+    assert rep["output_throughput"] * rep["duration_s"] == pytest.approx(30 * 12)
     assert rep["goodput_fraction"] == 1.0 and rep["config"]["seed"] == 2
     for png in ("ttft_cdf.png", "tpot_cdf.png", "over_time.png"):
         assert (out / png).stat().st_size > 1000
