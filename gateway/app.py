@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -91,7 +92,7 @@ async def admin_endpoints(request: web.Request) -> web.Response:
                        "in_flight": e.in_flight, "prefill_tokens": e.prefill_tokens,
                        "decoding": e.decoding, "tokens_outstanding": e.tokens_outstanding,
                        "routed": e.routed, "served": e.served, "failed": e.failed,
-                       "healthy": e.down_until == 0.0, "waiting": e.waiting,
+                       "healthy": e.healthy(time.monotonic()), "waiting": e.waiting,
                        "running": e.running, "kv_usage": e.kv_usage,
                        "block_size": e.block_size, "num_gpu_blocks": e.num_gpu_blocks,
                        "index_blocks": (state.fleet.precise if view.routers[name].precise

@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.config.policy import Model, Settings
+from gateway.config.policy import Model
+from gateway.config.resilience import Timeouts
 from gateway.endpoints import EndpointPool
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
@@ -41,7 +42,7 @@ def prefill_body(client_body: dict[str, Any], m: Model) -> bytes:
     return orjson.dumps(body)
 
 
-async def remote_prefill(state: GatewayState, s: Settings, kind: str, request_id: str,
+async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id: str,
                          client_body: dict[str, Any], m: Model, pool: EndpointPool,
                          d: Decision) -> dict[str, Any] | None:
     """Prefill on ``d.prefill``; the ``kv_transfer_params`` for decode, or None (then the
@@ -56,7 +57,7 @@ async def remote_prefill(state: GatewayState, s: Settings, kind: str, request_id
     try:
         up = await asyncio.wait_for(
             state.upstream.post(ep.url + path, prefill_body(client_body, m), headers,
-                                connect_timeout_s=s.connect_timeout_s), s.request_timeout_s)
+                                connect_timeout_s=t.connect_s), t.first_token_s)
         try:
             data = await up.read()
         finally:

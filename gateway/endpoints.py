@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.config.policy import Model
+from gateway.config.resilience import Retries
+from gateway.retry import RetryBudget
 
 
 @dataclass(slots=True, eq=False)
@@ -58,12 +60,13 @@ class EndpointState:
     # health
     consecutive_failures: int = 0
     down_until: float = 0.0
+    backoff_until: float = 0.0  # it asked for a pause (retry-after on 429/503)
     served: int = 0
     failed: int = 0
     routed: int = 0
 
     def healthy(self, now: float) -> bool:
-        return now >= self.down_until
+        return now >= self.down_until and now >= self.backoff_until
 
     def count_failure(self, now: float, trip_after: int, cooldown_s: float) -> None:
         """One more failure in a row (a request or a scrape); ``trip_after`` of them take the
@@ -137,6 +140,7 @@ RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
 RATE_ALPHA = 0.2
 ARRIVAL_TAU_S = 5.0
 RECENT_ALPHA = 0.3
+MAX_RETRY_AFTER_S = 30.0
 
 
 _tickets = itertools.count(1)
@@ -159,12 +163,15 @@ class EndpointPool:
 
     def __init__(self, model: Model, endpoints: Sequence[EndpointState], *,
                  trip_after: int = 3, cooldown_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 retries: Retries | None = None) -> None:
         self.model = model
         self.endpoints = list(endpoints)
         self.trip_after = trip_after
         self.cooldown_s = cooldown_s
         self._clock = clock
+        r = retries or Retries()
+        self.budget = RetryBudget(r.budget_ratio, r.min_per_s, clock=clock)
 
     @property
     def disaggregated(self) -> bool:
@@ -223,3 +230,13 @@ class EndpointPool:
     def failed(self, e: EndpointState) -> None:
         e.failed += 1
         e.count_failure(self._clock(), self.trip_after, self.cooldown_s)
+
+    def overloaded(self, e: EndpointState, retry_after: str) -> None:
+        """The endpoint answered 429/503 with ``retry-after``: leave it alone that long (up
+        to ``MAX_RETRY_AFTER_S``), as it asked, instead of probing it with more requests."""
+        try:
+            pause = min(float(retry_after), MAX_RETRY_AFTER_S)
+        except ValueError:
+            return
+        if pause > 0:
+            e.backoff_until = max(e.backoff_until, self._clock() + pause)

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +25,15 @@ from aiohttp import web
 from backend.protocol import GenerationRequest, Kind, load_json, validate
 from gateway import disagg, quota, slo
 from gateway.config.policy import Model, Policy, Route
+from gateway.config.resilience import Timeouts
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError, bad
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult, relay_body, relay_stream
+from gateway.retry import backoff_s
 from gateway.routing.router import Decision
 from gateway.state import GATEWAY, GatewayState, PolicyView
-from gateway.upstream import UpstreamResponse
+from gateway.upstream import UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("tokengate.gateway")
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -154,6 +157,7 @@ class _Sent:
     ticket: Ticket  # this request's share of the endpoint's live counters
     sent_at: float
     prefill_used: bool = False
+    lines: AsyncIterator[bytes] | None = None  # a stream's events, the first already read
 
 
 def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
@@ -173,10 +177,66 @@ def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
     return h
 
 
+async def _attempt(state: GatewayState, ctx: _Ctx, ep: EndpointState, url: str, body: bytes,
+                   t: Timeouts) -> tuple[UpstreamResponse, AsyncIterator[bytes] | None]:
+    """Send one attempt; for a stream, also wait for its first event (within
+    ``first_token_s``), so that an upstream that stalls or breaks before producing anything
+    can still be retried elsewhere, invisibly to the client."""
+    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
+    if ep.api_key:
+        headers["Authorization"] = f"Bearer {ep.api_key}"
+    if not ctx.parsed.stream:
+        up = await asyncio.wait_for(
+            state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s), t.total_s)
+        return up, None
+    async with asyncio.timeout(t.first_token_s):
+        up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s)
+        if up.status != 200:
+            return up, None
+        lines = up.lines()
+        try:
+            first = await anext(lines)
+        except StopAsyncIteration:
+            up.release()
+            raise UpstreamBroken("the upstream ended the stream before any event") from None
+        except BaseException:
+            up.release()
+            raise
+    return up, _prepend(first, lines)
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for line in rest:
+        yield line
+
+
+class _Failure(Exception):
+    """One attempt failed in a way another endpoint may not: retry (``backoff`` says whether
+    to pause first: overload answers and stalls, not refused connections)."""
+
+    def __init__(self, error: APIError, kind: str, backoff: bool) -> None:
+        super().__init__(error.message)
+        self.error, self.kind, self.backoff = error, kind, backoff
+
+
+def _upstream_failure(exc: BaseException, stream: bool) -> _Failure:
+    if isinstance(exc, TimeoutError):
+        what = "first token" if stream else "response"
+        return _Failure(APIError(504, f"the upstream did not send its {what} in time",
+                                 type="server_error", code="upstream_timeout"), "timeout", True)
+    refused = isinstance(exc, ConnectionRefusedError)
+    return _Failure(APIError(502, "the upstream could not be reached" if refused else
+                             "the upstream closed the connection", type="server_error",
+                             code="upstream_unavailable"),
+                    "connect" if refused else "broken", not refused)
+
+
 async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, reserved: int
                 ) -> _Sent | APIError:
     """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
-    says it is the client's fault); returns the last error when none would."""
+    says it is the client's fault), within the retry policy's attempts and budget; returns
+    the last error when none would."""
     router = ctx.view.routers[m.name]
     pool = router.pool
     t0 = time.perf_counter()
@@ -192,12 +252,22 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
     if isinstance(first, APIError):
         return first
     decision: Decision | None = first
-    s = ctx.view.policy.settings
+    retries = ctx.view.policy.settings.retries
+    t = ctx.route.timeouts
     path = "/chat/completions" if ctx.kind == "chat" else "/completions"
     tried: list[EndpointState] = []
     last: APIError = APIError(502, f"no endpoint of {m.name} answered", type="server_error",
                               code="upstream_unavailable")
+    pool.budget.deposit()
+    pause = False
     while decision is not None:
+        if tried:  # a retry: within the attempts and the budget, after a backoff if overload
+            if len(tried) >= retries.max_attempts or not pool.budget.withdraw():
+                state.metrics.series("retries", m.name, "denied").inc()
+                break
+            state.metrics.series("retries", m.name, "made").inc()
+            if pause:
+                await asyncio.sleep(backoff_s(retries, len(tried), state.rng))
         ep = decision.endpoint.ep
         tried.append(ep)
         router.commit(decision, info)
@@ -207,44 +277,45 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
         if decision.prefill is not None:
             state.metrics.series("routing_decisions", m.name, router.strategy,
                                  decision.prefill.ep.url, "prefill").inc()
-            kv = await disagg.remote_prefill(state, ctx.view.policy.settings, ctx.kind,
-                                             ctx.request_id, ctx.body, m, pool, decision)
+            kv = await disagg.remote_prefill(state, t, ctx.kind, ctx.request_id, ctx.body, m,
+                                             pool, decision)
         prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
-        headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
-        if ep.api_key:
-            headers["Authorization"] = f"Bearer {ep.api_key}"
-        tokens = info.prompt_tokens + reserved
-        ticket = pool.acquire(ep, tokens, prefill_tokens)
+        ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
         sent_at = time.perf_counter()
         try:
-            up = await asyncio.wait_for(
-                state.upstream.post(ep.url + path, _upstream_body(ctx, m, kv), headers,
-                                    connect_timeout_s=s.connect_timeout_s),
-                s.request_timeout_s)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            try:
+                up, lines = await _attempt(state, ctx, ep, ep.url + path,
+                                           _upstream_body(ctx, m, kv), t)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise _upstream_failure(exc, g.stream) from exc
+            if up.status in _RETRY_STATUSES:
+                retry_after = up.headers.get("retry-after", "1")
+                up.release()
+                pool.overloaded(ep, retry_after)
+                raise _Failure(APIError(502 if up.status >= 500 else 429,
+                                        f"upstream answered {up.status}", type="server_error",
+                                        code="upstream_error",
+                                        headers={"retry-after": retry_after}),
+                               str(up.status), True)
+        except _Failure as f:
             pool.release(ticket)
             pool.failed(ep)
-            state.metrics.series("upstream_errors", ep.url, "connect").inc()
-            log.warning("endpoint %s failed: %s", ep.url, exc)
+            if f.kind in ("connect", "broken", "timeout"):
+                state.fleet.suspect(ep)
+            state.metrics.series("upstream_errors", ep.url, f.kind).inc()
+            log.warning("endpoint %s failed (%s); retrying elsewhere if allowed", ep.url,
+                        f.kind)
+            last, pause = f.error, f.backoff
+            if f.kind == "timeout" and not g.stream:
+                break  # a whole non-streamed request timed out: do not run it again
             decision = router.decide(info, tried)
             continue
         except BaseException:  # cancelled (the client left): give the counters back
             pool.release(ticket)
             raise
-        if up.status in _RETRY_STATUSES:
-            pool.release(ticket)
-            pool.failed(ep)
-            state.metrics.series("upstream_errors", ep.url, str(up.status)).inc()
-            last = APIError(502 if up.status >= 500 else 429,
-                            f"upstream answered {up.status}", type="server_error",
-                            code="upstream_error",
-                            headers={"retry-after": up.headers.get("retry-after", "1")})
-            up.release()
-            decision = router.decide(info, tried)
-            continue
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return _Sent(up, decision, pool, ticket, sent_at, kv is not None)
+        return _Sent(up, decision, pool, ticket, sent_at, kv is not None, lines)
     return last
 
 
@@ -294,30 +365,38 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
     def first_token() -> None:
         pool.first_token(sent.ticket)
 
+    t = ctx.route.timeouts
     try:
-        async with asyncio.timeout(policy.settings.request_timeout_s):
-            headers = _headers(ctx, adm, sent, failover)
-            if ctx.parsed.stream and up.status == 200:
-                resp = web.StreamResponse(status=200, headers={
-                    **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await resp.prepare(request)
+        headers = _headers(ctx, adm, sent, failover)
+        if sent.lines is not None:
+            resp = web.StreamResponse(status=200, headers={
+                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
 
-                async def progress(n: int) -> None:
-                    await quota.charge_progress(state.store, adm, n)
+            async def progress(n: int) -> None:
+                await quota.charge_progress(state.store, adm, n)
 
-                await relay_stream(
-                    up, resp, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
-                    pass_usage=ctx.parsed.include_usage, on_tokens=progress,
-                    every=policy.settings.progressive_charge_tokens,
-                    every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
-                    on_first=first_token)
-                if not result.client_gone:
-                    await resp.write_eof()
-                return resp
-            body, result = await relay_body(up, upstream_model=adm.model.upstream_name,
-                                            served_model=adm.model.name)
-            return web.Response(status=up.status, body=body, headers={
-                **headers, "Content-Type": up.headers.get("content-type", "application/json")})
+            await relay_stream(
+                sent.lines, resp, upstream_model=adm.model.upstream_name,
+                served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
+                on_tokens=progress, every=policy.settings.progressive_charge_tokens,
+                every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
+                on_first=first_token, gap_s=t.between_tokens_s,
+                deadline_s=t.total_s - (time.perf_counter() - sent.sent_at))
+            if not result.client_gone:
+                await resp.write_eof()
+            return resp
+        try:
+            async with asyncio.timeout(max(t.total_s - (time.perf_counter() - sent.sent_at),
+                                           0.001)):
+                body, result = await relay_body(up, upstream_model=adm.model.upstream_name,
+                                                served_model=adm.model.name)
+        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+            err = _upstream_failure(exc, False).error
+            result.broken, result.status = True, err.status
+            raise err from None
+        return web.Response(status=up.status, body=body, headers={
+            **headers, "Content-Type": up.headers.get("content-type", "application/json")})
     finally:
         up.release()
         pool.release(sent.ticket)

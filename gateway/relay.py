@@ -11,8 +11,9 @@ SSE error event and ``[DONE]``, cleanly.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,7 @@ def _has_content(payload: bytes) -> bool:
 
 
 async def relay_stream(
-    upstream: UpstreamResponse,
+    lines: AsyncIterator[bytes],
     resp: web.StreamResponse,
     *,
     upstream_model: str,
@@ -74,60 +75,77 @@ async def relay_stream(
     every_s: float = 1.0,
     into: RelayResult | None = None,
     on_first: Callable[[], None] | None = None,
+    gap_s: float = 60.0,
+    deadline_s: float = 600.0,
 ) -> RelayResult:
     """Copy an SSE response to ``resp`` (already prepared) event by event.
 
     Progress is recorded in ``into`` as it happens, so a caller interrupted mid-stream (the
-    client went away) still knows what was streamed.
+    client went away) still knows what was streamed. An upstream silent for ``gap_s``, or
+    still streaming ``deadline_s`` from now, is cut off with an SSE error event.
     """
-    res = into if into is not None else RelayResult(status=upstream.status)
+    res = into if into is not None else RelayResult(status=200)
     up_tag = f'"model":"{upstream_model}"'.encode()
     served_tag = f'"model":"{served_model}"'.encode()
     event: list[bytes] = []
     next_charge = every
     next_charge_at = time.perf_counter() + every_s
+    loop = asyncio.get_running_loop()
+    end = loop.time() + max(deadline_s, 0.001)
     try:
-        async for line in upstream.lines():
-            if line not in (b"\n", b"\r\n"):
-                event.append(line)
-                continue
-            if not event:
-                continue
-            data = b"".join(event)
-            event.clear()
-            payload = data[5:].strip() if data.startswith(b"data:") else b""
-            forward = True
-            if payload and payload != b"[DONE]":
-                usage = _usage_of(payload)
-                if usage is not None:
-                    res.usage = usage
-                    if b'"choices":[]' in payload and not pass_usage:
-                        forward = False
-                if _has_content(payload):
-                    now = time.perf_counter()
-                    if res.first_token_at is None:
-                        res.first_token_at = now
-                        if on_first is not None:
-                            on_first()
-                    res.last_token_at = now
-                    res.chunks += 1
-            if forward:
-                await resp.write(_rename(data, up_tag, served_tag) + b"\n")
-                res.bytes_sent = True
-            if on_tokens is not None and res.chunks and (
-                    res.chunks >= next_charge or (res.last_token_at or 0.0) >= next_charge_at):
-                next_charge = res.chunks + every
-                next_charge_at = time.perf_counter() + every_s
-                await on_tokens(res.chunks)
+        async with asyncio.timeout_at(min(end, loop.time() + gap_s)) as limit:
+            async for line in lines:
+                limit.reschedule(min(end, loop.time() + gap_s))
+                if line not in (b"\n", b"\r\n"):
+                    event.append(line)
+                    continue
+                if not event:
+                    continue
+                data = b"".join(event)
+                event.clear()
+                payload = data[5:].strip() if data.startswith(b"data:") else b""
+                forward = True
+                if payload and payload != b"[DONE]":
+                    usage = _usage_of(payload)
+                    if usage is not None:
+                        res.usage = usage
+                        if b'"choices":[]' in payload and not pass_usage:
+                            forward = False
+                    if _has_content(payload):
+                        now = time.perf_counter()
+                        if res.first_token_at is None:
+                            res.first_token_at = now
+                            if on_first is not None:
+                                on_first()
+                        res.last_token_at = now
+                        res.chunks += 1
+                if forward:
+                    await resp.write(_rename(data, up_tag, served_tag) + b"\n")
+                    res.bytes_sent = True
+                if on_tokens is not None and res.chunks and (
+                        res.chunks >= next_charge or
+                        (res.last_token_at or 0.0) >= next_charge_at):
+                    next_charge = res.chunks + every
+                    next_charge_at = time.perf_counter() + every_s
+                    await on_tokens(res.chunks)
     except ConnectionResetError:
         # Writing to the client failed: it went away. Stop; the caller settles what was sent.
         res.client_gone = True
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
             TimeoutError) as exc:
         res.broken = True
-        err = {"error": {"message": f"upstream stream broke: {type(exc).__name__}",
-                         "type": "server_error", "param": None, "code": "upstream_error"}}
-        await resp.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+        if isinstance(exc, TimeoutError):
+            what = ("the request's total timeout passed" if loop.time() >= end - 1e-3 else
+                    f"no token for {gap_s:g} s")
+            message, code = f"upstream stalled: {what}", "upstream_timeout"
+        else:
+            message, code = "upstream stream broke: the connection closed", "upstream_error"
+        err = {"error": {"message": message, "type": "server_error", "param": None,
+                         "code": code}}
+        try:
+            await resp.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+        except ConnectionResetError:
+            res.client_gone = True
     return res
 
 

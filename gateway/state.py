@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class GatewayState:
     sync: ModelSync | None = None
     draining: bool = False
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` to completion even if the request that started it is cancelled."""
@@ -90,7 +92,9 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
 
     pools = {name: EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role,
                                                    e.hardware or m.backend.hardware)
-                                    for e in m.endpoints])
+                                    for e in m.endpoints],
+                                trip_after=fleet.trip_after, cooldown_s=fleet.cooldown_s,
+                                retries=policy.settings.retries)
              for name, m in policy.models.items()}
     fleet.retain(e.url for m in policy.models.values() for e in m.endpoints)
     routers = {name: Router(pool, fleet, predictor) for name, pool in pools.items()}

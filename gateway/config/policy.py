@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +23,13 @@ import yaml
 
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
+from gateway.config.resilience import (
+    Retries,
+    Timeouts,
+    parse_retries,
+    parse_timeouts,
+    partial_timeouts,
+)
 from gateway.config.routing import Routing, parse_routing
 from gateway.limiter.bucket import Limit
 
@@ -125,6 +132,7 @@ class Route:
     slo_tpot_ms: float | None = None
     on_slo_miss: Literal["best_effort", "queue", "fallback"] = "best_effort"
     queue_ms: float = 500.0  # how long "queue" (and flex under overload) may wait
+    timeouts: Timeouts = field(default_factory=Timeouts)  # the settings' with overrides
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +143,8 @@ class Settings:
     progressive_charge_ms: int = 1000
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 4096
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
+    timeouts: Timeouts = field(default_factory=Timeouts)  # defaults for every route
+    retries: Retries = field(default_factory=Retries)
     admin_key_sha256: str | None = None
     admin_key_env: str | None = None
 
@@ -249,8 +257,8 @@ def _settings(d: Decoder, raw: Any) -> Settings:
         return Settings()
     m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
                                     "progressive_charge_ms",
-                                    "max_body_bytes", "max_messages", "request_timeout_s",
-                                    "connect_timeout_s", "admin_key_sha256", "admin_key_env"})
+                                    "max_body_bytes", "max_messages", "timeouts", "retries",
+                                    "admin_key_sha256", "admin_key_env"})
     kw: dict[str, Any] = {}
     if "redis_failure" in m:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
@@ -260,9 +268,8 @@ def _settings(d: Decoder, raw: Any) -> Settings:
               "max_body_bytes", "max_messages"):
         if k in m:
             kw[k] = d.integer(m[k], f"settings.{k}")
-    for k in ("request_timeout_s", "connect_timeout_s"):
-        if k in m:
-            kw[k] = d.number(m[k], f"settings.{k}")
+    kw["timeouts"] = parse_timeouts(d, m.get("timeouts"), "settings.timeouts", Timeouts())
+    kw["retries"] = parse_retries(d, m.get("retries"), "settings.retries")
     if "admin_key_sha256" in m:
         digest = d.string(m["admin_key_sha256"], "settings.admin_key_sha256").lower()
         if not _HEX64.match(digest):
@@ -285,12 +292,13 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
         raise d.fail("models", "at least one model is required")
     tenants_raw = d.mapping(top["tenants"], "tenants", set(top["tenants"] or {}))
     tenants = {str(n): _tenant(d, str(n), r, f"tenants.{n}") for n, r in tenants_raw.items()}
+    settings = _settings(d, top.get("settings"))
     routes_raw = d.mapping(top["routes"], "routes", set(top["routes"] or {}))
     routes = {}
     for n, r in routes_raw.items():
         p = f"routes.{n}"
         rm = d.mapping(r, p, {"tenants", "models", "limits", "failover", "slo", "on_slo_miss",
-                              "queue_ms"}, {"tenants", "models"})
+                              "queue_ms", "timeouts"}, {"tenants", "models"})
         failover = rm.get("failover", True)
         if not isinstance(failover, bool):
             raise d.fail(f"{p}.failover", "expected true or false")
@@ -303,8 +311,9 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
             d.number(slo["tpot_ms"], f"{p}.slo.tpot_ms") if "tpot_ms" in slo else None,
             d.choice(rm.get("on_slo_miss", "best_effort"), f"{p}.on_slo_miss",
                      {"best_effort", "queue", "fallback"}),
-            d.number(rm.get("queue_ms", 500.0), f"{p}.queue_ms"))
-    settings = _settings(d, top.get("settings"))
+            d.number(rm.get("queue_ms", 500.0), f"{p}.queue_ms"),
+            replace(settings.timeouts, **partial_timeouts(d, rm.get("timeouts"),
+                                                          f"{p}.timeouts")))
     # -- cross references --
     for m in models.values():
         for i, fb in enumerate(m.fallback):

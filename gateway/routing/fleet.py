@@ -29,6 +29,7 @@ from gateway.routing.prefix import ApproxIndex, PreciseIndex
 log = logging.getLogger("tokengate.routing")
 _LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+PROBE_TIMEOUT_S = 0.5
 
 
 def base_url(url: str) -> str:
@@ -73,6 +74,8 @@ class Fleet:
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
         self.scrapes = 0
+        self.probe_trips = 0
+        self._probing: set[str] = set()
 
     def endpoint(self, url: str, api_key: str | None, role: str, hardware: str | None
                  ) -> EndpointState:
@@ -129,6 +132,33 @@ class Fleet:
             e.reset_health()
         self.scrapes += 1
         return True
+
+    def suspect(self, e: EndpointState) -> None:
+        """A request to ``e`` failed at the transport (refused, closed mid-stream, stalled):
+        probe its ``/health`` now rather than at the next scrape, and take it out at once if
+        the probe fails too, so that new requests go elsewhere within milliseconds of a crash
+        (one dropped connection on a healthy endpoint does not trip it)."""
+        if e.url in self._probing:
+            return
+        self._probing.add(e.url)
+        task = asyncio.ensure_future(self._probe(e))
+        task.add_done_callback(lambda _: self._probing.discard(e.url))
+
+    async def _probe(self, e: EndpointState) -> None:
+        headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
+        try:
+            async with self._http().get(base_url(e.url) + "/health", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                                        ) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            pass
+        self.probe_trips += 1
+        e.consecutive_failures = max(e.consecutive_failures, self.trip_after)
+        e.down_until = max(e.down_until, time.monotonic() + self.cooldown_s)
+        log.warning("endpoint %s failed its health probe: out for %.0f s (back sooner if a "
+                    "scrape succeeds)", e.url, self.cooldown_s)
 
     async def scrape_loop(self) -> None:
         while True:

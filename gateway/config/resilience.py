@@ -1,0 +1,72 @@
+"""Policy sections for surviving upstream faults: timeouts (settings defaults, per-route
+overrides) and the retry policy (attempts, backoff, and the retry budget).
+
+``timeouts``: ``connect_s`` (TCP connect), ``first_token_s`` (request sent → first streamed
+event; a stream that stalls before it is retried on another endpoint), ``between_tokens_s``
+(the longest gap between two streamed events once streaming), ``total_s`` (the whole
+request; the only bound on a non-streamed response). A stalled request ends with an
+OpenAI-shaped error (or an SSE error event) when its timeout passes, and is settled.
+
+``retries``: at most ``max_attempts`` endpoints per model, a jittered exponential backoff of
+``backoff_ms`` · 2^(n−1) (capped at ``max_backoff_ms``) before a retry caused by an overload
+answer (429/5xx or a stall; not before one after a refused connection), and a budget in the
+manner of Finagle's: retries may add at most ``budget_ratio`` of the requests, plus
+``min_per_s`` per second, so a failing fleet is not hit by a retry storm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from gateway.config.decode import Decoder
+
+TIMEOUT_KEYS = {"connect_s", "first_token_s", "between_tokens_s", "total_s"}
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 5.0
+    first_token_s: float = 120.0
+    between_tokens_s: float = 60.0
+    total_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Retries:
+    max_attempts: int = 3
+    backoff_ms: float = 25.0
+    max_backoff_ms: float = 1000.0
+    budget_ratio: float = 0.2
+    min_per_s: float = 5.0
+
+
+def parse_timeouts(d: Decoder, raw: Any, path: str, base: Timeouts) -> Timeouts:
+    """``base`` with the fields ``raw`` gives replaced."""
+    if raw is None:
+        return base
+    m = d.mapping(raw, path, TIMEOUT_KEYS)
+    return replace(base, **{k: d.number(v, f"{path}.{k}") for k, v in m.items()})
+
+
+def partial_timeouts(d: Decoder, raw: Any, path: str) -> dict[str, float]:
+    """A route's overrides, applied over the settings' timeouts when the policy is built."""
+    if raw is None:
+        return {}
+    m = d.mapping(raw, path, TIMEOUT_KEYS)
+    return {k: d.number(v, f"{path}.{k}") for k, v in m.items()}
+
+
+def parse_retries(d: Decoder, raw: Any, path: str) -> Retries:
+    if raw is None:
+        return Retries()
+    m = d.mapping(raw, path, {f.name for f in fields(Retries)})
+    kw: dict[str, Any] = {}
+    for k, v in m.items():
+        if k == "max_attempts":
+            kw[k] = d.integer(v, f"{path}.{k}")
+        elif k in ("budget_ratio", "min_per_s"):
+            kw[k] = d.number(v, f"{path}.{k}", positive=False)
+        else:
+            kw[k] = d.number(v, f"{path}.{k}")
+    return Retries(**kw)
