@@ -16,6 +16,7 @@ import orjson
 from gateway.errors import bad
 
 Kind = Literal["chat", "completion"]
+MAX_TOKEN_ID = 2**31  # ids index a vocabulary; past this they cannot be one
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -43,6 +44,8 @@ def _opt_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
     v = body.get(key)
     if v is None:
         return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # 16.0 is accepted as 16, as vLLM's (pydantic's lax) parsing does
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"'{key}' must be an integer, got {type(v).__name__}", key)
     if not lo <= v <= hi:
@@ -93,7 +96,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping):
             raise bad(f"{p} must be an object", p)
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad(f"{p}.role must be one of {sorted(_ROLES)}", f"{p}.role")
         content = _text_content(m.get("content"), f"{p}.content")
         calls = m.get("tool_calls")
@@ -119,10 +122,13 @@ def _prompt(raw: Any) -> tuple[str | None, list[int] | None]:
             raise bad("'prompt' must not be empty", "prompt")
         return raw, None
     if isinstance(raw, list) and raw and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        if any(t < 0 for t in raw):
-            raise bad("'prompt' token ids must be non-negative", "prompt")
-        return None, list(raw)
+            isinstance(t, int | float) and not isinstance(t, bool) for t in raw):
+        if not all(isinstance(t, int) or t.is_integer() for t in raw):
+            raise bad("'prompt' token ids must be integers", "prompt")
+        ids = [int(t) for t in raw]
+        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
+            raise bad(f"'prompt' token ids must be within [0, {MAX_TOKEN_ID})", "prompt")
+        return None, ids
     if isinstance(raw, list) and len(raw) > 1:
         raise bad("batched prompts are not supported; send one prompt per request", "prompt")
     raise bad("'prompt' must be a string or an array of token ids", "prompt")

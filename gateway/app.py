@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import time
@@ -15,8 +16,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import pipeline
+from gateway import openapi, pipeline
 from gateway.errors import APIError, errors
+from gateway.httpserver import guard
 from gateway.limiter.resilient import ResilientStore
 from gateway.limiter.resp import FastRedis
 from gateway.reload import PolicyWatcher
@@ -38,6 +40,16 @@ async def models(request: web.Request) -> web.Response:
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "tokengate"}
             for m in policy.models_for(tenant)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    limit = request.app[GATEWAY].view.policy.settings.max_messages
+    return web.Response(body=_openapi(limit), content_type="application/json")
+
+
+@functools.cache
+def _openapi(max_messages: int) -> bytes:
+    return orjson.dumps(openapi.document(max_messages))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -153,7 +165,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors],
+    app = web.Application(middlewares=[guard, errors],
                           client_max_size=state.view.policy.settings.max_body_bytes)
     app[GATEWAY] = state
     if watcher is not None:
@@ -163,6 +175,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_post("/v1/chat/completions", lambda q: pipeline.handle(q, "chat"))
     r.add_post("/v1/completions", lambda q: pipeline.handle(q, "completion"))
     r.add_get("/v1/models", models)
+    r.add_get("/openapi.json", openapi_json)
     r.add_get("/health", health)
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)

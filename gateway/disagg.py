@@ -49,9 +49,8 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
     decode endpoint computes the prompt itself)."""
     assert d.prefill is not None
     ep = d.prefill.ep
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    if ep.api_key:
-        headers["Authorization"] = f"Bearer {ep.api_key}"
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id,
+               **pool.auth_headers(ep)}
     path = "/chat/completions" if kind == "chat" else "/completions"
     ticket = pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
     try:

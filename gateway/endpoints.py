@@ -61,6 +61,7 @@ class EndpointState:
     consecutive_failures: int = 0
     down_until: float = 0.0
     backoff_until: float = 0.0  # it asked for a pause (retry-after on 429/503)
+    answer_failures: int = 0  # of the consecutive failures, those that were 5xx answers
     served: int = 0
     failed: int = 0
     routed: int = 0
@@ -68,15 +69,22 @@ class EndpointState:
     def healthy(self, now: float) -> bool:
         return now >= self.down_until and now >= self.backoff_until
 
-    def count_failure(self, now: float, trip_after: int, cooldown_s: float) -> None:
-        """One more failure in a row (a request or a scrape); ``trip_after`` of them take the
-        endpoint out for ``cooldown_s``."""
+    def count_failure(self, now: float, trip_after: int, cooldown_s: float, *,
+                      transport: bool = True) -> None:
+        """One more failure in a row; ``trip_after`` of them take the endpoint out for
+        ``cooldown_s``. Transport failures (refused or broken connections, failed scrapes)
+        end with the next successful scrape; answer failures (5xx) only with a successful
+        request: after the cooldown one request is let through (half-open), and if it fails
+        too the count is still past ``trip_after`` and the endpoint trips again at once."""
         self.consecutive_failures += 1
+        if not transport:
+            self.answer_failures += 1
         if self.consecutive_failures >= trip_after:
             self.down_until = now + cooldown_s
 
     def reset_health(self) -> None:
         self.consecutive_failures = 0
+        self.answer_failures = 0
         self.down_until = 0.0
 
     def oldest_pending_ms(self, now: float) -> float:
@@ -172,6 +180,13 @@ class EndpointPool:
         self._clock = clock
         r = retries or Retries()
         self.budget = RetryBudget(r.budget_ratio, r.min_per_s, clock=clock)
+        # This model's credential per endpoint URL: two models may share an endpoint with
+        # different keys, so requests use the pool's key, not the shared EndpointState's.
+        self.api_keys: dict[str, str | None] = {e.url: e.api_key for e in self.endpoints}
+
+    def auth_headers(self, e: EndpointState) -> dict[str, str]:
+        key = self.api_keys.get(e.url)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property
     def disaggregated(self) -> bool:
@@ -227,9 +242,9 @@ class EndpointPool:
         e.reset_health()
         e.served += 1
 
-    def failed(self, e: EndpointState) -> None:
+    def failed(self, e: EndpointState, *, transport: bool = False) -> None:
         e.failed += 1
-        e.count_failure(self._clock(), self.trip_after, self.cooldown_s)
+        e.count_failure(self._clock(), self.trip_after, self.cooldown_s, transport=transport)
 
     def overloaded(self, e: EndpointState, retry_after: str) -> None:
         """The endpoint answered 429/503 with ``retry-after``: leave it alone that long (up

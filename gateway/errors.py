@@ -58,8 +58,13 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 def _error_response(exc: APIError) -> web.Response:
-    return web.Response(status=exc.status, body=exc.body(), content_type="application/json",
-                        headers=exc.headers)
+    headers = dict(exc.headers)
+    close = headers.pop("Connection", "").lower() == "close"
+    resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json",
+                        headers=headers)
+    if close:  # e.g. a body that never fully arrived: the connection cannot be reused
+        resp.force_close()
+    return resp
 
 
 @web.middleware
@@ -76,7 +81,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                  405: ("invalid_request_error", f"method {request.method} not allowed here"),
                  413: ("invalid_request_error", "request body too large")}
         kind, message = kinds.get(exc.status, ("invalid_request_error", exc.reason))
-        return _error_response(APIError(exc.status, message, type=kind))
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _error_response(APIError(exc.status, message, type=kind, headers=allow))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

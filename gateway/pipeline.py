@@ -28,6 +28,7 @@ from gateway.config.policy import Model, Policy, Route
 from gateway.config.resilience import Timeouts
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError, bad
+from gateway.httpserver import read_body
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult, relay_body, relay_stream
 from gateway.retry import backoff_s
@@ -83,7 +84,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     view = state.view
     policy = view.policy
     tenant = authenticate(request, policy)
-    raw = await request.read()
+    raw = await read_body(request, policy.settings.client.body_timeout_s)
     body = load_json(raw)
     g = validate(kind, body)
     messages = body.get("messages")
@@ -177,14 +178,14 @@ def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
     return h
 
 
-async def _attempt(state: GatewayState, ctx: _Ctx, ep: EndpointState, url: str, body: bytes,
-                   t: Timeouts) -> tuple[UpstreamResponse, AsyncIterator[bytes] | None]:
+async def _attempt(state: GatewayState, ctx: _Ctx, pool: EndpointPool, ep: EndpointState,
+                   url: str, body: bytes, t: Timeouts
+                   ) -> tuple[UpstreamResponse, AsyncIterator[bytes] | None]:
     """Send one attempt; for a stream, also wait for its first event (within
     ``first_token_s``), so that an upstream that stalls or breaks before producing anything
     can still be retried elsewhere, invisibly to the client."""
-    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
-    if ep.api_key:
-        headers["Authorization"] = f"Bearer {ep.api_key}"
+    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
+               **pool.auth_headers(ep)}
     if not ctx.parsed.stream:
         up = await asyncio.wait_for(
             state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s), t.total_s)
@@ -284,14 +285,16 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
         sent_at = time.perf_counter()
         try:
             try:
-                up, lines = await _attempt(state, ctx, ep, ep.url + path,
+                up, lines = await _attempt(state, ctx, pool, ep, ep.url + path,
                                            _upstream_body(ctx, m, kv), t)
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 raise _upstream_failure(exc, g.stream) from exc
             if up.status in _RETRY_STATUSES:
-                retry_after = up.headers.get("retry-after", "1")
+                asked = up.headers.get("retry-after")
                 up.release()
-                pool.overloaded(ep, retry_after)
+                if asked is not None:
+                    pool.overloaded(ep, asked)
+                retry_after = asked or "1"
                 raise _Failure(APIError(502 if up.status >= 500 else 429,
                                         f"upstream answered {up.status}", type="server_error",
                                         code="upstream_error",
@@ -299,7 +302,7 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
                                str(up.status), True)
         except _Failure as f:
             pool.release(ticket)
-            pool.failed(ep)
+            pool.failed(ep, transport=f.kind in ("connect", "broken"))
             if f.kind in ("connect", "broken", "timeout"):
                 state.fleet.suspect(ep)
             state.metrics.series("upstream_errors", ep.url, f.kind).inc()
@@ -402,7 +405,8 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
         pool.release(sent.ticket)
         state.metrics.series("in_flight", ep.url).dec()
         if result.broken:
-            pool.failed(ep)
+            pool.failed(ep, transport=True)
+            state.fleet.suspect(ep)
         elif result.status == 200:
             pool.succeeded(ep)
         state.spawn(_finish(ctx, adm, result, sent))

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config.policy import load_policy
+from gateway.httpserver import GatewayRunner, GuardedHandler
 from gateway.limiter.memory import MemoryStore
 from gateway.limiter.redis_store import RedisStore
 from gateway.limiter.resilient import ResilientStore
@@ -86,7 +87,10 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
     when the caller wants to look inside (tests)."""
     state, watcher = prepared or make_state(cfg)
     app = build_app(state, watcher)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    client = state.view.policy.settings.client
+    GuardedHandler.header_timeout_s = client.header_timeout_s  # fixed at start
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=client.keepalive_s, lingering_time=1.0)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

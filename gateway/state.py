@@ -90,12 +90,15 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
     are unchanged, so a reload loses neither live counters nor caches."""
     import hashlib
 
-    pools = {name: EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role,
-                                                   e.hardware or m.backend.hardware)
-                                    for e in m.endpoints],
-                                trip_after=fleet.trip_after, cooldown_s=fleet.cooldown_s,
-                                retries=policy.settings.retries)
-             for name, m in policy.models.items()}
+    pools = {}
+    for name, m in policy.models.items():
+        pool = EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role,
+                                               e.hardware or m.backend.hardware)
+                                for e in m.endpoints],
+                            trip_after=fleet.trip_after, cooldown_s=fleet.cooldown_s,
+                            retries=policy.settings.retries)
+        pool.api_keys = {e.url: endpoint_key(e) for e in m.endpoints}
+        pools[name] = pool
     fleet.retain(e.url for m in policy.models.values() for e in m.endpoints)
     routers = {name: Router(pool, fleet, predictor) for name, pool in pools.items()}
     counters = {}

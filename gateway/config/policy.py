@@ -24,8 +24,10 @@ import yaml
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
 from gateway.config.resilience import (
+    ClientLimits,
     Retries,
     Timeouts,
+    parse_client,
     parse_retries,
     parse_timeouts,
     partial_timeouts,
@@ -145,6 +147,7 @@ class Settings:
     max_messages: int = 4096
     timeouts: Timeouts = field(default_factory=Timeouts)  # defaults for every route
     retries: Retries = field(default_factory=Retries)
+    client: ClientLimits = field(default_factory=ClientLimits)
     admin_key_sha256: str | None = None
     admin_key_env: str | None = None
 
@@ -256,8 +259,8 @@ def _settings(d: Decoder, raw: Any) -> Settings:
     if raw is None:
         return Settings()
     m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
-                                    "progressive_charge_ms",
-                                    "max_body_bytes", "max_messages", "timeouts", "retries",
+                                    "progressive_charge_ms", "max_body_bytes",
+                                    "max_messages", "timeouts", "retries", "client",
                                     "admin_key_sha256", "admin_key_env"})
     kw: dict[str, Any] = {}
     if "redis_failure" in m:
@@ -270,6 +273,7 @@ def _settings(d: Decoder, raw: Any) -> Settings:
             kw[k] = d.integer(m[k], f"settings.{k}")
     kw["timeouts"] = parse_timeouts(d, m.get("timeouts"), "settings.timeouts", Timeouts())
     kw["retries"] = parse_retries(d, m.get("retries"), "settings.retries")
+    kw["client"] = parse_client(d, m.get("client"), "settings.client")
     if "admin_key_sha256" in m:
         digest = d.string(m["admin_key_sha256"], "settings.admin_key_sha256").lower()
         if not _HEX64.match(digest):

@@ -7,6 +7,9 @@ event; a stream that stalls before it is retried on another endpoint), ``between
 request; the only bound on a non-streamed response). A stalled request ends with an
 OpenAI-shaped error (or an SSE error event) when its timeout passes, and is settled.
 
+``client``: ``header_timeout_s``, ``body_timeout_s``, ``keepalive_s`` bound slow senders and
+idle connections (``gateway.httpserver``).
+
 ``retries``: at most ``max_attempts`` endpoints per model, a jittered exponential backoff of
 ``backoff_ms`` · 2^(n−1) (capped at ``max_backoff_ms``) before a retry caused by an overload
 answer (429/5xx or a stall; not before one after a refused connection), and a budget in the
@@ -21,6 +24,7 @@ from typing import Any
 
 from gateway.config.decode import Decoder
 
+CLIENT_KEYS = {"header_timeout_s", "body_timeout_s", "keepalive_s"}
 TIMEOUT_KEYS = {"connect_s", "first_token_s", "between_tokens_s", "total_s"}
 
 
@@ -39,6 +43,23 @@ class Retries:
     max_backoff_ms: float = 1000.0
     budget_ratio: float = 0.2
     min_per_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """How long a client may take to send its request head and body, and to sit idle on a
+    kept-alive connection (slow senders are answered 408 and disconnected)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_s: float = 75.0
+
+
+def parse_client(d: Decoder, raw: Any, path: str) -> ClientLimits:
+    if raw is None:
+        return ClientLimits()
+    m = d.mapping(raw, path, CLIENT_KEYS)
+    return ClientLimits(**{k: d.number(v, f"{path}.{k}") for k, v in m.items()})
 
 
 def parse_timeouts(d: Decoder, raw: Any, path: str, base: Timeouts) -> Timeouts:

@@ -82,7 +82,9 @@ class Fleet:
         e = self.endpoints.get(url)
         if e is None:
             e = self.endpoints[url] = EndpointState(url)
-        e.api_key, e.role, e.hardware = api_key, role, hardware
+        # The scrape credential: any model's key for this URL (requests use their pool's).
+        e.api_key = api_key or e.api_key
+        e.role, e.hardware = role, hardware
         return e
 
     def retain(self, urls: Iterable[str]) -> None:
@@ -128,8 +130,8 @@ class Fleet:
             e.num_gpu_blocks = int(m["num_gpu_blocks"])
             self.approx.set_capacity(e.url, e.num_gpu_blocks)
         e.scraped_at = time.monotonic()
-        if e.down_until and e.consecutive_failures:
-            e.reset_health()
+        if e.down_until and e.consecutive_failures and not e.answer_failures:
+            e.reset_health()  # it was out for transport failures: reachable again
         self.scrapes += 1
         return True
 

@@ -1,0 +1,135 @@
+"""The gateway's surface as an OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+It describes what the gateway accepts and answers (the OpenAI-compatible endpoints it serves,
+its probes and the admin endpoints), including every error status in OpenAI's error shape, so
+that clients can be generated from it and ``schemathesis`` can test the gateway against it
+(tests/test_security.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    text = {400: "Invalid request", 401: "Missing or unknown API key",
+            404: "Unknown model or path", 408: "The request was sent too slowly",
+            413: "Body too large", 429: "Rate limited (retry-after says when)",
+            502: "Every upstream failed", 503: "Draining, limiter down or shed (retry-after)",
+            504: "The upstream timed out"}
+    return {str(s): {"description": text[s],
+                     "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
+
+
+_GEN_ERRORS = (400, 401, 404, 408, 413, 429, 502, 503, 504)
+_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                        "maxItems": 4}, {"type": "null"}]}
+_COMMON: dict[str, Any] = {
+    "model": {"type": "string", "minLength": 1},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1},
+    "stream": {"type": ["boolean", "null"],
+               "description": "stream_options ({include_usage}) is accepted when true"},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
+    "stop": _STOP,
+    "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**64 - 1},
+    "user": {"type": "string"},
+}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string",
+             "enum": ["system", "developer", "user", "assistant", "tool", "function"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    "name": {"type": "string"}}}
+
+
+def _chat(max_messages: int) -> dict[str, Any]:
+    return {"type": "object", "required": ["model", "messages"], "properties": {
+        **_COMMON,
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1,
+                     "maxItems": max_messages},
+        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
+                                  "maximum": 2**31 - 1}}}
+
+
+_COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
+    **_COMMON,
+    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "items": {"type": "string", "minLength": 1},
+                          "minItems": 1, "maxItems": 1},
+                         {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                     "maximum": 2**31 - 1},
+                          "minItems": 1}]}}}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _generation(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary, "security": [{"bearer": []}],
+        "parameters": [
+            {"name": "x-slo-ttft-ms", "in": "header",
+             "schema": {"type": "number", "exclusiveMinimum": 0}},
+            {"name": "x-slo-tpot-ms", "in": "header",
+             "schema": {"type": "number", "exclusiveMinimum": 0}},
+            {"name": "x-priority", "in": "header",
+             "schema": {"type": "string", "enum": ["critical", "standard", "flex"]}},
+            {"name": "X-Request-Id", "in": "header", "schema": {"type": "string"}}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"200": {"description": "The completion (or its event stream)",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          **_SSE}},
+                      **_errors(*_GEN_ERRORS)}}}
+
+
+def _admin(summary: str) -> dict[str, Any]:
+    return {"get": {"summary": summary, "security": [{"bearer": []}],
+                    "responses": {"200": {"description": "State as JSON", "content": {
+                        "application/json": {"schema": {"type": "object"}}}},
+                        **_errors(400, 401)}}}
+
+
+def _plain(summary: str, *errors: int) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": summary, "content": {"text/plain": {"schema": {
+            "type": "string"}}}}, **_errors(*errors)}}}
+
+
+def document(max_messages: int = 4096) -> dict[str, Any]:
+    """The document for a policy whose ``settings.max_messages`` is ``max_messages``."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tokengate", "version": "1",
+                 "description": "A token-aware OpenAI-compatible inference gateway."},
+        "paths": {
+            "/v1/chat/completions": _generation("Chat completion", _chat(max_messages)),
+            "/v1/completions": _generation("Text completion", _COMPLETION),
+            "/v1/models": {"get": {"summary": "Models the key may use",
+                                   "security": [{"bearer": []}],
+                                   "responses": {"200": {"description": "Model list",
+                                                         "content": {"application/json": {
+                                                             "schema": {"type": "object"}}}},
+                                                 **_errors(400, 401)}}},
+            "/health": _plain("Liveness", 400),
+            "/ready": {"get": {"summary": "Readiness (503 while draining)", "responses": {
+                "200": {"description": "ready"}, "503": {"description": "draining"},
+                **_errors(400)}}},
+            "/metrics": _plain("Prometheus metrics", 400),
+            "/admin/policy": _admin("The policy in force"),
+            "/admin/endpoints": _admin("Endpoints and their live state"),
+            "/admin/limiter": _admin("The rate store"),
+            "/admin/predictor": _admin("The latency predictor"),
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Error": {
+                "type": "object", "required": ["error"], "properties": {"error": {
+                    "type": "object", "required": ["message", "type", "param", "code"],
+                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                   "param": {"type": ["string", "null"]},
+                                   "code": {"type": ["string", "null"]}}}}}},
+        },
+    }
