@@ -210,7 +210,7 @@ def test_policy_settings_are_strict(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match=r"settings\.retries\.max_attempts"):
         parse_policy({**base, "settings": {"retries": {"max_attempts": 0}}})
     p = parse_policy({**base, "settings": {"timeouts": {"first_token_s": 9}},
-                      "tenants": {"t": {"keys": []}},
+                      "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
                       "routes": {"r": {"tenants": ["t"], "models": ["m"],
                                        "timeouts": {"between_tokens_s": 2}}}})
     t = p.routes["r"].timeouts
