@@ -39,6 +39,9 @@ class GatewayMetrics:
                                ["endpoint"], registry=r)
         self.upstream_errors = Counter("tokengate_upstream_errors", "Upstream failures.",
                                        ["endpoint", "kind"], registry=r)
+        self.retries = Counter("tokengate_retries", "Retries on another endpoint: made, or "
+                               "denied by the attempts limit or the retry budget.",
+                               ["model", "outcome"], registry=r)
         self.policy_reloads = Counter("tokengate_policy_reloads", "Policy reload attempts.",
                                       ["outcome"], registry=r)
         self.predictor_mape = Gauge("tokengate_predictor_mape",

@@ -202,6 +202,17 @@ class UpstreamClient:
         return await self._exchange(conn, pool, payload)
 
     async def _exchange(self, conn: _Conn, pool: deque[_Conn], payload: bytes) -> Response:
+        """Send a request and read its head; on any failure (including cancellation by a
+        timeout) the connection is closed, never leaked nor pooled mid-exchange."""
+        try:
+            return await self._exchange_head(conn, pool, payload)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.close()
+            raise
+
+    async def _exchange_head(self, conn: _Conn, pool: deque[_Conn], payload: bytes
+                             ) -> Response:
         assert conn.transport is not None
         conn.buf.clear()
         conn.transport.write(payload)

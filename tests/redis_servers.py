@@ -20,9 +20,13 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A free port whose +10000 cluster-bus port is free too (Redis Cluster needs <= 55535)."""
+    """A free port whose +10000 cluster-bus port is free too (Redis Cluster needs <= 55535).
+
+    Both stay below Linux's ephemeral range (32768+): a client polling a port nobody listens
+    on yet can otherwise be handed that very port and connect to itself (TCP self-connect),
+    and an outgoing connection can take the port before the server binds it."""
     for _ in range(1000):
-        port = random.randrange(20000, 45000)
+        port = random.randrange(12000, 22700)
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair for redis-server")
