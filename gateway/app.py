@@ -17,11 +17,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
+from gateway.coord import coordination_client
 from gateway.errors import APIError, errors
 from gateway.httpserver import guard
 from gateway.limiter.resilient import ResilientStore
-from gateway.limiter.resp import FastRedis
 from gateway.reload import PolicyWatcher
+from gateway.routing.share import PrefixShare
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
 from predictor.sync import ModelSync
@@ -139,9 +140,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     tasks = [asyncio.ensure_future(watcher.run())] if watcher is not None else []
     tasks.append(asyncio.ensure_future(state.fleet.scrape_loop()))
     sync = None
+    share = None
     if state.redis_url:
-        sync = state.sync = ModelSync(FastRedis(state.redis_url), state.predictor)
+        sync = state.sync = ModelSync(coordination_client(state.redis_url), state.predictor)
         tasks.append(asyncio.ensure_future(sync.run()))
+        share = state.share = PrefixShare(
+            coordination_client(state.redis_url),
+            coordination_client(state.redis_url, connections=1, timeout_s=2.0),
+            state.fleet.approx)
+        tasks.append(asyncio.ensure_future(share.run()))
     tasks.append(asyncio.ensure_future(state.predictor.run(
         publish=sync.publish if sync else None,
         may_train=(lambda: sync.leader) if sync else (lambda: True))))
@@ -154,7 +161,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if sync is not None:
         with contextlib.suppress(Exception):
             await sync.resign()
-        await sync.redis.aclose()  # type: ignore[attr-defined]
+        await sync.redis.aclose()
+    if share is not None:
+        await share.writer.aclose()
+        await share.reader.aclose()
     await state.fleet.close()
     state.predictor.close()
     if state.background:

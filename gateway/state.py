@@ -19,6 +19,7 @@ from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
 from gateway.routing.fleet import Fleet
 from gateway.routing.router import Router
+from gateway.routing.share import PrefixShare
 from gateway.tokenize import TokenCounter
 from gateway.upstream import UpstreamClient
 from predictor.online import OnlinePredictor
@@ -71,6 +72,7 @@ class GatewayState:
     upstream: UpstreamClient = field(default_factory=UpstreamClient)
     redis_url: str | None = None  # shares the predictor across replicas when set
     sync: ModelSync | None = None
+    share: PrefixShare | None = None  # prefix hints from and to the other replicas
     draining: bool = False
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter

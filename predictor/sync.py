@@ -33,6 +33,8 @@ _RENEW = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
 class Redis(Protocol):
     async def execute(self, *args: Any) -> Any: ...
 
+    async def aclose(self) -> None: ...
+
 
 class ModelSync:
     def __init__(self, redis: Redis, predictor: OnlinePredictor, *, lease_ms: int = 6000,

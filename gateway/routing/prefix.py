@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -144,6 +144,8 @@ class ApproxIndex:
     SLACK = 1.25
 
     def __init__(self, default_capacity: int = 100_000) -> None:
+        # Called with (endpoint, blocks refreshed) on every local record: shares them.
+        self.on_record: Callable[[str, Sequence[int]], None] | None = None
         self._seen: dict[str, dict[int, int]] = {}
         self._cap: dict[str, int] = {}
         self._tick = 0
@@ -173,8 +175,19 @@ class ApproxIndex:
         start = 0
         if matched and seen.get(hashes[matched - 1], 0) > self._tick - self.REFRESH_EVERY:
             start = matched
+        self._store(seen, endpoint, hashes[start:])
+        if self.on_record is not None:
+            self.on_record(endpoint, hashes[start:])
+
+    def record_remote(self, endpoint: str, hashes: Sequence[int]) -> None:
+        """Another gateway replica sent these blocks to ``endpoint`` (``routing.share``)."""
+        if hashes:
+            self._tick += 1
+            self._store(self._seen.setdefault(endpoint, {}), endpoint, hashes)
+
+    def _store(self, seen: dict[int, int], endpoint: str, fresh: Sequence[int]) -> None:
         # Tail first: among blocks sent by the same decision, the tail is dropped first.
-        seen.update(dict.fromkeys(reversed(hashes[start:]), self._tick))
+        seen.update(dict.fromkeys(reversed(fresh), self._tick))
         cap = self._cap.get(endpoint, self.default_capacity)
         if len(seen) > cap * self.SLACK:
             self._evict(seen, cap)
