@@ -197,6 +197,8 @@ def _serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    help="the backends' time scale (<1 runs faster)")
     u.add_argument("--log-dir", help="where the backends' logs go (default: a temp dir)")
     u.add_argument("--log-level", default="warning")
+    u.add_argument("--replicas", type=int, default=1,
+                   help="gateway processes sharing --redis, each on its own port")
     g = u.add_argument_group("shape the demo pool (applied on top of --policy)")
     g.add_argument("--pool", help="the model whose pool the flags below shape (default: "
                    "demo-large, else the policy's first model)")
@@ -305,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               ns.backend_model, ns.hardware, ns.no_quota,
                               ns.max_batched_tokens)
             _run(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
-                             ns.log_dir, shape=shape)))
+                             ns.log_dir, shape=shape, replicas=ns.replicas)))
         except (PolicyError, ValueError, RuntimeError, OSError) as exc:
             print(f"tokengate {ns.command}: {exc}", file=sys.stderr)
             return 2

@@ -42,6 +42,7 @@ class UpConfig:
     time_scale: float = 1.0
     log_dir: str | None = None
     shape: PoolShape | None = None
+    replicas: int = 1  # gateway processes, sharing --redis, each on its own port
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
@@ -198,6 +199,24 @@ def wait_healthy(urls: list[str], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def start_replicas(cfg: UpConfig, policy_path: str) -> list[int]:
+    """``--replicas N``: N-1 more gateway processes on their own ports, sharing Redis (quotas,
+    the predictor model and prefix hints), for a load balancer (or a test harness) to spread
+    requests over. Their ports, once each answers /health."""
+    if cfg.replicas <= 1:
+        return []
+    if not cfg.redis_url:
+        raise ValueError("--replicas needs --redis: replicas share their state through it")
+    ports = [free_port() for _ in range(cfg.replicas - 1)]
+    for port in ports:
+        cfg.children.append(subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--policy", policy_path,
+             "--host", cfg.host, "--port", str(port), "--redis", cfg.redis_url,
+             "--log-level", "warning"]))
+    wait_healthy([f"http://{cfg.host}:{port}" for port in ports], 60)
+    return ports
+
+
 def stop_children(cfg: UpConfig) -> None:
     for p in cfg.children:
         if p.poll() is None:
@@ -221,6 +240,7 @@ async def up(cfg: UpConfig) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url)
+        replicas = start_replicas(cfg, path)
         task = asyncio.ensure_future(serve(serve_cfg, ready=ready, stop=stop))
         await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
@@ -230,6 +250,9 @@ async def up(cfg: UpConfig) -> None:
         key = DEMO_KEY if demo else "<a key of your policy>"
         print(f"OPENAI_BASE_URL=http://{cfg.host}:{serve_cfg.port}/v1", flush=True)
         print(f"OPENAI_API_KEY={key}", flush=True)
+        if replicas:
+            more = ",".join(f"http://{cfg.host}:{port}/v1" for port in replicas)
+            print(f"TOKENGATE_REPLICAS={more}", flush=True)
         await task
     finally:
         stop_children(cfg)

@@ -1,7 +1,7 @@
 """Routing benchmark: the same Mooncake schedule through the gateway, once per strategy.
 
     python -m loadtests.bench_routing [--requests 1000] [--trace-scale 0.28] [--pd 3:1]
-        [--strategies round_robin,least_request,prefix,predicted]
+        [--strategies round_robin,least_request,prefix,predicted] [--replicas 1,2]
 
 For each strategy a fresh ``tokengate up`` stack is started (4 reference backends simulating
 ``--model`` on ``--hardware`` at time scale 1 with a chunked-prefill budget of
@@ -25,6 +25,10 @@ aggregated ones, at ``--pd-trace-scale`` with vLLM's default budget of 8,192 tok
 prompts' chunks then stretch the decode steps they share), and reports TPOT p99 and goodput.
 The Mooncake prompts are long and the outputs short, so prefill capacity is what a
 disaggregated pool must keep: 3:1, not 2:2.
+
+With ``--replicas 1,2`` every strategy runs behind 1 and then 2 gateway replicas sharing Redis
+(``tokengate up --replicas``), the harness alternating requests over the replicas as a
+round-robin balancer would; the prefix hit rates show what sharing prefix hints keeps.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_dir: Path,
-                budget: int) -> tuple[subprocess.Popen[bytes], int]:
+                budget: int, replicas: int = 1) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     env = dict(os.environ, TOKENGATE_ADMIN_KEY=ADMIN)
     cmd = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--strategy",
@@ -82,6 +86,8 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
     if args.index:
         cmd += ["--index", args.index]
     cmd += ["--max-batched-tokens", str(budget)]
+    if replicas > 1 or args.redis:
+        cmd += ["--replicas", str(replicas), "--redis", args.redis or "redis://127.0.0.1:6379/0"]
     with open(log_dir / "up.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -128,10 +134,11 @@ def fleet_figures(port: int) -> dict[str, Any]:
 
 async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: list[str],
                   work: list[workloads.Planned], tok: Tokenizer, out: Path, budget: int,
-                  scale: float) -> tuple[runner.RunOutput, dict[str, Any], dict[str, Any]]:
+                  scale: float, replicas: int = 1
+                  ) -> tuple[runner.RunOutput, dict[str, Any], dict[str, Any]]:
     log_dir = out / "logs" / label
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc, port = start_stack(args, strategy, shape, log_dir, budget)
+    proc, port = start_stack(args, strategy, shape, log_dir, budget, replicas)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -143,7 +150,13 @@ async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: li
                     raise RuntimeError(f"the {label} stack did not start: "
                                        f"{(log_dir / 'up.log').read_text()[-2000:]}") from None
         await asyncio.sleep(1.0)  # first scrape of every backend
-        target = runner.Target(label, f"http://127.0.0.1:{port}/v1", DEMO_KEY, "demo-large")
+        mirrors: tuple[str, ...] = ()
+        if replicas > 1:  # a round-robin front over the replicas: the harness alternates
+            line = next(x for x in (log_dir / "up.log").read_text().splitlines()
+                        if x.startswith("TOKENGATE_REPLICAS="))
+            mirrors = tuple(line.split("=", 1)[1].split(","))
+        target = runner.Target(label, f"http://127.0.0.1:{port}/v1", DEMO_KEY, "demo-large",
+                               mirrors)
         settings = runner.RunSettings(endpoint="completions", grace_s=60, timeout_s=600)
         t0 = time.time()
         run = await runner.run(target, work, settings, lambda s: len(tok.encode(s)))
@@ -152,7 +165,7 @@ async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: li
         slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
         cfg = {"workload": "trace", "trace": str(args.trace), "requests": args.requests,
                "trace_scale": scale, "strategy": strategy, "shape": shape,
-               "model": args.model, "hardware": args.hardware,
+               "model": args.model, "hardware": args.hardware, "gateway_replicas": replicas,
                "max_num_batched_tokens": budget,
                "offered_prefill_utilization": offered_utilization(args, budget, scale,
                                                                   shape)}
@@ -200,24 +213,26 @@ async def main_async(args: argparse.Namespace) -> None:
     runs: dict[str, runner.RunOutput] = {}
     reports: dict[str, dict[str, Any]] = {}
     figures: dict[str, dict[str, Any]] = {}
-    plan: list[tuple[str, str, list[str], int, float]] = [
-        (s, s, ["--backends", str(args.backends)], args.max_batched_tokens, args.trace_scale)
-        for s in args.strategies.split(",") if s]
+    counts = [int(n) for n in args.replicas.split(",")]
+    plan: list[tuple[str, str, list[str], int, float, int]] = [
+        (s if n == 1 else f"{s}-x{n}", s, ["--backends", str(args.backends)],
+         args.max_batched_tokens, args.trace_scale, n)
+        for s in args.strategies.split(",") if s for n in counts]
     if args.pd:
         p, d = (int(x) for x in args.pd.split(":"))
         plan += [(f"pd-{p}-{d}", "predicted", ["--pd", args.pd], args.pd_max_batched_tokens,
-                  args.pd_trace_scale),
+                  args.pd_trace_scale, 1),
                  (f"aggregated-{p + d}", "predicted", ["--backends", str(p + d)],
-                  args.pd_max_batched_tokens, args.pd_trace_scale)]
+                  args.pd_max_batched_tokens, args.pd_trace_scale, 1)]
     pd_work: list[workloads.Planned] | None = None
-    for label, strategy, shape, budget, scale in plan:
+    for label, strategy, shape, budget, scale, replicas in plan:
         if scale != args.trace_scale:
             pd_work = pd_work or workloads.trace(args.trace, maker, limit=args.requests,
                                                  time_scale=scale, seed=0,
                                                  max_input=args.max_input)
         run, rep, fig = await run_one(args, label, strategy, shape,
                                       work if scale == args.trace_scale else pd_work or work,
-                                      tok, out, budget, scale)
+                                      tok, out, budget, scale, replicas)
         runs[label], reports[label], figures[label] = run, rep, fig
         rep["fleet"] = fig
         print(json.dumps(_summary(label, rep, fig)), flush=True)
@@ -247,6 +262,12 @@ def main() -> None:
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="the backends' chunked-prefill budget per step")
     p.add_argument("--index", choices=("approximate", "precise"), default=None)
+    p.add_argument("--replicas", default="1",
+                   help="gateway replicas per run, e.g. 1,2: each strategy once per count, "
+                        "requests alternating over the replicas (needs Redis: --redis)")
+    p.add_argument("--redis", default=None,
+                   help="Redis URL the replicas share (default with --replicas > 1: "
+                        "redis://127.0.0.1:6379/0)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "bench-routing"))

@@ -31,10 +31,19 @@ class Target:
     base_url: str
     api_key: str | None = None
     model: str | None = None
+    # More base URLs of the same service (gateway replicas): requests alternate over
+    # base_url and these in turn, as a round-robin load balancer in front would.
+    mirrors: tuple[str, ...] = ()
+    _turn: int = 0
 
     def url(self, endpoint: Endpoint) -> str:
         path = "chat/completions" if endpoint == "chat" else "completions"
-        return f"{self.base_url.rstrip('/')}/{path}"
+        base = self.base_url
+        if self.mirrors:
+            self._turn += 1
+            i = self._turn % (len(self.mirrors) + 1)
+            base = self.mirrors[i - 1] if i else self.base_url
+        return f"{base.rstrip('/')}/{path}"
 
     def headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}

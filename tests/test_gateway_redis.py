@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,5 +63,61 @@ def test_redis_outage(mode: str, backend_factory: Factory, tmp_path: Path) -> No
         # Back on Redis: its 4 rpm apply again (1 used just now), no double counting.
         assert [ask(gw.url).status_code for _ in range(4)] == [200, 200, 200, 429]
     finally:
+        gw.close()
+        redis.stop()
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "fail_open"])
+def test_redis_killed_and_restarted_under_load(mode: str, backend_factory: Factory,
+                                               tmp_path: Path) -> None:
+    """Four clients stream without pause while Redis dies and comes back: every request
+    ends (no hang) with 200, or 503 + retry-after when failing closed; the gateway returns to
+    Redis by itself, and in-flight requests admitted before the outage settle after it."""
+    import threading
+
+    b = backend_factory(served_model_name="llama-3-8b", time_scale=0.05)
+    redis = RedisServer(tmp_path / "redis")
+    doc = policy(f"{b.url}/v1", mode)
+    doc["tenants"]["t"]["limits"] = {"rpm": 100_000, "tpm": 10_000_000}  # type: ignore[index]
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc), redis_url=redis.url)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stop.is_set():
+                r = c.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                           json={"model": "m", "prompt": "x", "max_tokens": 8,
+                                 "stream": True})
+                statuses.append(r.status_code)
+                if r.status_code == 503:
+                    assert r.headers["retry-after"] == "1"
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        redis.stop()
+        time.sleep(1.5)
+        redis.start()
+        deadline = time.monotonic() + 10
+        while gw.state.store.degraded:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "did not return to Redis"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(15)
+            assert not t.is_alive(), "a request hung"
+        assert set(statuses) <= ({200, 503} if mode == "fail_closed" else {200})
+        assert statuses.count(200) > 20 and statuses[-1] == 200
+        if mode == "fail_closed":
+            assert 503 in statuses
+        keys = subprocess.run(["redis-cli", "-p", str(redis.port), "--scan"],
+                              capture_output=True, text=True).stdout
+        assert "tenant:t" in keys  # quotas are kept in Redis again
+    finally:
+        stop.set()
         gw.close()
         redis.stop()
