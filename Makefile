@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter bench-routing bench-predictor calibration clean
+.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter bench-routing bench-predictor calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ unit: install redis-server
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
+
+soak: install
+	$(BIN)/python -m loadtests.soak --minutes 10 $(ARGS)
 
 calibration: install
 	$(BIN)/python -m backend.calibration

@@ -91,8 +91,16 @@ class GuardedHandler(RequestHandler):
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            # Part of a response went out already (a stream whose client left): another
+            # response cannot follow it on this connection; aiohttp closes it.
+            raise ConnectionError("response already started; cannot send an error after it")
         if status >= 500:
-            log.warning("error before a handler ran: %s", type(exc).__name__ if exc else status)
+            if isinstance(exc, ConnectionResetError):  # the client left before the answer
+                log.debug("client connection reset before the response")
+            else:
+                log.warning("error outside the handlers: %s",
+                            type(exc).__name__ if exc else status)
             err = APIError(status, "internal error", type="server_error")
         else:
             text = (getattr(exc, "message", None) or message or "malformed HTTP request")

@@ -146,11 +146,12 @@ async def run(target: Target, work: Sequence[Planned | Session], settings: RunSe
     results: list[RequestResult] = []
     async with aiohttp.ClientSession(connector=connector) as http:
         model = await resolve_model(http, target)
-        url, headers = target.url(settings.endpoint), target.headers()
+        headers = target.headers()
 
         async def send(prompt: Any, max_tokens: int) -> RequestResult:
             progress.sent += 1
             body = request_body(model, settings.endpoint, prompt, max_tokens)
+            url = target.url(settings.endpoint)  # per request: mirrors alternate
             r = await stream_request(http, url, body, headers=headers,
                                      timeout_s=settings.timeout_s)
             if r.ok and not r.usage_reported:

@@ -215,7 +215,8 @@ def _disconnect_and_check(gw: RunningGateway) -> None:
     assert raw.headers["x-tokengate-model"] == "big"
 
 
-def test_policy_hot_reload(stack: tuple[RunningGateway, Path]) -> None:
+def test_policy_hot_reload(stack: tuple[RunningGateway, Path],
+                           caplog: pytest.LogCaptureFixture) -> None:
     gw, path = stack
     import yaml
 
@@ -230,6 +231,9 @@ def test_policy_hot_reload(stack: tuple[RunningGateway, Path]) -> None:
     time.sleep(0.5)
     assert gw.state.view.policy.tenants["b"].limits.rpm == 1000  # the old one keeps serving
     assert gw.watcher.last_error is not None and "nonsense" in gw.watcher.last_error
+    refusals = [r.getMessage() for r in caplog.records if "policy reload refused" in
+                r.getMessage()]
+    assert refusals and str(path) in refusals[0] and "nonsense" in refusals[0]
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert 'tokengate_policy_reloads_total{outcome="rejected"}' in metrics
     client(gw, "key-b").completions.create(model="small", prompt="x", max_tokens=1)

@@ -101,10 +101,12 @@ def test_redis_killed_and_restarted_under_load(mode: str, backend_factory: Facto
         redis.stop()
         time.sleep(1.5)
         redis.start()
-        deadline = time.monotonic() + 10
+        back = time.monotonic()
         while gw.state.store.degraded:  # type: ignore[attr-defined]
-            assert time.monotonic() < deadline, "did not return to Redis"
-            time.sleep(0.1)
+            assert time.monotonic() < back + 10, "did not return to Redis"
+            time.sleep(0.05)
+        print(f"\nredis {mode} under load: back on Redis {time.monotonic() - back:.2f} s "
+              f"after it restarted; {statuses.count(503)} answered 503 meanwhile")
         time.sleep(1.0)
         stop.set()
         for t in threads:

@@ -145,3 +145,11 @@ def test_sessions_grow_context_past_100k_at_100_to_1(tokenizer: Tokenizer) -> No
     assert all(b > a for a, b in itertools.pairwise(sizes))
     assert sizes[-1] > 100_000
     assert sizes[-1] / s.outputs[-1] > 100  # input:output beyond 100:1
+
+
+def test_target_mirrors_alternate_per_request() -> None:
+    from loadtests.runner import Target
+
+    t = Target("gw", "http://a:1/v1", mirrors=("http://b:2/v1",))
+    urls = [t.url("chat") for _ in range(4)]
+    assert urls == ["http://b:2/v1/chat/completions", "http://a:1/v1/chat/completions"] * 2

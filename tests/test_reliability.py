@@ -195,6 +195,8 @@ def test_stalls_end_within_their_timeouts(backend_factory: Factory,
         took = time.monotonic() - t0
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
         assert bound <= took < bound + 1.0, took
+        print(f"\nstall ({'stream' if stream else 'non-stream'}): 504 after {took:.2f} s "
+              f"(timeout {bound} s)")
     assert charged(alone) == before
     # A stall between tokens: an SSE error event once the gap passes; streamed tokens charged.
     slow = backend_factory(served_model_name="m", time_scale=0.02,
@@ -291,6 +293,7 @@ def test_sigterm_drains_in_flight_streams(backend_factory: Factory, tmp_path: Pa
         t.start()
         time.sleep(0.5)  # the stream is flowing
         proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         time.sleep(0.2)
         r = httpx.post(f"{url}/v1/completions", headers=AUTH,
                        json={"model": "m", "prompt": "x", "max_tokens": 1})
@@ -300,6 +303,8 @@ def test_sigterm_drains_in_flight_streams(backend_factory: Factory, tmp_path: Pa
         t.join(20)
         assert result["events"] == (60, [], True)  # finished whole
         assert proc.wait(15) == 0
+        print(f"\nsigterm: drained and exited {time.monotonic() - signalled:.2f} s after "
+              "the signal")
     finally:
         if proc.poll() is None:
             proc.kill()
