@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import hashlib
 import hmac
 import time
@@ -144,6 +145,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state.redis_url:
         sync = state.sync = ModelSync(coordination_client(state.redis_url), state.predictor)
         tasks.append(asyncio.ensure_future(sync.run()))
+    if state.redis_url and os.environ.get("TOKENGATE_SHARE_PREFIX_HINTS", "1") != "0":
+        # (=0 only to measure what sharing is worth: bench_routing --no-share)
         share = state.share = PrefixShare(
             coordination_client(state.redis_url),
             coordination_client(state.redis_url, connections=1, timeout_s=2.0),

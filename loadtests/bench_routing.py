@@ -80,6 +80,8 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
                 budget: int, replicas: int = 1) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     env = dict(os.environ, TOKENGATE_ADMIN_KEY=ADMIN)
+    if args.no_share:
+        env["TOKENGATE_SHARE_PREFIX_HINTS"] = "0"
     cmd = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--strategy",
            strategy, "--model", args.model, "--hardware", args.hardware, "--no-quota",
            "--time-scale", "1", "--log-dir", str(log_dir), *shape]
@@ -215,7 +217,8 @@ async def main_async(args: argparse.Namespace) -> None:
     figures: dict[str, dict[str, Any]] = {}
     counts = [int(n) for n in args.replicas.split(",")]
     plan: list[tuple[str, str, list[str], int, float, int]] = [
-        (s if n == 1 else f"{s}-x{n}", s, ["--backends", str(args.backends)],
+        (s if n == 1 else f"{s}-x{n}{'-noshare' if args.no_share else ''}", s,
+         ["--backends", str(args.backends)],
          args.max_batched_tokens, args.trace_scale, n)
         for s in args.strategies.split(",") if s for n in counts]
     if args.pd:
@@ -265,6 +268,8 @@ def main() -> None:
     p.add_argument("--replicas", default="1",
                    help="gateway replicas per run, e.g. 1,2: each strategy once per count, "
                         "requests alternating over the replicas (needs Redis: --redis)")
+    p.add_argument("--no-share", action="store_true",
+                   help="replicas do not share prefix hints (to measure what sharing keeps)")
     p.add_argument("--redis", default=None,
                    help="Redis URL the replicas share (default with --replicas > 1: "
                         "redis://127.0.0.1:6379/0)")
