@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import hashlib
 import hmac
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
