@@ -124,6 +124,12 @@ async def admin_predictor(request: web.Request) -> web.Response:
     return web.json_response(out, dumps=_dumps)
 
 
+async def admin_scaling(request: web.Request) -> web.Response:
+    state = _admin(request)
+    return web.json_response({n: s.summary() for n, s in state.scalers.items()},
+                             dumps=_dumps)
+
+
 async def admin_limiter(request: web.Request) -> web.Response:
     state = _admin(request)
     store = state.store
@@ -152,6 +158,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             coordination_client(state.redis_url, connections=1, timeout_s=2.0),
             state.fleet.approx)
         tasks.append(asyncio.ensure_future(share.run()))
+    for name, scaler in state.scalers.items():
+        tasks.append(asyncio.ensure_future(scaler.run(
+            lambda n=name: state.view.pools.get(n))))  # type: ignore[misc]
     tasks.append(asyncio.ensure_future(state.predictor.run(
         publish=sync.publish if sync else None,
         may_train=(lambda: sync.leader) if sync else (lambda: True))))
@@ -168,6 +177,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if share is not None:
         await share.writer.aclose()
         await share.reader.aclose()
+    for scaler in state.scalers.values():
+        await scaler.close()
     await state.fleet.close()
     state.predictor.close()
     if state.background:
@@ -196,4 +207,5 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_get("/admin/endpoints", admin_endpoints)
     r.add_get("/admin/limiter", admin_limiter)
     r.add_get("/admin/predictor", admin_predictor)
+    r.add_get("/admin/scaling", admin_scaling)
     return app

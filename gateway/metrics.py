@@ -64,6 +64,28 @@ class GatewayMetrics:
         self.prefix_cached_tokens = Counter("tokengate_prefix_expected_cached_tokens",
                                             "Prompt tokens the chosen endpoint was expected "
                                             "to have cached.", ["model"], registry=r)
+        # serverless scaling (gateway.scaling)
+        self.token_velocity = Gauge("tokengate_token_velocity_tokens_per_second",
+                                    "Token velocity per pool and stage: the rate arriving "
+                                    "(demand) and the rate the ready endpoints can process "
+                                    "(capacity).", ["pool", "stage", "kind"], registry=r)
+        self.desired_replicas = Gauge("tokengate_desired_replicas",
+                                      "Replicas per role that keep every stage under its "
+                                      "target utilization (for HPA/KEDA, or the gateway's own "
+                                      "launcher).", ["pool", "role"], registry=r)
+        self.replicas = Gauge("tokengate_replicas", "Launched replicas by state.",
+                              ["pool", "state"], registry=r)
+        self.role_conversions = Counter("tokengate_role_conversions",
+                                        "Endpoints converted between roles.",
+                                        ["pool", "from_role", "to_role"], registry=r)
+        self.cold_starts = Counter("tokengate_cold_starts", "Replicas launched.", ["pool"],
+                                   registry=r)
+        self.held_requests = Gauge("tokengate_held_requests",
+                                   "Requests held while their pool has no ready endpoint.",
+                                   ["pool"], registry=r)
+        self.migrations = Counter("tokengate_migrations",
+                                  "In-flight streams moved to another endpoint.",
+                                  ["pool", "outcome"], registry=r)
         self._children: dict[tuple[object, ...], Any] = {}
 
     def series(self, name: str, *labels: str) -> Any:

@@ -240,6 +240,15 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
     the last error when none would."""
     router = ctx.view.routers[m.name]
     pool = router.pool
+    scaler = state.scalers.get(m.name)
+    if scaler is not None:
+        scaler.admitted(prompt_tokens, reserved)
+        if not pool.endpoints and not await scaler.hold(ctx.route.hold_timeout_ms / 1000.0):
+            # Held while the pool woke from zero, and it did not wake in time (or the hold
+            # queue is full).
+            return APIError(503, f"{m.name} is starting; retry shortly",
+                            type="service_unavailable", code="cold_start",
+                            headers={"retry-after": "2"})
     t0 = time.perf_counter()
     g = ctx.parsed
     info = await router.prepare(

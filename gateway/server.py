@@ -15,6 +15,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -28,6 +29,8 @@ from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
 from gateway.reload import PolicyWatcher
 from gateway.routing.fleet import Fleet
+from gateway.scaling.autoscaler import PoolScaler
+from gateway.scaling.launcher import LocalLauncher
 from gateway.state import GatewayState, Tokenizers, build_view
 from predictor.online import OnlinePredictor
 
@@ -44,6 +47,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     seed: int = 0
     predictor_path: str | None = None  # load the predictor from here at start, save at stop
+    log_dir: str | None = None  # where launched backends log (scaling pools)
 
 
 def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
@@ -64,9 +68,14 @@ def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
     if cfg.predictor_path:
         with contextlib.suppress(FileNotFoundError):
             predictor.load(cfg.predictor_path)
-    state = GatewayState(build_view(policy, tokenizers, executor, fleet, predictor), store,
+    scalers = {name: PoolScaler(m, fleet, metrics, launcher=LocalLauncher(
+                   m, m.scaling.launcher, Path(cfg.log_dir) if cfg.log_dir else None)
+                   if m.scaling.launcher else None)
+               for name, m in policy.models.items() if m.scaling is not None}
+    state = GatewayState(build_view(policy, tokenizers, executor, fleet, predictor,
+                                    scalers=scalers), store,
                          metrics, tokenizers, executor, fleet=fleet, predictor=predictor,
-                         redis_url=cfg.redis_url)
+                         redis_url=cfg.redis_url, scalers=scalers)
     return state, PolicyWatcher(cfg.policy, state)
 
 

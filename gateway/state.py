@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing.fleet import Fleet
 from gateway.routing.router import Router
 from gateway.routing.share import PrefixShare
+from gateway.scaling.autoscaler import PoolScaler
 from gateway.tokenize import TokenCounter
 from gateway.upstream import UpstreamClient
 from predictor.online import OnlinePredictor
@@ -73,6 +74,7 @@ class GatewayState:
     redis_url: str | None = None  # shares the predictor across replicas when set
     sync: ModelSync | None = None
     share: PrefixShare | None = None  # prefix hints from and to the other replicas
+    scalers: dict[str, PoolScaler] = field(default_factory=dict)  # pools with scaling:
     draining: bool = False
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
@@ -86,7 +88,8 @@ class GatewayState:
 
 def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecutor,
                fleet: Fleet, predictor: OnlinePredictor | None,
-               counters_from: PolicyView | None = None) -> PolicyView:
+               counters_from: PolicyView | None = None,
+               scalers: Mapping[str, PoolScaler] | None = None) -> PolicyView:
     """Pools, routers and token counters for one policy version. Endpoint state lives in the
     fleet (by URL) and token counters are kept across versions when the tokenizer settings
     are unchanged, so a reload loses neither live counters nor caches."""
@@ -101,7 +104,11 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
                             retries=policy.settings.retries)
         pool.api_keys = {e.url: endpoint_key(e) for e in m.endpoints}
         pools[name] = pool
-    fleet.retain(e.url for m in policy.models.values() for e in m.endpoints)
+    launched = [u for sc in (scalers or {}).values() for u in sc.urls()]
+    fleet.retain([e.url for m in policy.models.values() for e in m.endpoints] + launched)
+    for name, sc in (scalers or {}).items():
+        if name in pools:
+            sc.attach(pools[name])  # launched endpoints join the new version's pool
     routers = {name: Router(pool, fleet, predictor) for name, pool in pools.items()}
     counters = {}
     for name, m in policy.models.items():

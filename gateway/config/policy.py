@@ -33,6 +33,7 @@ from gateway.config.resilience import (
     partial_timeouts,
 )
 from gateway.config.routing import Routing, parse_routing
+from gateway.config.scaling import Scaling, parse_scaling
 from gateway.limiter.bucket import Limit
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -102,6 +103,7 @@ class Model:
     limits: Limits = field(default_factory=Limits)
     backend: BackendSpec = field(default_factory=BackendSpec)
     routing: Routing = field(default_factory=Routing)
+    scaling: Scaling | None = None  # a pool that grows and shrinks (gateway.scaling)
 
     @property
     def upstream_name(self) -> str:
@@ -135,6 +137,7 @@ class Route:
     on_slo_miss: Literal["best_effort", "queue", "fallback"] = "best_effort"
     queue_ms: float = 500.0  # how long "queue" (and flex under overload) may wait
     timeouts: Timeouts = field(default_factory=Timeouts)  # the settings' with overrides
+    hold_timeout_ms: float = 60_000.0  # how long a request waits for a pool at zero to wake
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,11 +192,13 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     m = d.mapping(raw, path, {"endpoints", "tokenizer", "upstream_model", "price", "fallback",
                               "default_max_tokens", "max_context", "tokens_per_message",
                               "tokens_per_name", "reply_priming_tokens", "limits", "backend",
-                              "routing"},
-                  {"endpoints"})
-    eps_raw = m["endpoints"]
-    if not isinstance(eps_raw, list) or not eps_raw:
-        raise d.fail(f"{path}.endpoints", "expected a non-empty list of endpoints")
+                              "routing", "scaling"})
+    scaling = parse_scaling(d, m["scaling"], f"{path}.scaling") if "scaling" in m else None
+    eps_raw = m.get("endpoints", [])
+    launched = scaling is not None and scaling.launcher is not None
+    if not isinstance(eps_raw, list) or (not eps_raw and not launched):
+        raise d.fail(f"{path}.endpoints", "expected a non-empty list of endpoints (or a "
+                     "scaling section with a launcher)")
     eps = []
     for i, e in enumerate(eps_raw):
         p = f"{path}.endpoints[{i}]"
@@ -230,7 +235,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
         kw["backend"] = BackendSpec(**bkw)
     if "routing" in m:
         kw["routing"] = parse_routing(d, m["routing"], f"{path}.routing")
-    return Model(name, tuple(eps), **kw)
+    return Model(name, tuple(eps), scaling=scaling, **kw)
 
 
 def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
@@ -302,7 +307,7 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
     for n, r in routes_raw.items():
         p = f"routes.{n}"
         rm = d.mapping(r, p, {"tenants", "models", "limits", "failover", "slo", "on_slo_miss",
-                              "queue_ms", "timeouts"}, {"tenants", "models"})
+                              "queue_ms", "timeouts", "hold_timeout_ms"}, {"tenants", "models"})
         failover = rm.get("failover", True)
         if not isinstance(failover, bool):
             raise d.fail(f"{p}.failover", "expected true or false")
@@ -317,7 +322,8 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
                      {"best_effort", "queue", "fallback"}),
             d.number(rm.get("queue_ms", 500.0), f"{p}.queue_ms"),
             replace(settings.timeouts, **partial_timeouts(d, rm.get("timeouts"),
-                                                          f"{p}.timeouts")))
+                                                          f"{p}.timeouts")),
+            d.number(rm.get("hold_timeout_ms", 60_000.0), f"{p}.hold_timeout_ms"))
     # -- cross references --
     for m in models.values():
         for i, fb in enumerate(m.fallback):

@@ -1,0 +1,119 @@
+"""Token velocity (TokenScale): per pool and stage, the token rate arriving against the token
+rate the pool can process now, and the replicas each role needs to keep up.
+
+Stages: ``prefill`` (compute-bound: uncached prompt tokens), ``decode`` (memory-bandwidth
+bound: output tokens), ``transfer`` (network-bound: KV of prompts prefilled on one instance
+and decoded on another; disaggregated pools only).
+
+*Demand* is measured where requests are admitted, before they queue anywhere: each admitted
+request adds its prompt tokens (prefill, and transfer in a disaggregated pool) and its expected
+output tokens (decode) to exponentially decayed rates (``tau_s``), so a burst shows up in the
+demand at once, while lagging signals (queue length, GPU utilization) would show it only after
+the queues formed.
+
+*Capacity* of one endpoint per stage, in tokens/s: from the model and hardware profile with
+the backend's roofline timing (prefill: a full chunk of ``max_num_batched_tokens`` per step;
+decode: a batch of ``decode_batch`` sequences at ``decode_context`` tokens each; transfer:
+link bandwidth over KV bytes per token), replaced by the rate observed at the endpoint when the
+gateway has measured one (``EndpointState.prefill_rate``).
+
+*Desired replicas* for a role: ceil(demand / (capacity x target utilization)) summed over the
+stages the role serves, at least ``min_replicas`` (0 when idle) and at most ``max_replicas``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backend.profiles import HARDWARE, MODELS
+from backend.timing import TimingModel
+
+STAGES = ("prefill", "decode", "transfer")
+DEFAULT_LINK_BPS = 400e9  # RDMA, as the reference backend's default KV link
+
+
+class DecayingRate:
+    """Events per second, exponentially weighted over ``tau_s`` (exact for a steady rate)."""
+
+    def __init__(self, tau_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tau_s = tau_s
+        self._clock = clock
+        self._mass = 0.0
+        self._at = clock()
+
+    def add(self, amount: float) -> None:
+        now = self._clock()
+        self._mass = self._mass * math.exp(-(now - self._at) / self.tau_s) + amount
+        self._at = now
+
+    def rate(self) -> float:
+        now = self._clock()
+        return self._mass * math.exp(-(now - self._at) / self.tau_s) / self.tau_s
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Tokens per second one endpoint processes in each stage."""
+
+    prefill: float
+    decode: float
+    transfer: float
+
+    def of(self, stage: str) -> float:
+        return float(getattr(self, stage))
+
+
+def profile_capacity(model: str, hardware: str, *, max_num_batched_tokens: int = 8192,
+                     decode_batch: int = 64, decode_context: int = 2048,
+                     link_bps: float = DEFAULT_LINK_BPS) -> Capacity:
+    """An endpoint's per-stage capacity from the reference backend's timing model."""
+    m, hw = MODELS[model], HARDWARE[hardware]
+    t = TimingModel(m, hw, jitter=0.0)
+    chunk = max_num_batched_tokens
+    prefill = chunk / t.prefill_seconds(chunk, chunk)
+    decode = decode_batch / t.decode_step_seconds(decode_batch, decode_context)
+    transfer = link_bps / 8.0 / m.kv_bytes_per_token
+    return Capacity(prefill, decode, transfer)
+
+
+class Velocity:
+    """One pool's demand meters and the arithmetic that turns them into replica counts."""
+
+    def __init__(self, capacity: Capacity, *, disaggregated: bool = False, tau_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.disaggregated = disaggregated
+        self.demand = {s: DecayingRate(tau_s, clock) for s in STAGES}
+        self._clock = clock
+        self.last_request_at = -math.inf
+
+    def admitted(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A request was admitted to the pool: its tokens are demand from now on."""
+        self.demand["prefill"].add(prompt_tokens)
+        self.demand["decode"].add(output_tokens)
+        if self.disaggregated:
+            self.demand["transfer"].add(prompt_tokens)
+        self.last_request_at = self._clock()
+
+    def rates(self) -> dict[str, float]:
+        return {s: self.demand[s].rate() for s in STAGES}
+
+    def needed(self, stage: str, utilization: float, capacity: float | None = None) -> float:
+        """Endpoints the stage needs (fractional): demand / (capacity x utilization)."""
+        cap = capacity if capacity is not None else self.capacity.of(stage)
+        return self.demand[stage].rate() / max(cap * utilization, 1e-9)
+
+    def desired(self, utilization: float, *, prefill_capacity: float | None = None
+                ) -> dict[str, int]:
+        """Replicas per role: an aggregated pool's ``both``, or ``prefill`` and ``decode``."""
+        p = self.needed("prefill", utilization, prefill_capacity)
+        d = self.needed("decode", utilization)
+        if not self.disaggregated:
+            # One instance does both: the stages share its time.
+            return {"both": math.ceil(p + d - 1e-9)}
+        # Transfer is network-bound on the decode side's links (it pulls the KV).
+        t = self.needed("transfer", utilization)
+        return {"prefill": math.ceil(p - 1e-9), "decode": math.ceil(max(d, t) - 1e-9)}

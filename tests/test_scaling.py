@@ -1,0 +1,143 @@
+"""Serverless scaling: token-velocity arithmetic, the replica target, the convertible-decoder
+controller's decisions and hysteresis, and a pool that scales 0 -> 1 -> 0 with held requests."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_stack import start_gateway, write_policy
+from test_gateway_e2e import sha
+
+from gateway.config.scaling import Scaling
+from gateway.scaling.autoscaler import Conversions, target_replicas
+from gateway.scaling.velocity import Capacity, DecayingRate, Velocity, profile_capacity
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_decaying_rate_converges_to_a_steady_rate_and_decays() -> None:
+    clock = Clock()
+    r = DecayingRate(tau_s=5.0, clock=clock)
+    for _ in range(600):  # 200 tokens every 0.1 s = 2,000 tokens/s, for 60 s
+        clock.t += 0.1
+        r.add(200)
+    assert r.rate() == pytest.approx(2000, rel=0.02)
+    clock.t += 5.0  # one time constant without arrivals
+    assert r.rate() == pytest.approx(2000 / 2.718281828, rel=0.02)
+
+
+def test_velocity_turns_demand_into_replicas_per_role() -> None:
+    clock = Clock()
+    cap = Capacity(prefill=10_000, decode=1_000, transfer=100_000)
+    agg = Velocity(cap, clock=clock)
+    pd = Velocity(cap, disaggregated=True, clock=clock)
+    for _ in range(1200):  # 12 requests/s of 2,000 prompt + 50 output tokens, for 100 s
+        clock.t += 1 / 12
+        agg.admitted(2000, 50)
+        pd.admitted(2000, 50)
+    # prefill 24,000 tok/s / (10,000 x 0.8) = 3.0; decode 600 / (1,000 x 0.8) = 0.75
+    assert agg.rates()["prefill"] == pytest.approx(24_000, rel=0.02)
+    assert agg.rates()["transfer"] == 0.0
+    assert agg.desired(0.8) == {"both": 4}  # ceil(3.0 + 0.75)
+    assert pd.desired(0.8) == {"prefill": 3 + (pd.needed("prefill", 0.8) > 3.0),
+                               "decode": 1}
+    # An observed prefill rate replaces the profile's.
+    assert agg.desired(0.8, prefill_capacity=30_000)["both"] == 2  # 1.0 + 0.75
+    c = profile_capacity("llama-3-8b", "h100-sxm")
+    assert 10_000 < c.prefill < 100_000 and 1_000 < c.decode < 20_000
+    assert c.transfer > c.prefill  # RDMA moves KV faster than a GPU computes it
+
+
+@pytest.mark.parametrize("desired,held,idle,ready,expected", [
+    (0, 0, 100.0, 1, 0),   # idle past the timeout: to zero
+    (0, 0, 3.0, 1, 1),     # used recently: stay warm
+    (0, 2, 100.0, 0, 1),   # requests held at zero: wake
+    (7, 0, 0.0, 2, 4),     # capped at max_replicas
+    (2, 0, 0.0, 2, 2),
+])
+def test_target_replicas(desired: int, held: int, idle: float, ready: int,
+                         expected: int) -> None:
+    s = Scaling(min_replicas=0, max_replicas=4, idle_timeout_s=30)
+    assert target_replicas(s, desired, held=held, idle_s=idle, ready=ready) == expected
+    warm = Scaling(min_replicas=1, max_replicas=4, idle_timeout_s=30)
+    assert target_replicas(warm, 0, held=0, idle_s=1e9, ready=1) == 1
+
+
+def test_conversion_controller_hysteresis() -> None:
+    s = Scaling(convertible=True, ttft_slo_ms=1000, convert_backlog_ratio=1.0,
+                revert_backlog_ratio=0.3, revert_after_s=5)
+    c = Conversions()
+    # A burst: the backlog passes the SLO and a cold start would not come in time.
+    assert c.decide(1500, 0.0, s, decoders=3, warm_soon=False) == "convert"
+    c.converted.append("d1")
+    assert c.decide(1500, 0.5, s, decoders=2, warm_soon=False) == "convert"
+    c.converted.append("d2")
+    assert c.decide(1500, 1.0, s, decoders=1, warm_soon=False) is None  # keep one decoder
+    assert c.decide(1500, 1.0, s, decoders=3, warm_soon=True) is None  # capacity is coming
+    # Between the marks: hold the conversions.
+    assert [c.decide(600, t, s, decoders=1, warm_soon=False) for t in (2, 10, 20)] == \
+        [None] * 3
+    # Under the low mark: revert only after 5 s of calm, one at a time.
+    assert c.decide(200, 30.0, s, decoders=1, warm_soon=False) is None
+    assert c.decide(200, 33.0, s, decoders=1, warm_soon=False) is None
+    assert c.decide(200, 35.0, s, decoders=1, warm_soon=False) == "revert"
+    c.converted.pop()
+    assert c.decide(200, 36.0, s, decoders=2, warm_soon=False) is None
+    assert c.decide(900, 38.0, s, decoders=2, warm_soon=False) is None  # calm broken
+    assert c.decide(200, 39.0, s, decoders=2, warm_soon=False) is None
+    assert c.decide(200, 44.0, s, decoders=2, warm_soon=False) == "revert"
+
+
+def test_a_pool_scales_from_zero_and_back_with_held_requests(tmp_path: Path) -> None:
+    doc = {"version": 1,
+           "models": {"m": {"backend": {"model": "llama-3.2-1b", "hardware": "h200"},
+                            "default_max_tokens": 4,
+                            "scaling": {"min_replicas": 0, "max_replicas": 1,
+                                        "idle_timeout_s": 2,
+                                        "launcher": {"kind": "reference",
+                                                     "time_scale": 0.01}}}},
+           "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
+           "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 60000}}}
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
+    scaler = gw.state.scalers["m"]
+    try:
+        time.sleep(0.5)
+        assert scaler.instances == [] and not gw.state.view.pools["m"].endpoints  # at zero
+        import concurrent.futures
+
+        def ask() -> httpx.Response:
+            return httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                              json={"model": "m", "prompt": "hi", "max_tokens": 4},
+                              timeout=60)
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            answers = list(ex.map(lambda _: ask(), range(3)))  # all three held, then served
+        cold = time.monotonic() - t0
+        assert [r.status_code for r in answers] == [200] * 3
+        assert scaler.started == 1 and len(scaler.instances) == 1
+        proc = scaler.instances[0].proc
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert 'tokengate_cold_starts_total{pool="m"} 1.0' in metrics
+        assert 'tokengate_token_velocity_tokens_per_second{kind="demand",pool="m",' \
+               'stage="prefill"}' in metrics
+        # Idle past the timeout: drained and stopped, back to zero.
+        deadline = time.monotonic() + 15
+        while scaler.instances:
+            assert time.monotonic() < deadline, "did not scale to zero"
+            time.sleep(0.1)
+        assert proc.poll() is not None and not gw.state.view.pools["m"].endpoints
+        # ...and wakes again for the next request.
+        assert ask().status_code == 200 and scaler.started == 2
+        print(f"\ncold start with held requests: {cold:.2f} s")
+    finally:
+        gw.close()
