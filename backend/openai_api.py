@@ -42,7 +42,8 @@ async def _prompt_ids(state: BackendState, g: GenerationRequest) -> list[int]:
             return tok.encode(g.prompt_text or "")
         return tok.chat_ids(g.messages, tokens_per_message=m.tokens_per_message,
                             tokens_per_name=m.tokens_per_name,
-                            reply_priming=m.reply_priming_tokens)
+                            reply_priming=m.reply_priming_tokens,
+                            continue_final=g.continue_final)
 
     if size < _LARGE_PROMPT_CHARS:
         return run()

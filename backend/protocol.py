@@ -38,6 +38,7 @@ class GenerationRequest:
     seed: int | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    continue_final: bool = False  # chat: extend the final assistant message (vLLM's option)
 
 
 def _opt_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -201,4 +202,9 @@ def validate(kind: Kind, body: Any) -> GenerationRequest:
         if not isinstance(kvp, dict):
             raise bad("'kv_transfer_params' must be an object", "kv_transfer_params")
         req.kv_transfer_params = kvp
+    if kind == "chat" and _opt_bool(body, "continue_final_message"):
+        if req.messages[-1]["role"] != "assistant":
+            raise bad("'continue_final_message' needs the last message to be the "
+                      "assistant's", "continue_final_message")
+        req.continue_final = True
     return req

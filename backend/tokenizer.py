@@ -109,14 +109,23 @@ class Tokenizer:
         tokens_per_message: int = 3,
         tokens_per_name: int = 1,
         reply_priming: int = 3,
+        continue_final: bool = False,
     ) -> list[int]:
         """Token ids of a chat prompt: messages are dicts with ``role``, text ``content``, and
-        optionally ``name`` (already validated by the API layer)."""
+        optionally ``name`` (already validated by the API layer). ``continue_final`` leaves
+        the last (assistant) message open instead of priming a new reply, so generation
+        continues it: its ids are then exactly the primed prompt's followed by that
+        message's content (how a stream moved to another instance resumes)."""
         ids: list[int] = []
         pad_msg = max(tokens_per_message - 3, 0)
-        for m in messages:
+        last = len(messages) - 1
+        for i, m in enumerate(messages):
             ids.append(self.start_id)
             ids.extend(self.encode(str(m["role"])))
+            if continue_final and i == last:
+                ids.extend([self.sep_id] * max(reply_priming - 2, 1))
+                ids.extend(self.encode(str(m.get("content") or "")))
+                return ids
             ids.append(self.sep_id)
             ids.extend(self.encode(str(m.get("content") or "")))
             name = m.get("name")

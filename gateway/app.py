@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
 from gateway.coord import coordination_client
-from gateway.errors import APIError, errors
+from gateway.errors import APIError, errors, json_object
 from gateway.httpserver import guard
 from gateway.limiter.resilient import ResilientStore
 from gateway.reload import PolicyWatcher
@@ -130,6 +130,24 @@ async def admin_scaling(request: web.Request) -> web.Response:
                              dumps=_dumps)
 
 
+async def admin_drain(request: web.Request) -> web.Response:
+    """``{"url": ENDPOINT}``: take the endpoint out of rotation and move its streams (in pools
+    that scale) to other endpoints; ``{"url": ..., "undrain": true}`` puts it back."""
+    state = _admin(request)
+    body = await json_object(request)
+    url = body.get("url")
+    e = state.fleet.endpoints.get(url) if isinstance(url, str) else None
+    if e is None:
+        raise APIError(404, f"no endpoint {url!r}", param="url", code="endpoint_not_found")
+    if body.get("undrain") is True:
+        e.draining = False
+        return web.json_response({"url": e.url, "draining": False})
+    e.draining = True
+    moved = state.live.migrate_from(e.url)
+    return web.json_response({"url": e.url, "draining": True, "streams_moved": moved,
+                              "in_flight": e.in_flight})
+
+
 async def admin_limiter(request: web.Request) -> web.Response:
     state = _admin(request)
     store = state.store
@@ -159,6 +177,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             state.fleet.approx)
         tasks.append(asyncio.ensure_future(share.run()))
     for name, scaler in state.scalers.items():
+        scaler.on_drain = state.live.migrate_from
         tasks.append(asyncio.ensure_future(scaler.run(
             lambda n=name: state.view.pools.get(n))))  # type: ignore[misc]
     tasks.append(asyncio.ensure_future(state.predictor.run(
@@ -208,4 +227,5 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_get("/admin/limiter", admin_limiter)
     r.add_get("/admin/predictor", admin_predictor)
     r.add_get("/admin/scaling", admin_scaling)
+    r.add_post("/admin/drain", admin_drain)
     return app

@@ -61,6 +61,7 @@ class EndpointState:
     consecutive_failures: int = 0
     down_until: float = 0.0
     backoff_until: float = 0.0  # it asked for a pause (retry-after on 429/503)
+    draining: bool = False  # taken out of rotation (POST /admin/drain, scale-in)
     answer_failures: int = 0  # of the consecutive failures, those that were 5xx answers
     served: int = 0
     failed: int = 0
@@ -196,7 +197,8 @@ class EndpointPool:
                    roles: tuple[str, ...] = ("both", "prefill", "decode")
                    ) -> list[EndpointState]:
         now = self._clock()
-        left = [e for e in self.endpoints if e not in exclude and e.role in roles]
+        left = [e for e in self.endpoints
+                if e not in exclude and e.role in roles and not e.draining]
         healthy = [e for e in left if e.healthy(now)]
         return healthy or left
 

@@ -122,6 +122,16 @@ def document(max_messages: int = 4096) -> dict[str, Any]:
             "/admin/endpoints": _admin("Endpoints and their live state"),
             "/admin/limiter": _admin("The rate store"),
             "/admin/predictor": _admin("The latency predictor"),
+            "/admin/scaling": _admin("Scaling pools: velocity, desired replicas, instances"),
+            "/admin/drain": {"post": {
+                "summary": "Take an endpoint out of rotation (or back) and move its streams",
+                "security": [{"bearer": []}],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["url"],
+                    "properties": {"url": {"type": "string"}, "undrain": {"type": "boolean"}}}}}},
+                "responses": {"200": {"description": "Its new state", "content": {
+                    "application/json": {"schema": {"type": "object"}}}},
+                    **_errors(400, 401, 404)}}},
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

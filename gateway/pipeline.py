@@ -23,15 +23,17 @@ import orjson
 from aiohttp import web
 
 from backend.protocol import GenerationRequest, Kind, load_json, validate
-from gateway import disagg, quota, slo
+from gateway import disagg, migrate, quota, slo
 from gateway.config.policy import Model, Policy, Route
 from gateway.config.resilience import Timeouts
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError, bad
 from gateway.httpserver import read_body
 from gateway.limiter.store import StoreUnavailable
+from gateway.migrate import Live
 from gateway.relay import RelayResult, relay_body, relay_stream
 from gateway.retry import backoff_s
+from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision
 from gateway.state import GATEWAY, GatewayState, PolicyView
 from gateway.upstream import UpstreamBroken, UpstreamResponse
@@ -159,6 +161,7 @@ class _Sent:
     sent_at: float
     prefill_used: bool = False
     lines: AsyncIterator[bytes] | None = None  # a stream's events, the first already read
+    info: RequestInfo | None = None  # what routing knew of the request (to re-route it)
 
 
 def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
@@ -327,7 +330,7 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
             raise
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return _Sent(up, decision, pool, ticket, sent_at, kv is not None, lines)
+        return _Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info)
     return last
 
 
@@ -388,13 +391,43 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
             async def progress(n: int) -> None:
                 await quota.charge_progress(state.store, adm, n)
 
-            await relay_stream(
-                sent.lines, resp, upstream_model=adm.model.upstream_name,
-                served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
-                on_tokens=progress, every=policy.settings.progressive_charge_tokens,
-                every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
-                on_first=first_token, gap_s=t.between_tokens_s,
-                deadline_s=t.total_s - (time.perf_counter() - sent.sent_at))
+            shift = 0
+            while True:
+                # Streams of pools that scale may be moved off a draining endpoint.
+                live = (Live(ep.url, sent.up.abort) if adm.model.scaling is not None
+                        else None)
+                if live is not None:
+                    state.live.add(live)
+                try:
+                    await relay_stream(
+                        sent.lines, resp, upstream_model=adm.model.upstream_name,
+                        served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
+                        on_tokens=progress, every=policy.settings.progressive_charge_tokens,
+                        every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
+                        on_first=first_token, gap_s=t.between_tokens_s,
+                        deadline_s=t.total_s - (time.perf_counter() - sent.sent_at),
+                        live=live, usage_shift=shift)
+                finally:
+                    if live is not None:
+                        state.live.remove(live)
+                if not result.migrated or live is None:
+                    break
+                moved = await _continue(state, ctx, adm, sent, live, result.chunks)
+                if moved is None:
+                    result.broken = True
+                    await resp.write(b'data: {"error": {"message": "the stream could not be '
+                                     b'moved to another endpoint", "type": "server_error", '
+                                     b'"param": null, "code": "migration_failed"}}\n\n'
+                                     b"data: [DONE]\n\n")
+                    break
+                # Hand over: the old endpoint's share goes back, the new one's is taken.
+                up.release()
+                pool.release(sent.ticket)
+                state.metrics.series("in_flight", ep.url).dec()
+                sent, shift = moved, result.chunks
+                up, ep, pool = sent.up, sent.decision.endpoint.ep, sent.pool
+                state.metrics.series("in_flight", ep.url).inc()
+                result.migrated = False
             if not result.client_gone:
                 await resp.write_eof()
             return resp
@@ -419,6 +452,53 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
         elif result.status == 200:
             pool.succeeded(ep)
         state.spawn(_finish(ctx, adm, result, sent))
+
+
+async def _continue(state: GatewayState, ctx: _Ctx, adm: quota.Admission, sent: _Sent,
+                    live: Live, generated: int) -> _Sent | None:
+    """Continue a stream cut off a draining endpoint on another one (``gateway.migrate``)."""
+    m = adm.model
+    router = ctx.view.routers[m.name]
+    pool = router.pool
+    old = sent.decision.endpoint.ep
+    counter = ctx.view.counters[m.name]
+    body = migrate.continuation(ctx.body, ctx.kind, migrate.generated_text(
+        live.payloads, ctx.kind), generated, counter.tokenizer.encode)
+    body["model"] = m.upstream_name
+    body["stream_options"] = {"include_usage": True}
+    raw = orjson.dumps(body)
+    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
+    info = sent.info
+    tried = [old]
+    decision = router.decide(info, tried) if info is not None else None
+    while decision is not None and len(tried) <= ctx.view.policy.settings.retries.max_attempts:
+        ep = decision.endpoint.ep
+        tried.append(ep)
+        tokens = (info.prompt_tokens if info else 0) + adm.expected_output
+        ticket = pool.acquire(ep, tokens, tokens - adm.expected_output + generated)
+        try:
+            up, lines = await _attempt(state, ctx, pool, ep, ep.url + path, raw,
+                                       ctx.route.timeouts)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            pool.release(ticket)
+            log.warning("migration of %s to %s failed: %s", ctx.request_id, ep.url, exc)
+            decision = router.decide(info, tried) if info is not None else None
+            continue
+        except BaseException:
+            pool.release(ticket)
+            raise
+        if up.status != 200 or lines is None:
+            up.release()
+            pool.release(ticket)
+            decision = router.decide(info, tried) if info is not None else None
+            continue
+        pool.first_token(ticket)  # _attempt waited for its first event: the prompt is in
+        state.metrics.series("migrations", m.name, "moved").inc()
+        log.info("moved stream %s from %s to %s after %d tokens", ctx.request_id, old.url,
+                 ep.url, generated)
+        return _Sent(up, decision, pool, ticket, time.perf_counter(), False, lines, info)
+    state.metrics.series("migrations", m.name, "failed").inc()
+    return None
 
 
 async def _count_prompt(ctx: _Ctx, m: Model) -> int:

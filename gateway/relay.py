@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.migrate import Live, shift_usage, stream_id
 from gateway.upstream import UpstreamResponse
 
 
@@ -36,6 +37,8 @@ class RelayResult:
     broken: bool = False  # the upstream stream broke after the first byte
     bytes_sent: bool = False
     client_gone: bool = False  # the client disconnected mid-stream
+    migrated: bool = False  # cut on purpose to continue elsewhere (gateway.migrate)
+    stream_id: bytes | None = None  # the completion id the client sees
 
 
 def _rename(data: bytes, upstream: bytes, served: bytes) -> bytes:
@@ -77,12 +80,19 @@ async def relay_stream(
     on_first: Callable[[], None] | None = None,
     gap_s: float = 60.0,
     deadline_s: float = 600.0,
+    live: Live | None = None,
+    usage_shift: int = 0,
 ) -> RelayResult:
     """Copy an SSE response to ``resp`` (already prepared) event by event.
 
     Progress is recorded in ``into`` as it happens, so a caller interrupted mid-stream (the
     client went away) still knows what was streamed. An upstream silent for ``gap_s``, or
     still streaming ``deadline_s`` from now, is cut off with an SSE error event.
+
+    ``live`` (pools that may migrate streams) keeps the content chunks and, when the stream is
+    cut to migrate, makes the relay return quietly (``migrated``) for the caller to continue
+    it; a continuation passes ``usage_shift`` (tokens generated before it) and ``into`` with
+    the client's ``stream_id``, which replaces the new upstream's id.
     """
     res = into if into is not None else RelayResult(status=200)
     up_tag = f'"model":"{upstream_model}"'.encode()
@@ -92,6 +102,7 @@ async def relay_stream(
     next_charge_at = time.perf_counter() + every_s
     loop = asyncio.get_running_loop()
     end = loop.time() + max(deadline_s, 0.001)
+    swap: tuple[bytes, bytes] | None = None  # (upstream id, client's id) in a continuation
     try:
         async with asyncio.timeout_at(min(end, loop.time() + gap_s)) as limit:
             async for line in lines:
@@ -106,12 +117,27 @@ async def relay_stream(
                 payload = data[5:].strip() if data.startswith(b"data:") else b""
                 forward = True
                 if payload and payload != b"[DONE]":
+                    if live is not None:
+                        sid = stream_id(payload)
+                        if res.stream_id is None:
+                            res.stream_id = sid
+                        elif swap is None and sid is not None and sid != res.stream_id:
+                            swap = (sid, res.stream_id)
+                        if swap is not None:
+                            data = data.replace(swap[0], swap[1])
                     usage = _usage_of(payload)
                     if usage is not None:
+                        if usage_shift:
+                            shifted, usage = shift_usage(payload, usage_shift)
+                            if swap is not None:
+                                shifted = shifted.replace(swap[0], swap[1])
+                            data = b"data: " + shifted + b"\n"
                         res.usage = usage
                         if b'"choices":[]' in payload and not pass_usage:
                             forward = False
                     if _has_content(payload):
+                        if live is not None:
+                            live.payloads.append(payload)
                         now = time.perf_counter()
                         if res.first_token_at is None:
                             res.first_token_at = now
@@ -133,6 +159,9 @@ async def relay_stream(
         res.client_gone = True
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
             TimeoutError) as exc:
+        if live is not None and live.migrating and not isinstance(exc, TimeoutError):
+            res.migrated = True  # the caller continues the stream elsewhere
+            return res
         res.broken = True
         if isinstance(exc, TimeoutError):
             what = ("the request's total timeout passed" if loop.time() >= end - 1e-3 else

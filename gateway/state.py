@@ -17,6 +17,7 @@ from gateway.config.policy import Endpoint, Model, Policy
 from gateway.endpoints import EndpointPool
 from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
+from gateway.migrate import LiveStreams
 from gateway.routing.fleet import Fleet
 from gateway.routing.router import Router
 from gateway.routing.share import PrefixShare
@@ -75,6 +76,7 @@ class GatewayState:
     sync: ModelSync | None = None
     share: PrefixShare | None = None  # prefix hints from and to the other replicas
     scalers: dict[str, PoolScaler] = field(default_factory=dict)  # pools with scaling:
+    live: LiveStreams = field(default_factory=LiveStreams)  # streams that may be migrated
     draining: bool = False
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter

@@ -136,6 +136,13 @@ class Response:
         if rest:
             yield rest
 
+    def abort(self) -> None:
+        """Cut the connection now (the reader sees ``UpstreamBroken``; the upstream sees its
+        client leave and frees the request)."""
+        c = self._conn
+        if c.transport is not None:
+            c.transport.close()
+
     def release(self) -> None:
         """Return the connection to the pool if the response was read to its end."""
         if self._released:
@@ -164,6 +171,9 @@ class AiohttpResponse:
     async def lines(self) -> AsyncIterator[bytes]:
         async for line in self._r.content:
             yield line
+
+    def abort(self) -> None:
+        self._r.close()
 
     def release(self) -> None:
         self._r.release()

@@ -17,7 +17,8 @@ from gateway.quota import _duration, charges, rate_limit_error, ratelimit_header
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "multi-tenant.yaml", "prefill-decode.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "multi-tenant.yaml", "prefill-decode.yaml",
+                                  "serverless.yaml"])
 def test_shipped_policies_validate(name: str) -> None:
     p = load_policy(POLICIES / name)
     assert p.models and p.tenants and p.routes

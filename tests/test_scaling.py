@@ -141,3 +141,81 @@ def test_a_pool_scales_from_zero_and_back_with_held_requests(tmp_path: Path) -> 
         print(f"\ncold start with held requests: {cold:.2f} s")
     finally:
         gw.close()
+
+
+def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
+        backend_factory: object, tmp_path: Path) -> None:
+    import openai
+
+    from gateway.limiter.memory import MemoryStore
+
+    make = backend_factory  # type: ignore[assignment]
+    a = make(served_model_name="m", time_scale=2.0)  # ~15 ms a token
+    b = make(served_model_name="m", time_scale=2.0)
+    doc = {"version": 1,
+           "settings": {"admin_key_sha256": sha("adm")},
+           "models": {"m": {"endpoints": [{"url": f"{a.url}/v1"}, {"url": f"{b.url}/v1"}],
+                            "routing": {"strategy": "round_robin"},
+                            "scaling": {"min_replicas": 2, "max_replicas": 2}}},
+           "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"tpd": 1e7}}},
+           "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
+    gw.state.store = MemoryStore(clock=lambda: 1_000_000.0)  # frozen: it holds what was charged
+    try:
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0)
+        for kind in ("chat", "completion"):
+            before = _charged(gw)
+            if kind == "chat":
+                raw = c.chat.completions.with_raw_response.create(
+                    model="m", messages=[{"role": "user", "content": "tell me a story"}],
+                    max_tokens=60, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True})
+            else:
+                raw = c.completions.with_raw_response.create(
+                    model="m", prompt="once upon a time", max_tokens=60, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            first = raw.headers["x-tokengate-endpoint"]
+            other = f"{b.url}/v1" if first == f"{a.url}/v1" else f"{a.url}/v1"
+            chunks = []
+            for chunk in raw.parse():
+                chunks.append(chunk)
+                if len(chunks) == 10:  # mid-generation: drain the endpoint serving it
+                    r = httpx.post(f"{gw.url}/admin/drain", json={"url": first},
+                                   headers={"Authorization": "Bearer adm"})
+                    assert r.json()["streams_moved"] == 1
+            content = [ch for ch in chunks if ch.choices and (
+                ch.choices[0].delta.content if kind == "chat" else ch.choices[0].text)]
+            usage = chunks[-1].usage
+            assert usage is not None
+            assert len(content) == 60 and usage.completion_tokens == 60  # every token, once
+            assert len({ch.id for ch in chunks}) == 1  # one stream, one id
+            prompt_tokens = usage.prompt_tokens
+            assert prompt_tokens < 30  # the original prompt, not prompt + generated text
+            # Quota: charged once, for the prompt and the 60 tokens.
+            assert _charged(gw) - before == pytest.approx(prompt_tokens + 60, abs=1)
+            # The rest came from the other endpoint; the drained one is out of rotation.
+            fresh = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                               json={"model": "m", "prompt": "x", "max_tokens": 1})
+            assert fresh.headers["x-tokengate-endpoint"] == other
+            httpx.post(f"{gw.url}/admin/drain", json={"url": first, "undrain": True},
+                       headers={"Authorization": "Bearer adm"})
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert 'tokengate_migrations_total{outcome="moved",pool="m"} 2.0' in metrics
+    finally:
+        gw.close()
+
+
+def _charged(gw: object) -> float:
+    from gateway.limiter.memory import MemoryStore
+
+    state = gw.state  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        busy = state.background or any(e.in_flight for e in state.fleet.endpoints.values())
+        quiet = 0 if busy else quiet + 1
+        time.sleep(0.02)
+    store = state.store
+    assert isinstance(store, MemoryStore)
+    return float((store._tat.get(("tenant:t", "tokens_day"), 1_000_000.0) - 1_000_000.0)
+                 / (86400.0 / 1e7))

@@ -118,6 +118,8 @@ class PoolScaler:
         self.started = 0
         self._http: aiohttp.ClientSession | None = None
         self._stopping: set[asyncio.Task[None]] = set()
+        # Moves a draining endpoint's streams elsewhere (LiveStreams.migrate_from).
+        self.on_drain: Callable[[str], int] | None = None
 
     # -- the pool's live endpoints -------------------------------------------------------
     def urls(self) -> list[str]:
@@ -182,8 +184,9 @@ class PoolScaler:
         ready = len([e for e in self.endpoint_states()])
         for stage, rate in self.velocity.rates().items():
             self.metrics.series("token_velocity", name, stage, "demand").set(rate)
+            has_stage = stage != "transfer" or self.disaggregated
             self.metrics.series("token_velocity", name, stage, "capacity").set(
-                self.capacity.of(stage) * ready)
+                self.capacity.of(stage) * ready if has_stage else 0.0)
         for role, n in desired.items():
             self.metrics.series("desired_replicas", name, role).set(n)
         starting = sum(1 for i in self.instances if i.ready_at is None)
@@ -249,6 +252,8 @@ class PoolScaler:
                 victim.draining_since = now
                 if self.pool is not None:
                     self.attach(self.pool)
+                if self.on_drain is not None and self.pool is not None and self.pool.endpoints:
+                    self.on_drain(victim.url)  # its streams continue on the others
                 log.info("%s: draining %s (target %d)", self.model.name, victim.url, target)
                 task = asyncio.ensure_future(self._retire(victim))
                 self._stopping.add(task)
