@@ -67,3 +67,19 @@ def test_dashboard_queries_existing_metrics() -> None:
     for name in used:
         base = re.sub(r"_(bucket|total|count|sum)$", "", name)
         assert name in exported or base in exported, name
+
+
+def test_keda_scales_backends_on_the_desired_replicas_the_gateway_exports() -> None:
+    k8s = DEPLOY / "k8s"
+    deployments = {d["metadata"]["name"] for p in k8s.glob("*.yaml")
+                   for d in yaml.safe_load_all(p.read_text()) if d and d["kind"] == "Deployment"}
+    exported = {m.name for m in GatewayMetrics().registry.collect()}
+    objs = list(yaml.safe_load_all((k8s / "keda" / "scaledobjects.yaml").read_text()))
+    assert {o["spec"]["scaleTargetRef"]["name"] for o in objs} <= deployments
+    for o in objs:
+        assert o["kind"] == "ScaledObject" and o["apiVersion"] == "keda.sh/v1alpha1"
+        for trig in o["spec"]["triggers"]:
+            name = re.search(r"(tokengate_\w+)\{", trig["metadata"]["query"])
+            assert name and name.group(1) in exported
+            role = re.search(r'role="(\w+)"', trig["metadata"]["query"])
+            assert role and role.group(1) in ("prefill", "decode", "both")
