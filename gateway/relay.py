@@ -66,6 +66,40 @@ def _has_content(payload: bytes) -> bool:
         (b'"text":"' in payload and b'"text":""' not in payload)
 
 
+class _Stall:
+    """The stream's stall and total deadlines, re-armed by every event at the cost of a clock
+    read: ``last`` is only recorded; the one timer re-arms itself when it fires early.
+    (``asyncio.Timeout.reschedule`` per event made the relay 4x slower: 6.8 against 1.7 µs.)"""
+
+    def __init__(self, gap_s: float, end: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.gap_s = gap_s
+        self.end = end
+        self.last = self.loop.time()
+        self.fired = False
+        self.handle = self.loop.call_at(self._due(), self._check)
+
+    def _due(self) -> float:
+        return min(self.end, self.last + self.gap_s)
+
+    def _check(self) -> None:
+        due = self._due()
+        if self.loop.time() >= due - 1e-4:
+            self.fired = True
+            self.task.cancel()
+        else:
+            self.handle = self.loop.call_at(due, self._check)
+
+    def uncancel(self) -> None:
+        self.task.uncancel()
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
 async def relay_stream(
     lines: AsyncIterator[bytes],
     resp: web.StreamResponse,
@@ -103,10 +137,11 @@ async def relay_stream(
     loop = asyncio.get_running_loop()
     end = loop.time() + max(deadline_s, 0.001)
     swap: tuple[bytes, bytes] | None = None  # (upstream id, client's id) in a continuation
+    stall = _Stall(gap_s, end)
     try:
-        async with asyncio.timeout_at(min(end, loop.time() + gap_s)) as limit:
+        try:
             async for line in lines:
-                limit.reschedule(min(end, loop.time() + gap_s))
+                stall.last = loop.time()
                 if line not in (b"\n", b"\r\n"):
                     event.append(line)
                     continue
@@ -154,6 +189,13 @@ async def relay_stream(
                     next_charge = res.chunks + every
                     next_charge_at = time.perf_counter() + every_s
                     await on_tokens(res.chunks)
+        except asyncio.CancelledError:
+            if not stall.fired:
+                raise
+            stall.uncancel()
+            raise TimeoutError from None
+        finally:
+            stall.close()
     except ConnectionResetError:
         # Writing to the client failed: it went away. Stop; the caller settles what was sent.
         res.client_gone = True
