@@ -219,3 +219,27 @@ def _charged(gw: object) -> float:
     assert isinstance(store, MemoryStore)
     return float((store._tat.get(("tenant:t", "tokens_day"), 1_000_000.0) - 1_000_000.0)
                  / (86400.0 / 1e7))
+
+
+def test_a_launcher_that_fails_backs_off_and_held_requests_get_503(tmp_path: Path) -> None:
+    import sys
+
+    doc = {"version": 1,
+           "models": {"m": {"scaling": {"min_replicas": 0, "max_replicas": 2,
+                                        "launcher": {"kind": "command", "command": [
+                                            sys.executable, "-c", "import sys; sys.exit(3)",
+                                            "{port}"]}}}},
+           "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
+           "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 3000}}}
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                       json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        took = time.monotonic() - t0
+        assert r.status_code == 503 and r.json()["error"]["code"] == "cold_start"
+        assert r.headers["retry-after"] == "2" and 2.9 < took < 5
+        # Launches back off (1 s, 2 s, ...) instead of one every 0.25 s tick.
+        assert 1 <= gw.state.scalers["m"].started <= 3
+    finally:
+        gw.close()

@@ -116,6 +116,8 @@ class PoolScaler:
         self.pool: EndpointPool | None = None
         self.cold_start_s: float | None = None  # the last measured launch-to-ready time
         self.started = 0
+        self.failed_starts = 0  # launches in a row that died before becoming ready
+        self.launch_after = 0.0
         self._http: aiohttp.ClientSession | None = None
         self._stopping: set[asyncio.Task[None]] = set()
         # Moves a draining endpoint's streams elsewhere (LiveStreams.migrate_from).
@@ -212,10 +214,16 @@ class PoolScaler:
             try:
                 ok = await self.launcher.ready(inst, self._session())
             except RuntimeError as exc:
-                log.error("%s: %s", self.model.name, exc)
+                # It died while starting: back off before launching again (1, 2, 4 .. 60 s),
+                # so a broken launcher does not fork a process every tick.
+                self.failed_starts += 1
+                pause = min(2.0 ** (self.failed_starts - 1), 60.0)
+                self.launch_after = now + pause
+                log.error("%s: %s; next launch in %.0f s", self.model.name, exc, pause)
                 self.instances.remove(inst)
                 continue
             if ok:
+                self.failed_starts = 0
                 inst.ready_at = now
                 self.cold_start_s = now - inst.started_at
                 log.info("%s: %s ready after a %.1f s cold start", self.model.name, inst.url,
@@ -234,6 +242,8 @@ class PoolScaler:
                                      ready=ready + static) - static, 0)
         if target > len(live):
             self.below_since = None
+            if now < self.launch_after:
+                return
             for _ in range(target - len(live)):
                 inst = self.launcher.start(self._role_to_add())
                 self.instances.append(inst)
