@@ -14,8 +14,6 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -23,20 +21,20 @@ import orjson
 from aiohttp import web
 
 from backend.protocol import GenerationRequest, Kind, load_json, validate
-from gateway import disagg, migrate, quota, slo
-from gateway.config.policy import Model, Policy, Route
-from gateway.config.resilience import Timeouts
-from gateway.endpoints import EndpointPool, EndpointState, Ticket
+from gateway import disagg, quota, slo
+from gateway.attempt import Failure, Sent, attempt, continue_stream, upstream_failure
+from gateway.config.policy import Model, Policy
+from gateway.context import RequestContext
+from gateway.endpoints import EndpointState
 from gateway.errors import APIError, bad
+from gateway.finish import finish
 from gateway.httpserver import read_body
 from gateway.limiter.store import StoreUnavailable
 from gateway.migrate import Live
 from gateway.relay import RelayResult, relay_body, relay_stream
 from gateway.retry import backoff_s
-from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision
-from gateway.state import GATEWAY, GatewayState, PolicyView
-from gateway.upstream import UpstreamBroken, UpstreamResponse
+from gateway.state import GATEWAY, GatewayState
 
 log = logging.getLogger("tokengate.gateway")
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -54,23 +52,6 @@ def authenticate(request: web.Request, policy: Policy) -> str:
                                 for k in policy.tenants[found[0]].keys):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
     return found[0]
-
-
-@dataclass(slots=True)
-class _Ctx:
-    state: GatewayState
-    view: PolicyView
-    kind: Kind
-    tenant: str
-    route: Route
-    body: dict[str, Any]
-    parsed: GenerationRequest
-    request_id: str
-    received_at: float
-    raw: bytes
-    slo: tuple[float | None, float | None] = (None, None)
-    priority: str = "standard"
-    text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
 
 
 def _expected_output(g: GenerationRequest, m: Model) -> int:
@@ -98,7 +79,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise APIError(404, f"The model `{g.model}` does not exist or you do not have access "
                        "to it.", param="model", code="model_not_found")
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    ctx = _Ctx(state, view, kind, tenant, route, body, g, rid, received, raw)
+    ctx = RequestContext(state, view, kind, tenant, route, body, g, rid, received, raw)
     ctx.slo = (slo.header(request, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(request, "x-slo-tpot-ms", route.slo_tpot_ms))
     ctx.priority = slo.priority(request, policy.tenants[tenant].priority)
@@ -126,13 +107,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     return await _proxy(request, ctx, adm)
 
 
-# TPOT is learned and scored only over streams of at least this many tokens: over one or two
-# gaps it is a single step's time, decided by whether a prefill chunk shared that step, which
-# no feature of the endpoint can tell in advance.
-_TPOT_MIN_TOKENS = 8
-
-
-def _upstream_body(ctx: _Ctx, m: Model, kv: dict[str, Any] | None = None) -> bytes:
+def _upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
     """The body sent upstream: the client's, with the upstream model name, usage asked for
     on streams, and the prefill's ``kv_transfer_params`` when the prompt was prefilled
     elsewhere. Forwarded byte for byte when nothing needs to change (large agent prompts)."""
@@ -150,21 +125,7 @@ def _upstream_body(ctx: _Ctx, m: Model, kv: dict[str, Any] | None = None) -> byt
     return orjson.dumps(body)
 
 
-@dataclass(slots=True)
-class _Sent:
-    """An upstream response being relayed, and what routing decided and promised for it."""
-
-    up: UpstreamResponse
-    decision: Decision
-    pool: EndpointPool
-    ticket: Ticket  # this request's share of the endpoint's live counters
-    sent_at: float
-    prefill_used: bool = False
-    lines: AsyncIterator[bytes] | None = None  # a stream's events, the first already read
-    info: RequestInfo | None = None  # what routing knew of the request (to re-route it)
-
-
-def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
+def _headers(ctx: RequestContext, adm: quota.Admission, sent: Sent, failover: str | None
              ) -> dict[str, str]:
     d = sent.decision
     h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,
@@ -181,63 +142,8 @@ def _headers(ctx: _Ctx, adm: quota.Admission, sent: _Sent, failover: str | None
     return h
 
 
-async def _attempt(state: GatewayState, ctx: _Ctx, pool: EndpointPool, ep: EndpointState,
-                   url: str, body: bytes, t: Timeouts
-                   ) -> tuple[UpstreamResponse, AsyncIterator[bytes] | None]:
-    """Send one attempt; for a stream, also wait for its first event (within
-    ``first_token_s``), so that an upstream that stalls or breaks before producing anything
-    can still be retried elsewhere, invisibly to the client."""
-    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
-               **pool.auth_headers(ep)}
-    if not ctx.parsed.stream:
-        up = await asyncio.wait_for(
-            state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s), t.total_s)
-        return up, None
-    async with asyncio.timeout(t.first_token_s):
-        up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s)
-        if up.status != 200:
-            return up, None
-        lines = up.lines()
-        try:
-            first = await anext(lines)
-        except StopAsyncIteration:
-            up.release()
-            raise UpstreamBroken("the upstream ended the stream before any event") from None
-        except BaseException:
-            up.release()
-            raise
-    return up, _prepend(first, lines)
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for line in rest:
-        yield line
-
-
-class _Failure(Exception):
-    """One attempt failed in a way another endpoint may not: retry (``backoff`` says whether
-    to pause first: overload answers and stalls, not refused connections)."""
-
-    def __init__(self, error: APIError, kind: str, backoff: bool) -> None:
-        super().__init__(error.message)
-        self.error, self.kind, self.backoff = error, kind, backoff
-
-
-def _upstream_failure(exc: BaseException, stream: bool) -> _Failure:
-    if isinstance(exc, TimeoutError):
-        what = "first token" if stream else "response"
-        return _Failure(APIError(504, f"the upstream did not send its {what} in time",
-                                 type="server_error", code="upstream_timeout"), "timeout", True)
-    refused = isinstance(exc, ConnectionRefusedError)
-    return _Failure(APIError(502, "the upstream could not be reached" if refused else
-                             "the upstream closed the connection", type="server_error",
-                             code="upstream_unavailable"),
-                    "connect" if refused else "broken", not refused)
-
-
-async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, reserved: int
-                ) -> _Sent | APIError:
+async def _open(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                reserved: int) -> Sent | APIError:
     """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
     says it is the client's fault), within the retry policy's attempts and budget; returns
     the last error when none would."""
@@ -297,22 +203,22 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
         sent_at = time.perf_counter()
         try:
             try:
-                up, lines = await _attempt(state, ctx, pool, ep, ep.url + path,
+                up, lines = await attempt(state, ctx, pool, ep, ep.url + path,
                                            _upstream_body(ctx, m, kv), t)
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise _upstream_failure(exc, g.stream) from exc
+                raise upstream_failure(exc, g.stream) from exc
             if up.status in _RETRY_STATUSES:
                 asked = up.headers.get("retry-after")
                 up.release()
                 if asked is not None:
                     pool.overloaded(ep, asked)
                 retry_after = asked or "1"
-                raise _Failure(APIError(502 if up.status >= 500 else 429,
+                raise Failure(APIError(502 if up.status >= 500 else 429,
                                         f"upstream answered {up.status}", type="server_error",
                                         code="upstream_error",
                                         headers={"retry-after": retry_after}),
                                str(up.status), True)
-        except _Failure as f:
+        except Failure as f:
             pool.release(ticket)
             pool.failed(ep, transport=f.kind in ("connect", "broken"))
             if f.kind in ("connect", "broken", "timeout"):
@@ -330,11 +236,12 @@ async def _open(state: GatewayState, ctx: _Ctx, m: Model, prompt_tokens: int, re
             raise
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return _Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info)
+        return Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info)
     return last
 
 
-async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.StreamResponse:
+async def _proxy(request: web.Request, ctx: RequestContext, adm: quota.Admission
+                 ) -> web.StreamResponse:
     state = ctx.state
     policy = ctx.view.policy
     failover = "quota" if adm.failover_from else None
@@ -412,7 +319,8 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                         state.live.remove(live)
                 if not result.migrated or live is None:
                     break
-                moved = await _continue(state, ctx, adm, sent, live, result.chunks)
+                moved = await continue_stream(state, ctx, adm, sent, live,
+                                              result.chunks)
                 if moved is None:
                     result.broken = True
                     await resp.write(b'data: {"error": {"message": "the stream could not be '
@@ -437,7 +345,7 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
                 body, result = await relay_body(up, upstream_model=adm.model.upstream_name,
                                                 served_model=adm.model.name)
         except (TimeoutError, OSError, aiohttp.ClientError) as exc:
-            err = _upstream_failure(exc, False).error
+            err = upstream_failure(exc, False).error
             result.broken, result.status = True, err.status
             raise err from None
         return web.Response(status=up.status, body=body, headers={
@@ -451,57 +359,10 @@ async def _proxy(request: web.Request, ctx: _Ctx, adm: quota.Admission) -> web.S
             state.fleet.suspect(ep)
         elif result.status == 200:
             pool.succeeded(ep)
-        state.spawn(_finish(ctx, adm, result, sent))
+        state.spawn(finish(ctx, adm, result, sent))
 
 
-async def _continue(state: GatewayState, ctx: _Ctx, adm: quota.Admission, sent: _Sent,
-                    live: Live, generated: int) -> _Sent | None:
-    """Continue a stream cut off a draining endpoint on another one (``gateway.migrate``)."""
-    m = adm.model
-    router = ctx.view.routers[m.name]
-    pool = router.pool
-    old = sent.decision.endpoint.ep
-    counter = ctx.view.counters[m.name]
-    body = migrate.continuation(ctx.body, ctx.kind, migrate.generated_text(
-        live.payloads, ctx.kind), generated, counter.tokenizer.encode)
-    body["model"] = m.upstream_name
-    body["stream_options"] = {"include_usage": True}
-    raw = orjson.dumps(body)
-    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
-    info = sent.info
-    tried = [old]
-    decision = router.decide(info, tried) if info is not None else None
-    while decision is not None and len(tried) <= ctx.view.policy.settings.retries.max_attempts:
-        ep = decision.endpoint.ep
-        tried.append(ep)
-        tokens = (info.prompt_tokens if info else 0) + adm.expected_output
-        ticket = pool.acquire(ep, tokens, tokens - adm.expected_output + generated)
-        try:
-            up, lines = await _attempt(state, ctx, pool, ep, ep.url + path, raw,
-                                       ctx.route.timeouts)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            pool.release(ticket)
-            log.warning("migration of %s to %s failed: %s", ctx.request_id, ep.url, exc)
-            decision = router.decide(info, tried) if info is not None else None
-            continue
-        except BaseException:
-            pool.release(ticket)
-            raise
-        if up.status != 200 or lines is None:
-            up.release()
-            pool.release(ticket)
-            decision = router.decide(info, tried) if info is not None else None
-            continue
-        pool.first_token(ticket)  # _attempt waited for its first event: the prompt is in
-        state.metrics.series("migrations", m.name, "moved").inc()
-        log.info("moved stream %s from %s to %s after %d tokens", ctx.request_id, old.url,
-                 ep.url, generated)
-        return _Sent(up, decision, pool, ticket, time.perf_counter(), False, lines, info)
-    state.metrics.series("migrations", m.name, "failed").inc()
-    return None
-
-
-async def _count_prompt(ctx: _Ctx, m: Model) -> int:
+async def _count_prompt(ctx: RequestContext, m: Model) -> int:
     counter = ctx.view.counters[m.name]
     g = ctx.parsed
     if g.kind == "chat":
@@ -511,57 +372,3 @@ async def _count_prompt(ctx: _Ctx, m: Model) -> int:
     ids = await counter.text_ids(g.prompt_text or "")
     ctx.text_ids[m.name] = ids  # routing hashes the same ids: tokenize once
     return len(ids)
-
-
-def _observe(ctx: _Ctx, r: RelayResult, sent: _Sent) -> None:
-    """Feed the predictor what this request saw, against the features it was routed on."""
-    if not ctx.parsed.stream or r.first_token_at is None or r.broken:
-        return
-    state, d = ctx.state, sent.decision
-    ttft_ms = (r.first_token_at - sent.sent_at) * 1000.0
-    tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
-               if r.last_token_at is not None and r.chunks >= _TPOT_MIN_TOKENS else None)
-    lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
-    lead.ep.observed(ttft_ms, None)
-    d.endpoint.ep.observed(None, tpot_ms)
-    if lead.row is not None:
-        state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
-                                predicted_ttft_ms=lead.ttft_ms)
-        if state.sync is not None:
-            state.sync.queue_sample("ttft", lead.row, math.log(max(ttft_ms, 1e-3)))
-    if d.endpoint.row is not None and tpot_ms is not None:
-        state.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
-                                predicted_tpot_ms=d.endpoint.tpot_ms)
-        if state.sync is not None:
-            state.sync.queue_sample("tpot", d.endpoint.row, math.log(max(tpot_ms, 1e-3)))
-
-
-async def _finish(ctx: _Ctx, adm: quota.Admission, r: RelayResult, sent: _Sent) -> None:
-    """Settle quota and record metrics for a proxied request (runs even after a disconnect)."""
-    state = ctx.state
-    m = adm.model.name
-    usage = r.usage or {}
-    ok = r.status == 200
-    no_output = not ok or (ctx.parsed.stream and r.first_token_at is None and not r.usage)
-    prompt = usage.get("prompt_tokens")
-    output = usage.get("completion_tokens")
-    if output is None:
-        output = r.chunks
-    try:
-        await quota.settle(state.store, adm, output_tokens=int(output),
-                           prompt_tokens=int(prompt) if isinstance(prompt, int) else None,
-                           failed_before_first_token=no_output)
-    except StoreUnavailable:
-        log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
-    status = str(r.status) if not r.broken else "broken"
-    state.metrics.series("requests", ctx.route.name, m, ctx.tenant, status).inc()
-    if ok and not no_output:
-        _observe(ctx, r, sent)
-        state.metrics.series("prompt_tokens", m, ctx.tenant).inc(
-            int(prompt) if isinstance(prompt, int) else adm.prompt_tokens)
-        state.metrics.series("completion_tokens", m, ctx.tenant).inc(int(output))
-        if ctx.parsed.stream and r.first_token_at is not None:
-            state.metrics.series("ttft", m).observe(r.first_token_at - ctx.received_at)
-            if r.last_token_at is not None and r.chunks > 1:
-                state.metrics.series("tpot", m).observe(
-                    (r.last_token_at - r.first_token_at) / (r.chunks - 1))
