@@ -64,10 +64,7 @@ def parse_client(d: Decoder, raw: Any, path: str) -> ClientLimits:
 
 def parse_timeouts(d: Decoder, raw: Any, path: str, base: Timeouts) -> Timeouts:
     """``base`` with the fields ``raw`` gives replaced."""
-    if raw is None:
-        return base
-    m = d.mapping(raw, path, TIMEOUT_KEYS)
-    return replace(base, **{k: d.number(v, f"{path}.{k}") for k, v in m.items()})
+    return replace(base, **partial_timeouts(d, raw, path))
 
 
 def partial_timeouts(d: Decoder, raw: Any, path: str) -> dict[str, float]:
