@@ -183,7 +183,7 @@ class PoolScaler:
 
     def export(self, desired: dict[str, int]) -> None:
         name = self.model.name
-        ready = len([e for e in self.endpoint_states()])
+        ready = len(self.endpoint_states())
         for stage, rate in self.velocity.rates().items():
             self.metrics.series("token_velocity", name, stage, "demand").set(rate)
             has_stage = stage != "transfer" or self.disaggregated
@@ -236,7 +236,7 @@ class PoolScaler:
         assert self.launcher is not None
         live = [i for i in self.instances if i.draining_since is None]
         ready = sum(1 for i in live if i.ready_at is not None)
-        static = len([e for e in self.model.endpoints])
+        static = len(self.model.endpoints)
         idle = now - self.velocity.last_request_at
         target = max(target_replicas(self.s, desired, held=self.held, idle_s=idle,
                                      ready=ready + static) - static, 0)
