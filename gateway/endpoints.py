@@ -173,7 +173,8 @@ class EndpointPool:
     def __init__(self, model: Model, endpoints: Sequence[EndpointState], *,
                  trip_after: int = 3, cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
-                 retries: Retries | None = None) -> None:
+                 retries: Retries | None = None,
+                 api_keys: dict[str, str | None] | None = None) -> None:
         self.model = model
         self.endpoints = list(endpoints)
         self.trip_after = trip_after
@@ -183,7 +184,8 @@ class EndpointPool:
         self.budget = RetryBudget(r.budget_ratio, r.min_per_s, clock=clock)
         # This model's credential per endpoint URL: two models may share an endpoint with
         # different keys, so requests use the pool's key, not the shared EndpointState's.
-        self.api_keys: dict[str, str | None] = {e.url: e.api_key for e in self.endpoints}
+        self.api_keys: dict[str, str | None] = (
+            api_keys if api_keys is not None else {e.url: e.api_key for e in self.endpoints})
 
     def auth_headers(self, e: EndpointState) -> dict[str, str]:
         key = self.api_keys.get(e.url)

@@ -103,8 +103,8 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
                                                e.hardware or m.backend.hardware)
                                 for e in m.endpoints],
                             trip_after=fleet.trip_after, cooldown_s=fleet.cooldown_s,
-                            retries=policy.settings.retries)
-        pool.api_keys = {e.url: endpoint_key(e) for e in m.endpoints}
+                            retries=policy.settings.retries,
+                            api_keys={e.url: endpoint_key(e) for e in m.endpoints})
         pools[name] = pool
     launched = [u for sc in (scalers or {}).values() for u in sc.urls()]
     fleet.retain([e.url for m in policy.models.values() for e in m.endpoints] + launched)

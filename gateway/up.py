@@ -28,6 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from gateway.config.policy import Policy, load_policy
+from gateway.scaling.launcher import free_port as free_port  # used here and by loadtests
 from gateway.server import ServeConfig, serve
 
 DEMO_KEY = "tg-demo-key"
@@ -104,13 +105,6 @@ class PoolShape:
                         changed |= item.pop("limits", None) is not None
                         changed |= item.pop("model_limits", None) is not None
         return changed
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _loopback(host: str | None) -> bool:

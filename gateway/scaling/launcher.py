@@ -25,6 +25,7 @@ from gateway.config.scaling import Launcher
 
 
 def free_port() -> int:
+    """A port nothing listens on right now (the caller binds it soon after)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
