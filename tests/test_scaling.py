@@ -10,6 +10,7 @@ import httpx
 import pytest
 from gateway_stack import start_gateway, write_policy
 from test_gateway_e2e import sha
+from test_reliability import NOW, TPD, charged
 
 from gateway.config.scaling import Scaling
 from gateway.scaling.autoscaler import Conversions, target_replicas
@@ -157,14 +158,14 @@ def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
            "models": {"m": {"endpoints": [{"url": f"{a.url}/v1"}, {"url": f"{b.url}/v1"}],
                             "routing": {"strategy": "round_robin"},
                             "scaling": {"min_replicas": 2, "max_replicas": 2}}},
-           "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"tpd": 1e7}}},
+           "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"tpd": TPD}}},
            "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
     gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
-    gw.state.store = MemoryStore(clock=lambda: 1_000_000.0)  # frozen: it holds what was charged
+    gw.state.store = MemoryStore(clock=lambda: NOW)  # frozen: it holds what was charged
     try:
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0)
         for kind in ("chat", "completion"):
-            before = _charged(gw)
+            before = charged(gw)
             if kind == "chat":
                 raw = c.chat.completions.with_raw_response.create(
                     model="m", messages=[{"role": "user", "content": "tell me a story"}],
@@ -192,7 +193,7 @@ def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
             prompt_tokens = usage.prompt_tokens
             assert prompt_tokens < 30  # the original prompt, not prompt + generated text
             # Quota: charged once, for the prompt and the 60 tokens.
-            assert _charged(gw) - before == pytest.approx(prompt_tokens + 60, abs=1)
+            assert charged(gw) - before == pytest.approx(prompt_tokens + 60, abs=1)
             # The rest came from the other endpoint; the drained one is out of rotation.
             fresh = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
                                json={"model": "m", "prompt": "x", "max_tokens": 1})
@@ -203,22 +204,6 @@ def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
         assert 'tokengate_migrations_total{outcome="moved",pool="m"} 2.0' in metrics
     finally:
         gw.close()
-
-
-def _charged(gw: object) -> float:
-    from gateway.limiter.memory import MemoryStore
-
-    state = gw.state  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 5
-    quiet = 0
-    while quiet < 3 and time.monotonic() < deadline:
-        busy = state.background or any(e.in_flight for e in state.fleet.endpoints.values())
-        quiet = 0 if busy else quiet + 1
-        time.sleep(0.02)
-    store = state.store
-    assert isinstance(store, MemoryStore)
-    return float((store._tat.get(("tenant:t", "tokens_day"), 1_000_000.0) - 1_000_000.0)
-                 / (86400.0 / 1e7))
 
 
 def test_a_launcher_that_fails_backs_off_and_held_requests_get_503(tmp_path: Path) -> None:
