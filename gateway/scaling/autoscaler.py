@@ -203,7 +203,7 @@ class PoolScaler:
         self.export(desired)
         if self.launcher is not None:
             await self._poll_starting(now)
-            await self._steer(sum(desired.values()), now)
+            await self._steer(desired, now)
         if self.disaggregated and self.s.convertible:
             await self._convert(now)
 
@@ -232,20 +232,20 @@ class PoolScaler:
         if changed and self.pool is not None:
             self.attach(self.pool)
 
-    async def _steer(self, desired: int, now: float) -> None:
+    async def _steer(self, desired: dict[str, int], now: float) -> None:
         assert self.launcher is not None
         live = [i for i in self.instances if i.draining_since is None]
         ready = sum(1 for i in live if i.ready_at is not None)
         static = len(self.model.endpoints)
         idle = now - self.velocity.last_request_at
-        target = max(target_replicas(self.s, desired, held=self.held, idle_s=idle,
+        target = max(target_replicas(self.s, sum(desired.values()), held=self.held, idle_s=idle,
                                      ready=ready + static) - static, 0)
         if target > len(live):
             self.below_since = None
             if now < self.launch_after:
                 return
             for _ in range(target - len(live)):
-                inst = self.launcher.start(self._role_to_add())
+                inst = self.launcher.start(self._role_to_add(desired))
                 self.instances.append(inst)
                 self.started += 1
                 self.metrics.series("cold_starts", self.model.name).inc()
@@ -271,10 +271,9 @@ class PoolScaler:
         else:
             self.below_since = None
 
-    def _role_to_add(self) -> str:
+    def _role_to_add(self, d: dict[str, int]) -> str:
         if not self.disaggregated:
             return "both"
-        d = self.desired()
         have = {r: sum(1 for e in self.endpoint_states() if e.role == r)
                 for r in ("prefill", "decode")}
         return "prefill" if d.get("prefill", 0) - have["prefill"] >= \
