@@ -48,6 +48,12 @@ class EndpointState:
     recent_ttft_ms: float = 0.0  # EWMA of TTFT / TPOT of the streams it recently served
     recent_tpot_ms: float = 0.0
     head_done_at: float = 0.0  # when the last head-of-queue request got its first token
+    # the current decode step: tokens relayed from here, against sequence-seconds decoding
+    streamed: int = 0  # content chunks relayed from this endpoint (the relay counts them)
+    seq_s: float = 0.0  # integral of ``decoding`` over time, seconds
+    seq_at: float = 0.0
+    step_mark: tuple[float, int, float] = (0.0, 0, 0.0)  # (when, streamed, seq_s)
+    step_ms: float = 0.0  # per-sequence time between tokens here, lately (0 before any)
     # scraped
     kv_usage: float = 0.0
     running: float = 0.0
@@ -130,6 +136,29 @@ class EndpointState:
             self.recent_tpot_ms = tpot_ms if not self.recent_tpot_ms else (
                 (1 - RECENT_ALPHA) * self.recent_tpot_ms + RECENT_ALPHA * tpot_ms)
 
+    def integrate(self, now: float) -> None:
+        """Bring the sequence-seconds integral up to ``now`` (before ``decoding`` changes)."""
+        self.seq_s += self.decoding * max(now - self.seq_at, 0.0)
+        self.seq_at = now
+
+    def current_step_ms(self, now: float) -> float:
+        """How long a sequence decoding here currently waits between tokens, in ms: the
+        sequence-seconds this gateway's streams spent decoding here over the tokens they
+        received, per ``STEP_WINDOW_S`` window, smoothed. It is the endpoint's decode step time
+        as the gateway sees it (batch size and prefill chunks sharing the steps included):
+        the freshest view of the TPOT a new stream will get, known at every decision instead
+        of when streams end."""
+        self.integrate(now)
+        at, streamed, seq = self.step_mark
+        if now - at >= STEP_WINDOW_S:
+            tokens = self.streamed - streamed
+            if tokens >= STEP_MIN_TOKENS:
+                sample = (self.seq_s - seq) * 1e3 / tokens
+                self.step_ms = sample if not self.step_ms else (
+                    (1 - STEP_ALPHA) * self.step_ms + STEP_ALPHA * sample)
+            self.step_mark = (now, self.streamed, self.seq_s)
+        return self.step_ms
+
     def prefill_done(self, key: int, tokens: int, now: float) -> None:
         """A request got its first token; if it headed the queue, learn the prefill rate."""
         entry = self.pending.pop(key, None)
@@ -149,6 +178,9 @@ RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
 RATE_ALPHA = 0.2
 ARRIVAL_TAU_S = 5.0
 RECENT_ALPHA = 0.3
+STEP_WINDOW_S = 0.2
+STEP_MIN_TOKENS = 8
+STEP_ALPHA = 0.5
 MAX_RETRY_AFTER_S = 30.0
 
 
@@ -224,9 +256,11 @@ class EndpointPool:
             return
         t.decoding = True
         e = t.ep
+        now = time.monotonic()
+        e.integrate(now)
         e.prefill_tokens -= t.prefill_tokens
         e.decoding += 1
-        e.prefill_done(t.key, t.prefill_tokens, time.monotonic())
+        e.prefill_done(t.key, t.prefill_tokens, now)
 
     @staticmethod
     def release(t: Ticket) -> None:
@@ -237,6 +271,7 @@ class EndpointPool:
         e.in_flight -= 1
         e.tokens_outstanding -= t.tokens
         if t.decoding:
+            e.integrate(time.monotonic())
             e.decoding -= 1
         else:
             e.prefill_tokens -= t.prefill_tokens

@@ -313,7 +313,7 @@ async def _proxy(request: web.Request, ctx: RequestContext, adm: quota.Admission
                         every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
                         on_first=first_token, gap_s=t.between_tokens_s,
                         deadline_s=t.total_s - (time.perf_counter() - sent.sent_at),
-                        live=live, usage_shift=shift)
+                        live=live, usage_shift=shift, tally=ep)
                 finally:
                     if live is not None:
                         state.live.remove(live)

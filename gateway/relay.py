@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -39,6 +39,12 @@ class RelayResult:
     client_gone: bool = False  # the client disconnected mid-stream
     migrated: bool = False  # cut on purpose to continue elsewhere (gateway.migrate)
     stream_id: bytes | None = None  # the completion id the client sees
+
+
+class Tally(Protocol):
+    """Where the relay counts the content chunks it passes (an endpoint's live state)."""
+
+    streamed: int
 
 
 def _rename(data: bytes, upstream: bytes, served: bytes) -> bytes:
@@ -116,6 +122,7 @@ async def relay_stream(
     deadline_s: float = 600.0,
     live: Live | None = None,
     usage_shift: int = 0,
+    tally: Tally | None = None,
 ) -> RelayResult:
     """Copy an SSE response to ``resp`` (already prepared) event by event.
 
@@ -126,7 +133,8 @@ async def relay_stream(
     ``live`` (pools that may migrate streams) keeps the content chunks and, when the stream is
     cut to migrate, makes the relay return quietly (``migrated``) for the caller to continue
     it; a continuation passes ``usage_shift`` (tokens generated before it) and ``into`` with
-    the client's ``stream_id``, which replaces the new upstream's id.
+    the client's ``stream_id``, which replaces the new upstream's id. ``tally`` counts
+    content chunks per endpoint (its current decode step, a routing feature).
     """
     res = into if into is not None else RelayResult(status=200)
     up_tag = f'"model":"{upstream_model}"'.encode()
@@ -180,6 +188,8 @@ async def relay_stream(
                                 on_first()
                         res.last_token_at = now
                         res.chunks += 1
+                        if tally is not None:
+                            tally.streamed += 1
                 if forward:
                     await resp.write(_rename(data, up_tag, served_tag) + b"\n")
                     res.bytes_sent = True

@@ -84,7 +84,7 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
         env["TOKENGATE_SHARE_PREFIX_HINTS"] = "0"
     cmd = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--strategy",
            strategy, "--model", args.model, "--hardware", args.hardware, "--no-quota",
-           "--time-scale", "1", "--log-dir", str(log_dir), *shape]
+           "--time-scale", str(getattr(args, "time_scale", 1.0)), "--log-dir", str(log_dir), *shape]
     if args.index:
         cmd += ["--index", args.index]
     cmd += ["--max-batched-tokens", str(budget)]

@@ -2,9 +2,10 @@
 
 TTFT is the time to prefill everything queued ahead plus this request's uncached tokens at the
 endpoint's prefill rate, plus a fixed latency; TPOT is one decode step, which grows with the
-batch. Rates default to a Llama-3-8B class model on an H100 (prefill ~ 35K tokens/s, a decode
-step ~ 7.8 ms at batch 1 plus ~ 60 µs per sequence) and scale with the hardware features when
-they are known. Good to within a small factor, which is all a cold start needs: the learned
+batch (or, where streams are decoding, the step the gateway currently measures there). Rates
+default to a Llama-3-8B class model on an H100 (prefill ~ 35K tokens/s, a decode step ~ 7.8 ms
+at batch 1 plus ~ 60 µs per sequence) and scale with the hardware features when they are
+known. Good to within a small factor, which is all a cold start needs: the learned
 model replaces it as soon as there are enough samples.
 """
 
@@ -39,5 +40,6 @@ def predict_tpot_ms(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     step = (STEP_MS * _H100_TBS / bw) + STEP_MS_PER_SEQ * batch
     # Prefill work queued on the same endpoint stretches decode steps (chunked prefill).
     step += x[:, F["prefill_tokens"]] * PREFILL_MS_PER_TOKEN * 0.05
-    out: npt.NDArray[np.float64] = step
+    # Where streams decode there now, their measured step is the better estimate.
+    out: npt.NDArray[np.float64] = np.where(x[:, F["step_ms"]] > 0, x[:, F["step_ms"]], step)
     return out

@@ -19,6 +19,9 @@ Every row describes (request, endpoint) at decision time. Features, in column or
                             the prefill rate observed there
 ``prefill_arrivals``        uncached tokens/s recently sent there (live, decayed over 5 s):
                             prefill work that will share a decoding request's steps
+``step_ms``                 the endpoint's current time between tokens per decoding sequence
+                            (live: sequence-seconds over tokens relayed, 0.2 s windows,
+                            smoothed): its decode step as the gateway sees it now
 ``recent_ttft_ms``          moving averages of the TTFT and TPOT of the streams the
 ``recent_tpot_ms``          endpoint recently finished (live; 0 before the first)
 ``role``                    0 aggregated, 1 prefill, 2 decode
@@ -40,7 +43,7 @@ import numpy.typing as npt
 FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
     "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms",
-    "prefill_arrivals", "recent_ttft_ms", "recent_tpot_ms", "role", "hw_bandwidth_tbs",
+    "prefill_arrivals", "step_ms", "recent_ttft_ms", "recent_tpot_ms", "role", "hw_bandwidth_tbs",
     "hw_tflops",
 )
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
@@ -60,6 +63,7 @@ class EndpointSnapshot:
     oldest_pending_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_arrivals: float = 0.0
+    step_ms: float = 0.0
     recent_ttft_ms: float = 0.0
     recent_tpot_ms: float = 0.0
     role: str = "both"
@@ -74,7 +78,7 @@ def build_matrix(prompt_tokens: int, expected_output: int,
     knows the order: the router builds its rows here)."""
     return np.array([(prompt_tokens, u, expected_output, e.kv_usage, e.running, e.waiting,
                       e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
-                      e.prefill_queue_ms, e.prefill_arrivals, e.recent_ttft_ms,
+                      e.prefill_queue_ms, e.prefill_arrivals, e.step_ms, e.recent_ttft_ms,
                       e.recent_tpot_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs,
                       e.hw_tflops) for u, e in zip(uncached, endpoints, strict=True)],
                     dtype=np.float64).reshape(len(endpoints), len(FEATURES))

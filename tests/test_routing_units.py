@@ -247,12 +247,27 @@ def test_arrival_rate_decays() -> None:
     assert e.arrival_rate(105.0) == pytest.approx(1000.0 / math.e + 1000.0)
 
 
+def test_current_step_is_sequence_time_over_tokens_relayed() -> None:
+    e = EndpointState("http://x")
+    assert e.current_step_ms(10.0) == 0.0  # nothing decoded yet: unknown
+    e.integrate(10.0)
+    e.decoding = 4  # four streams decode for 0.5 s and 100 tokens arrive: 20 ms a token each
+    e.streamed += 100
+    assert e.current_step_ms(10.5) == pytest.approx(20.0)
+    e.integrate(10.5)
+    e.decoding = 2  # two streams for the next 0.5 s, 20 tokens: 50 ms; smoothed halfway
+    e.streamed += 20
+    assert e.current_step_ms(11.0) == pytest.approx(35.0)
+    e.streamed += 3  # too few tokens in a window to say: the estimate stays
+    assert e.current_step_ms(11.3) == pytest.approx(35.0)
+
+
 def test_feature_matrix_columns() -> None:
     x = build_matrix(1000, 64, [400, 1000], [
         EndpointSnapshot(kv_usage=0.5, running=3, waiting=1, in_flight=2, prefill_tokens=800,
                          decoding=1, oldest_pending_ms=12.5, prefill_queue_ms=40.0,
-                         prefill_arrivals=900.0, recent_ttft_ms=80.0, recent_tpot_ms=9.0,
-                         role="decode",
+                         prefill_arrivals=900.0, step_ms=11.0, recent_ttft_ms=80.0,
+                         recent_tpot_ms=9.0, role="decode",
                          hw_bandwidth_tbs=3.35, hw_tflops=989.0),
         EndpointSnapshot()])
     assert x.shape == (2, len(FEATURES))
@@ -260,7 +275,7 @@ def test_feature_matrix_columns() -> None:
     assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "expected_output": 64,
                    "kv_usage": 0.5, "running": 3, "waiting": 1, "in_flight": 2,
                    "prefill_tokens": 800, "decoding": 1, "oldest_pending_ms": 12.5,
-                   "prefill_queue_ms": 40.0, "prefill_arrivals": 900.0,
+                   "prefill_queue_ms": 40.0, "prefill_arrivals": 900.0, "step_ms": 11.0,
                    "recent_ttft_ms": 80.0, "recent_tpot_ms": 9.0, "role": 2.0,
                    "hw_bandwidth_tbs": 3.35,
                    "hw_tflops": 989.0}

@@ -140,7 +140,7 @@ class Router:
             snaps.append(EndpointSnapshot(
                 e.kv_usage, e.running, e.waiting, e.in_flight, e.prefill_tokens, e.decoding,
                 e.oldest_pending_ms(now), e.prefill_queue_ms(now), e.arrival_rate(now),
-                e.recent_ttft_ms, e.recent_tpot_ms, role or e.role, bw, tf))
+                e.current_step_ms(now), e.recent_ttft_ms, e.recent_tpot_ms, role or e.role, bw, tf))
         x = build_matrix(req.prompt_tokens, req.expected_output,
                          [c.uncached_tokens for c in cands], snaps)
         ttft, tpot = self.predictor.predict(x)
