@@ -105,6 +105,7 @@ async def admin_endpoints(request: web.Request) -> web.Response:
                       {"url": e.url, "role": e.role, "hardware": e.hardware,
                        "in_flight": e.in_flight, "prefill_tokens": e.prefill_tokens,
                        "decoding": e.decoding, "tokens_outstanding": e.tokens_outstanding,
+                       "step_ms": e.current_step_ms(time.monotonic()),
                        "routed": e.routed, "served": e.served, "failed": e.failed,
                        "healthy": e.healthy(time.monotonic()), "waiting": e.waiting,
                        "running": e.running, "kv_usage": e.kv_usage,

@@ -40,6 +40,13 @@ class Sent:
     prefill_used: bool = False
     lines: AsyncIterator[bytes] | None = None  # a stream's events, the first already read
     info: RequestInfo | None = None  # what routing knew of the request (to re-route it)
+    # when the request's first upstream call went out: the prefill's when it was prefilled
+    # elsewhere, else ``sent_at``; TTFT is observed from here, as the client sees it
+    started_at: float | None = None
+
+    @property
+    def ttft_origin(self) -> float:
+        return self.started_at if self.started_at is not None else self.sent_at
 
 
 async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,

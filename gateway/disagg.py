@@ -62,6 +62,10 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
         finally:
             up.release()
         params = orjson.loads(data).get("kv_transfer_params") if up.status == 200 else None
+        if isinstance(params, dict):
+            # The prompt is computed: the prefill endpoint's queue moves on (and its prefill
+            # rate is learned) exactly as when an aggregated endpoint sends a first token.
+            pool.first_token(ticket)
     except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError,
             AttributeError) as exc:
         log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)

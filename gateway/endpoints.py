@@ -53,6 +53,8 @@ class EndpointState:
     seq_s: float = 0.0  # integral of ``decoding`` over time, seconds
     seq_at: float = 0.0
     step_mark: tuple[float, int, float] = (0.0, 0, 0.0)  # (when, streamed, seq_s)
+    step_seq_s: float = 0.0  # decayed sums of sequence-seconds and tokens
+    step_tokens: float = 0.0
     step_ms: float = 0.0  # per-sequence time between tokens here, lately (0 before any)
     # scraped
     kv_usage: float = 0.0
@@ -144,19 +146,21 @@ class EndpointState:
     def current_step_ms(self, now: float) -> float:
         """How long a sequence decoding here currently waits between tokens, in ms: the
         sequence-seconds this gateway's streams spent decoding here over the tokens they
-        received, per ``STEP_WINDOW_S`` window, smoothed. It is the endpoint's decode step time
-        as the gateway sees it (batch size and prefill chunks sharing the steps included):
-        the freshest view of the TPOT a new stream will get, known at every decision instead
-        of when streams end."""
+        received, both exponentially decayed (time constant ``STEP_TAU_S``, updated at most
+        every ``STEP_WINDOW_S``) so the estimate is a ratio of sums, not a mean of per-window
+        ratios (which windows holding one long prefill-chunk step would bias upwards). It is
+        the endpoint's decode step as the gateway sees it (batch size and prefill chunks
+        sharing the steps included): the freshest view of the TPOT a new stream will get,
+        known at every decision instead of when streams end."""
         self.integrate(now)
         at, streamed, seq = self.step_mark
         if now - at >= STEP_WINDOW_S:
-            tokens = self.streamed - streamed
-            if tokens >= STEP_MIN_TOKENS:
-                sample = (self.seq_s - seq) * 1e3 / tokens
-                self.step_ms = sample if not self.step_ms else (
-                    (1 - STEP_ALPHA) * self.step_ms + STEP_ALPHA * sample)
+            keep = math.exp(-(now - at) / STEP_TAU_S)
+            self.step_seq_s = self.step_seq_s * keep + (self.seq_s - seq)
+            self.step_tokens = self.step_tokens * keep + (self.streamed - streamed)
             self.step_mark = (now, self.streamed, self.seq_s)
+            if self.step_tokens >= STEP_MIN_TOKENS:
+                self.step_ms = self.step_seq_s * 1e3 / self.step_tokens
         return self.step_ms
 
     def prefill_done(self, key: int, tokens: int, now: float) -> None:
@@ -180,7 +184,7 @@ ARRIVAL_TAU_S = 5.0
 RECENT_ALPHA = 0.3
 STEP_WINDOW_S = 0.2
 STEP_MIN_TOKENS = 8
-STEP_ALPHA = 0.5
+STEP_TAU_S = 2.0
 MAX_RETRY_AFTER_S = 30.0
 
 

@@ -27,7 +27,7 @@ def observe(ctx: RequestContext, r: RelayResult, sent: Sent) -> None:
     if not ctx.parsed.stream or r.first_token_at is None or r.broken:
         return
     state, d = ctx.state, sent.decision
-    ttft_ms = (r.first_token_at - sent.sent_at) * 1000.0
+    ttft_ms = (r.first_token_at - sent.ttft_origin) * 1000.0
     tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
                if r.last_token_at is not None and r.chunks >= TPOT_MIN_TOKENS else None)
     lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint

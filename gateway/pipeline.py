@@ -193,6 +193,7 @@ async def _open(state: GatewayState, ctx: RequestContext, m: Model, prompt_token
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
         kv = None
+        started_at = time.perf_counter()
         if decision.prefill is not None:
             state.metrics.series("routing_decisions", m.name, router.strategy,
                                  decision.prefill.ep.url, "prefill").inc()
@@ -236,7 +237,8 @@ async def _open(state: GatewayState, ctx: RequestContext, m: Model, prompt_token
             raise
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info)
+        return Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info,
+                    started_at if kv is not None else None)
     return last
 
 

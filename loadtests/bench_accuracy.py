@@ -7,13 +7,16 @@ A ``tokengate up`` stack (``--backends`` reference backends simulating ``--model
 ``--hardware`` at time scale 1, the ``predicted`` strategy, no quotas) receives Poisson
 arrivals of synthetic prompts for ``--seconds``, at the rate that makes the prompts' lone
 prefill time (the backend's timing model, chunked by ``--max-batched-tokens``) a
-``--utilization`` share of the endpoints' time: steady, busy, not saturated. Every request the
+``--utilization`` share of the prefilling endpoints' time (``--pd P:D``: P prefill and D decode
+endpoints instead of aggregated ones): steady, busy, not saturated. Every request the
 gateway observes records the prediction it was routed on (``predictor.online``); the rolling
 window of the last ``window`` observations (500) is read at the end, and the run is sized so
 that the window holds only requests sent after ``--warmup`` seconds. Printed and written to
 ``--out``: MAPE, the signed relative errors' percentiles and the share within 10 % per target,
 the model version in use, the decision cost (the gateway's own histogram), TTFT/TPOT
-percentiles, and the load harness's report of the run.
+percentiles, the load harness's report of the run, and ``loadtests.predictability``'s
+bounds: how well decision-time knowledge, and hindsight, could predict this run's TTFT and
+TPOT at all.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from backend.tokenizer import Tokenizer
 from gateway.up import DEMO_KEY
-from loadtests import report, runner, workloads
+from loadtests import predictability, report, runner, workloads
 from loadtests.bench_routing import fleet_figures, start_stack, stop_stack
 from loadtests.client import wait_for
 from loadtests.metrics import SLO
@@ -50,7 +53,8 @@ def steady_rate(args: argparse.Namespace) -> float:
     rng = random.Random(1)
     mean_s = sum(t.prefill_seconds(lengths.sample(rng), args.max_batched_tokens)
                  for _ in range(2000)) / 2000
-    return float(args.utilization * args.backends / (mean_s * args.time_scale))
+    prefillers = int(args.pd.split(":")[0]) if args.pd else args.backends
+    return float(args.utilization * prefillers / (mean_s * args.time_scale))
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,8 +71,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                PromptMaker(tok, 0), seed=args.seed)
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc, port = start_stack(args, "predicted", ["--backends", str(args.backends)], log_dir,
-                             args.max_batched_tokens)
+    shape = ["--pd", args.pd] if args.pd else ["--backends", str(args.backends)]
+    proc, port = start_stack(args, "predicted", shape, log_dir, args.max_batched_tokens)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -87,7 +91,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{len(run.results)} requests in {time.time() - t0:.0f}s", file=sys.stderr)
         cfg = {"workload": "synthetic", "rate": rate, "seconds": args.seconds,
                "input_len": args.input_len, "output_len": args.output_len,
-               "model": args.model, "hardware": args.hardware, "backends": args.backends,
+               "model": args.model, "hardware": args.hardware,
+               "pool": f"{args.pd} prefill:decode" if args.pd else f"{args.backends} aggregated",
                "time_scale": args.time_scale,
                "max_num_batched_tokens": args.max_batched_tokens,
                "offered_prefill_utilization": args.utilization if not args.rate else None}
@@ -100,7 +105,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
               "predictor": fig["predictor"], "decision_ms_mean": fig["decision_ms_mean"],
               "ttft_ms": {k: rep["ttft_ms"][k] for k in ("p50", "p90", "p99")},
               "tpot_ms": {k: rep["tpot_ms"][k] for k in ("p50", "p90", "p99")},
-              "completed": rep["completed"], "failed": rep.get("failed")}
+              "completed": rep["completed"], "failed": rep.get("failed"),
+              "predictability": predictability.bounds(run.results, run.started_at,
+                                                      args.warmup)}
     (out / "accuracy.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -116,6 +123,8 @@ def main() -> None:
     p.add_argument("--input-len", default="lognormal:3000:0.8")
     p.add_argument("--output-len", default="lognormal:200:0.6")
     p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--pd", default=None, metavar="P:D",
+                   help="P prefill + D decode endpoints instead of --backends aggregated ones")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--hardware", default="a100-80g")
     p.add_argument("--max-batched-tokens", type=int, default=2048)

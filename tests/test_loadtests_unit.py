@@ -153,3 +153,34 @@ def test_target_mirrors_alternate_per_request() -> None:
     t = Target("gw", "http://a:1/v1", mirrors=("http://b:2/v1",))
     urls = [t.url("chat") for _ in range(4)]
     assert urls == ["http://b:2/v1/chat/completions", "http://a:1/v1/chat/completions"] * 2
+
+
+def test_predictability_tells_decision_time_from_hindsight() -> None:
+    """A run where each stream's TPOT is set by the prefills that reach its endpoint while it
+    decodes (arrivals after its own send): hindsight predicts it, decision time cannot."""
+    from loadtests.predictability import bounds
+
+    rng = random.Random(3)
+    sends = sorted(rng.uniform(0, 400) for _ in range(400))
+    prompts = [rng.randint(200, 8000) for _ in sends]
+    ttfts = [0.02 + p / 40_000 for p in prompts]
+    outs = [rng.randint(20, 200) for _ in sends]
+    results = []
+    for i, (s, p, t, o) in enumerate(zip(sends, prompts, ttfts, outs, strict=True)):
+        start = s + t
+        step = 0.010  # decode-only step; each prefill overlapping the decode adds its time
+        for _ in range(3):  # the window depends on the TPOT it sets: iterate to a fixed point
+            end = start + (o - 1) * step
+            extra = sum(min(sends[j] + ttfts[j], end) - max(sends[j], start)
+                        for j in range(len(sends)) if j != i
+                        and sends[j] < end and sends[j] + ttfts[j] > start)
+            step = 0.010 + extra / max(o - 1, 1)
+        results.append(RequestResult(sent_at=100.0 + s, ttft=t, latency=t + (o - 1) * step,
+                                     output_tokens=o, prompt_tokens=p, endpoint="e"))
+    b = bounds(results, 100.0, warmup_s=0.0)
+    tp = b["tpot"]
+    assert tp["n"] == 400
+    assert tp["hindsight"] < 0.5 * tp["decision_time"]
+    assert tp["decision_time"] > 0.8 * tp["median_only"]  # the past barely helps
+    assert tp["corr_with_prefill_during_decode"] > 0.5
+    assert b["ttft"]["hindsight"] < 0.2  # TTFT here is the prompt's own prefill: predictable

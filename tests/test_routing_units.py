@@ -13,7 +13,7 @@ import pytest
 from backend.kv_hash import extend_block_hashes, root_hash
 from backend.tokenizer import Tokenizer
 from gateway.config.policy import parse_policy
-from gateway.endpoints import EndpointPool, EndpointState
+from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState
 from gateway.routing import plugins
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
 from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
@@ -250,16 +250,17 @@ def test_arrival_rate_decays() -> None:
 def test_current_step_is_sequence_time_over_tokens_relayed() -> None:
     e = EndpointState("http://x")
     assert e.current_step_ms(10.0) == 0.0  # nothing decoded yet: unknown
-    e.integrate(10.0)
     e.decoding = 4  # four streams decode for 0.5 s and 100 tokens arrive: 20 ms a token each
     e.streamed += 100
     assert e.current_step_ms(10.5) == pytest.approx(20.0)
-    e.integrate(10.5)
-    e.decoding = 2  # two streams for the next 0.5 s, 20 tokens: 50 ms; smoothed halfway
-    e.streamed += 20
-    assert e.current_step_ms(11.0) == pytest.approx(35.0)
-    e.streamed += 3  # too few tokens in a window to say: the estimate stays
-    assert e.current_step_ms(11.3) == pytest.approx(35.0)
+    e.decoding = 2  # then two streams for 0.5 s and 20 tokens (50 ms each): the sums are
+    e.streamed += 20  # decayed and added, a ratio of sums, not a mean of the two ratios
+    keep = math.exp(-0.5 / STEP_TAU_S)
+    want = (2.0 * keep + 1.0) / (100 * keep + 20) * 1e3
+    assert e.current_step_ms(11.0) == pytest.approx(want)
+    assert 20.0 < want < 35.0
+    e.streamed += 3
+    assert e.current_step_ms(11.1) == pytest.approx(want)  # within a window: unchanged
 
 
 def test_feature_matrix_columns() -> None:
