@@ -24,6 +24,7 @@ class RequestResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     endpoint: str | None = None
+    prefill_endpoint: str | None = None  # where the prompt was computed, when not ``endpoint``
     text_parts: list[str] = field(default_factory=list)
     usage_reported: bool = False
     # http_<status>[:<code>], stream_error[:<code>], timeout, broken_stream, connect, cancelled
@@ -78,6 +79,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
         async with session.post(url, data=orjson.dumps(body), headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             res.endpoint = r.headers.get("x-tokengate-endpoint")
+            res.prefill_endpoint = r.headers.get("x-tokengate-prefill-endpoint")
             if r.status != 200:
                 res.error = f"http_{r.status}" + _error_code(await r.read())
                 return res

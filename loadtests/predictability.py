@@ -61,19 +61,28 @@ def bounds(results: Sequence[RequestResult], started_at: float, warmup_s: float 
     tpot = (last - first) / np.maximum(out - 1, 1) * 1e3
     ttft = (first - sent) * 1e3
     endpoint = np.array([r.endpoint for r in done])
+    # where each prompt was computed: the prefill endpoint of a disaggregated pool, if any
+    prefilled = np.array([r.prefill_endpoint or r.endpoint for r in done])
     n = len(done)
     queued, decoding, prompt_rate, beside, ahead_done = (np.zeros(n) for _ in range(5))
     for i in range(n):
-        same = endpoint == endpoint[i]
-        same[i] = False
-        ps, pf, ds, df = sent[same], first[same], first[same], last[same]
+        # prompts computed where this one was (its queue), and where it decodes
+        pre = prefilled == prefilled[i]
+        pre[i] = False
+        ps, pf = sent[pre], first[pre]
         q = (ps <= sent[i]) & (pf > sent[i])
-        queued[i] = uncached[same][q].sum()
-        decoding[i] = ((ds <= sent[i]) & (df > sent[i])).sum()
+        queued[i] = uncached[pre][q].sum()
         ahead_done[i] = max(pf[q].max() - sent[i], 0.0) * 1e3 if q.any() else 0.0
+        dec = endpoint == endpoint[i]
+        dec[i] = False
+        ds, df = first[dec], last[dec]
+        decoding[i] = ((ds <= sent[i]) & (df > sent[i])).sum()
         window = max(last[i] - first[i], 1e-3)
+        here = prefilled[dec] == endpoint[i]  # prompts computed on the decoding endpoint
+        ps, pf = sent[dec][here], first[dec][here]
         overlap = np.clip(np.minimum(pf, last[i]) - np.maximum(ps, first[i]), 0.0, None)
-        prompt_rate[i] = (overlap / np.maximum(pf - ps, 1e-3) * uncached[same]).sum() / window
+        prompt_rate[i] = (overlap / np.maximum(pf - ps, 1e-3)
+                          * uncached[dec][here]).sum() / window
         beside[i] = np.clip(np.minimum(df, last[i]) - np.maximum(ds, first[i]), 0.0,
                             None).sum() / window
     keep = sent >= warmup_s
@@ -88,7 +97,9 @@ def bounds(results: Sequence[RequestResult], started_at: float, warmup_s: float 
                                     y),
           "hindsight": _cv_mape(np.column_stack([prompt_rate, beside, uncached, out])[t_keep],
                                 y),
-          "corr_with_prefill_during_decode": float(np.corrcoef(prompt_rate[t_keep], y)[0, 1])}
+          "corr_with_prefill_during_decode": (
+              float(np.corrcoef(prompt_rate[t_keep], y)[0, 1])
+              if prompt_rate[t_keep].std() > 0 else None)}
     y = ttft[keep]
     tt = {"n": int(keep.sum()), "median_only": median_mape(y),
           "decision_time": _cv_mape(np.column_stack([queued, uncached, decoding])[keep], y),
