@@ -42,7 +42,9 @@ class EndpointState:
     decoding: int = 0
     # ticket -> (sent, prefill tokens) of requests awaiting their first token, in send order
     pending: dict[int, tuple[float, int]] = field(default_factory=dict)
-    prefill_rate: float = 0.0  # tokens/ms, EWMA of head-of-queue prefills observed
+    prefill_rate: float = 0.0  # tokens/ms computed, from head-of-queue prefills observed
+    rate_tokens: float = 0.0  # their tokens and spans, decayed sums (the rate is the ratio)
+    rate_ms: float = 0.0
     arrivals: float = 0.0  # uncached tokens sent here, exponentially decayed (tau ARRIVAL_TAU_S)
     arrivals_at: float = 0.0
     recent_ttft_ms: float = 0.0  # EWMA of TTFT / TPOT of the streams it recently served
@@ -169,11 +171,16 @@ class EndpointState:
         if entry is None:
             return
         if not self.pending or next(iter(self.pending)) > key:  # it was the head
-            span_ms = (now - max(entry[0], self.head_done_at)) * 1e3
-            if tokens >= RATE_MIN_TOKENS and span_ms > 0:
-                sample = tokens / span_ms
-                self.prefill_rate = sample if not self.prefill_rate else (
-                    (1 - RATE_ALPHA) * self.prefill_rate + RATE_ALPHA * sample)
+            span_ms = max((now - max(entry[0], self.head_done_at)) * 1e3, 0.0)
+            if tokens >= RATE_MIN_TOKENS:
+                # NOTE: a ratio of decayed sums, not an average of per-request rates: a
+                # request whose prefill ends in the same step as the one before it has a
+                # span of ~0 ms, and its own rate sample would be absurd (the average was
+                # off by 4x under load); its tokens still count against the time they took.
+                self.rate_tokens = self.rate_tokens * (1 - RATE_ALPHA) + tokens
+                self.rate_ms = self.rate_ms * (1 - RATE_ALPHA) + span_ms
+                if self.rate_ms > 0:
+                    self.prefill_rate = self.rate_tokens / self.rate_ms
             self.head_done_at = now
 
 

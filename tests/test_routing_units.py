@@ -229,6 +229,19 @@ def test_virtual_prefill_queue_learns_the_rate_and_discounts_the_head() -> None:
     assert e.prefill_rate == pytest.approx(30.0) and b.key in e.pending
 
 
+def test_prefill_rate_is_tokens_over_time_when_heads_finish_in_one_step() -> None:
+    e = EndpointState("http://e")
+    a = EndpointPool.acquire(e, 3000, 3000)
+    b = EndpointPool.acquire(e, 1000, 1000)
+    t0 = e.pending[a.key][0]
+    # 4,000 tokens in 400 ms: a's first token at 300 ms, b's (its prefill ended in the same
+    # step) 1 ms later. Averaging per-request rates would say (10 + 1000) / 2 tokens/ms.
+    e.prefill_done(a.key, 3000, t0 + 0.3)
+    e.prefill_done(b.key, 1000, t0 + 0.301)
+    assert e.prefill_rate == pytest.approx((3000 * 0.8 + 1000) / (300 * 0.8 + 1), rel=1e-6)
+    assert 10 < e.prefill_rate < 15
+
+
 def test_recent_latencies_are_moving_averages() -> None:
     e = EndpointState("http://e")
     e.observed(100.0, None)
