@@ -46,9 +46,12 @@ class SampleBuffer:
     def strata(self) -> dict[tuple[int, int], int]:
         return {k: len(b) for k, b in self._buckets.items()}
 
-    def arrays(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """A copy of every sample as (X, y), safe to train on in another thread."""
-        items = [s for b in list(self._buckets.values()) for s in list(b)]
+    def arrays(self, exclude: set[int] | frozenset[int] = frozenset()
+               ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """A copy of every sample as (X, y), safe to train on in another thread; rows whose
+        ``id`` is in ``exclude`` (held out for validation) are left out."""
+        items = [s for b in list(self._buckets.values()) for s in list(b)
+                 if id(s[0]) not in exclude]
         if not items:
             return np.empty((0, len(F))), np.empty(0)
         return np.vstack([r for r, _ in items]), np.asarray([t for _, t in items])

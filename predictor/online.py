@@ -9,6 +9,13 @@
 * ``run()`` retrains every ``retrain_s`` once ``min_samples`` are in and new ones arrived, in a
   worker thread (XGBoost releases the GIL while it fits), then swaps the new pair in with one
   assignment: a decision sees the old models or the new ones, never a mix.
+* Each fit is validated before it is used: the most recent ``holdout`` observations of the
+  target are left out of its training set, and the model's log prediction is shrunk towards
+  the training median by the weight (1, 0.75, 0.5, 0.25 or 0) that predicts those held-out
+  requests best. Where the features explain the target the weight stays 1; where they do not
+  (TPOT on an aggregated endpoint, set by prefill work that arrives after the decision, see
+  ``loadtests.predictability``) a tree fitted to noise would do worse than the median, and
+  the shrinkage stops it.
 * ``save``/``load`` write and read both models as XGBoost JSON; ``predictor.sync`` shares them
   across gateway replicas through Redis.
 """
@@ -37,6 +44,24 @@ from predictor.trees import CompiledTrees
 
 log = logging.getLogger("tokengate.predictor")
 TARGETS = ("ttft", "tpot")
+SHRINK_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """One target's model, in log milliseconds: the trees' margin shrunk towards a constant,
+    ``weight × trees + (1 − weight) × center``."""
+
+    trees: CompiledTrees
+    weight: float = 1.0
+    center: float = 0.0
+
+    def predict(self, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        m = self.trees.predict(x)
+        if self.weight == 1.0:
+            return m
+        out: npt.NDArray[np.float64] = self.weight * m + (1.0 - self.weight) * self.center
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,26 +70,38 @@ class Models:
     keeps the analytic estimate."""
 
     version: int
-    ttft: CompiledTrees | None
-    tpot: CompiledTrees | None
+    ttft: Learned | None
+    tpot: Learned | None
     raw: dict[str, str]  # target -> XGBoost model JSON
     samples: int
+    shrink: dict[str, tuple[float, float]]  # target -> (weight, center)
 
     @classmethod
-    def from_raw(cls, version: int, raw: dict[str, str], samples: int = 0) -> Models:
-        return cls(version, CompiledTrees(raw["ttft"]) if "ttft" in raw else None,
-                   CompiledTrees(raw["tpot"]) if "tpot" in raw else None, raw, samples)
+    def from_raw(cls, version: int, raw: dict[str, str], samples: int = 0,
+                 shrink: dict[str, tuple[float, float]] | None = None) -> Models:
+        shrink = shrink or {}
+
+        def learned(t: str) -> Learned | None:
+            if t not in raw:
+                return None
+            w, c = shrink.get(t, (1.0, 0.0))
+            return Learned(CompiledTrees(raw[t]), w, c)
+
+        return cls(version, learned("ttft"), learned("tpot"), raw, samples, shrink)
 
     def to_json(self) -> bytes:
         return json.dumps({"version": self.version, "features": list(FEATURES),
-                           "samples": self.samples, "models": self.raw}).encode()
+                           "samples": self.samples, "models": self.raw,
+                           "shrink": {t: list(v) for t, v in self.shrink.items()}}).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Models:
         doc = json.loads(data)
         if list(doc.get("features", [])) != list(FEATURES):
             raise ValueError("the saved model was trained on a different feature list")
-        return cls.from_raw(int(doc["version"]), doc["models"], int(doc.get("samples", 0)))
+        shrink = {t: (float(v[0]), float(v[1])) for t, v in doc.get("shrink", {}).items()}
+        return cls.from_raw(int(doc["version"]), doc["models"], int(doc.get("samples", 0)),
+                            shrink)
 
 
 @dataclass(slots=True)
@@ -76,6 +113,8 @@ class TrainConfig:
     eta: float = 0.15
     per_bucket: int = 512
     window: int = 500  # observations in the rolling error
+    holdout: int = 100  # most recent observations a fit is validated on (not trained on)
+    min_holdout: int = 30  # fewer: no validation, the fit is used as it is
 
 
 class OnlinePredictor:
@@ -83,6 +122,9 @@ class OnlinePredictor:
                  on_error: Callable[[str, float], None] | None = None) -> None:
         self.config = config or TrainConfig()
         self.buffers = {t: SampleBuffer(self.config.per_bucket) for t in TARGETS}
+        self.recent: dict[str, deque[tuple[npt.NDArray[np.float64], float]]] = {
+            t: deque(maxlen=self.config.holdout) for t in TARGETS}
+        self.validation: dict[str, dict[str, float]] = {}
         self.models: Models | None = None
         self.errors: dict[str, deque[float]] = {
             t: deque(maxlen=self.config.window) for t in TARGETS}
@@ -129,7 +171,7 @@ class OnlinePredictor:
                                           ("tpot", tpot_ms, predicted_tpot_ms)):
             if actual is None or not math.isfinite(actual) or actual <= 0:
                 continue
-            self.buffers[target].add(row, math.log(actual))
+            self._add(target, row, math.log(actual))
             if predicted is not None:
                 err = (predicted - actual) / actual
                 self.errors[target].append(err)
@@ -154,7 +196,11 @@ class OnlinePredictor:
                     log_targets: npt.NDArray[np.float64]) -> None:
         """Samples observed elsewhere (another replica), already as log milliseconds."""
         for r, y in zip(rows, log_targets, strict=True):
-            self.buffers[target].add(r, float(y))
+            self._add(target, r, float(y))
+
+    def _add(self, target: str, row: npt.NDArray[np.float64], log_ms: float) -> None:
+        self.buffers[target].add(row, log_ms)
+        self.recent[target].append((row, log_ms))
 
     # -- training ---------------------------------------------------------------------------
 
@@ -170,9 +216,13 @@ class OnlinePredictor:
 
         added = sum(b.added for b in self.buffers.values())
         raw: dict[str, str] = {}
+        shrink: dict[str, tuple[float, float]] = {}
         n = 0
         for target in TARGETS:
-            x, y = self.buffers[target].arrays()
+            held = list(self.recent[target])
+            if len(held) < self.config.min_holdout:
+                held = []
+            x, y = self.buffers[target].arrays(exclude={id(r) for r, _ in held})
             if len(y) < self.config.min_samples:
                 continue
             n += len(y)
@@ -182,14 +232,32 @@ class OnlinePredictor:
                  "seed": 0, "verbosity": 0},
                 xgb.DMatrix(x, label=y, feature_names=list(FEATURES)), self.config.rounds)
             raw[target] = bytes(booster.save_raw("json")).decode()
+            shrink[target] = self._validate(target, CompiledTrees(raw[target]),
+                                            float(np.median(y)), held)
         if not raw:
             return None
         version = (self.models.version if self.models else 0) + 1
-        models = Models.from_raw(version, raw, n)
+        models = Models.from_raw(version, raw, n, shrink)
         self.models = models
         self._trained_at_count = added
         self.trainings += 1
         return models
+
+    def _validate(self, target: str, trees: CompiledTrees, center: float,
+                  held: list[tuple[npt.NDArray[np.float64], float]]) -> tuple[float, float]:
+        """The shrinkage weight that predicts the held-out requests best (ties: the model)."""
+        if not held:
+            return 1.0, center
+        hx = np.vstack([r for r, _ in held])
+        actual = np.exp(np.asarray([y for _, y in held]))
+        margin = trees.predict(hx)
+        errors = {w: float(np.mean(np.abs(np.exp(w * margin + (1 - w) * center) - actual)
+                                   / actual)) for w in SHRINK_WEIGHTS}
+        best = min(SHRINK_WEIGHTS, key=lambda w: errors[w])  # weights in descending order
+        self.validation[target] = {"n": float(len(held)), "weight": best,
+                                   "mape_model": errors[1.0], "mape_median": errors[0.0],
+                                   "mape_used": errors[best]}
+        return best, center
 
     async def train_async(self) -> Models | None:
         loop = asyncio.get_running_loop()
@@ -242,4 +310,5 @@ def summary(p: OnlinePredictor) -> dict[str, Any]:
             "samples": {t: len(b) for t, b in p.buffers.items()},
             "strata": {t: {f"{k[0]}:{k[1]}": v for k, v in b.strata().items()}
                        for t, b in p.buffers.items()},
-            "error": {t: p.error_summary(t) for t in TARGETS}}
+            "error": {t: p.error_summary(t) for t in TARGETS},
+            "validation": p.validation}

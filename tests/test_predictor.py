@@ -95,6 +95,29 @@ def test_training_swaps_in_an_accurate_model() -> None:
     assert np.mean(np.abs(pp - tpot) / tpot) < 0.05
 
 
+def test_each_fit_is_validated_on_the_latest_requests_and_shrunk_if_it_fits_noise() -> None:
+    p = OnlinePredictor(TrainConfig(min_samples=200, rounds=60, holdout=100))
+    x, ttft, _ = world(1500)
+    rng = np.random.default_rng(7)
+    # TPOT here is noise around 20 ms that no feature explains (as on an aggregated
+    # endpoint, where prefill arriving after the decision sets it); TTFT is explained.
+    noise = 20.0 * np.exp(rng.normal(0.0, 0.3, len(x)))
+    for i in range(len(x)):
+        p.observe(x[i], ttft_ms=float(ttft[i]), tpot_ms=float(noise[i]))
+    models = p.train_now()
+    assert models is not None and models.ttft is not None and models.tpot is not None
+    assert models.ttft.weight == 1.0 and p.validation["ttft"]["mape_model"] < 0.1
+    v = p.validation["tpot"]
+    assert v["n"] == 100 and models.tpot.weight < 1.0
+    assert v["mape_used"] <= v["mape_model"] and v["mape_used"] < v["mape_model"] - 0.01
+    # The held-out requests were not trained on; the weights survive save/load.
+    assert len(p.buffers["tpot"].arrays(exclude={id(r) for r, _ in p.recent["tpot"]})[1]) \
+        == 1400
+    again = Models.from_json(models.to_json())
+    assert again.tpot is not None and again.tpot.weight == models.tpot.weight
+    assert np.allclose(again.tpot.predict(x[:8]), models.tpot.predict(x[:8]))
+
+
 def test_swap_is_atomic_under_concurrent_predictions() -> None:
     p = trained()
     x, _, _ = world(16, seed=4)
