@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from gateway.config.policy import Model
 from gateway.config.resilience import Retries
 from gateway.retry import RetryBudget
+from predictor.features import DEFAULT_PREFILL_RATE  # tokens/ms before any observation
 
 
 @dataclass(slots=True, eq=False)
@@ -184,7 +185,6 @@ class EndpointState:
             self.head_done_at = now
 
 
-DEFAULT_PREFILL_RATE = 30.0  # tokens/ms before any observation (an 8B model on one H100)
 RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
 RATE_ALPHA = 0.2
 ARRIVAL_TAU_S = 5.0

@@ -130,7 +130,8 @@ def fleet_figures(port: int) -> dict[str, Any]:
             / max(_metric(gm, "tokengate_overhead_seconds_count"), 1) * 1e3)}
     pred = _get(f"{gw}/admin/predictor", admin=True)
     out["predictor"] = {"source": pred["source"], "trainings": pred["trainings"],
-                        "last_train_s": pred["last_train_s"], "error": pred["error"]}
+                        "last_train_s": pred["last_train_s"], "error": pred["error"],
+                        "validation": pred.get("validation")}
     return out
 
 

@@ -17,6 +17,10 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ``prefill_queue_ms``        the endpoint's virtual prefill queue (live): uncached tokens
                             awaiting a first token, less the head's likely progress, over
                             the prefill rate observed there
+``queue_estimate_ms``       ``prefill_queue_ms`` plus this request's uncached tokens at the
+                            endpoint's observed prefill rate: the virtual queue's answer
+                            for this request's first token (one column the trees can cut,
+                            instead of a sum they would have to learn)
 ``prefill_arrivals``        uncached tokens/s recently sent there (live, decayed over 5 s):
                             prefill work that will share a decoding request's steps
 ``step_ms``                 the endpoint's current time between tokens per decoding sequence
@@ -43,9 +47,10 @@ import numpy.typing as npt
 FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
     "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms",
-    "prefill_arrivals", "step_ms", "recent_ttft_ms", "recent_tpot_ms", "role", "hw_bandwidth_tbs",
-    "hw_tflops",
+    "queue_estimate_ms", "prefill_arrivals", "step_ms", "recent_ttft_ms", "recent_tpot_ms",
+    "role", "hw_bandwidth_tbs", "hw_tflops",
 )
+DEFAULT_PREFILL_RATE = 30.0  # tokens/ms (gateway.endpoints' default: an 8B model on an H100)
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
 F = {name: i for i, name in enumerate(FEATURES)}
 
@@ -62,6 +67,7 @@ class EndpointSnapshot:
     decoding: float = 0.0
     oldest_pending_ms: float = 0.0
     prefill_queue_ms: float = 0.0
+    prefill_rate: float = 0.0  # tokens/ms observed there (0: unknown, DEFAULT_PREFILL_RATE)
     prefill_arrivals: float = 0.0
     step_ms: float = 0.0
     recent_ttft_ms: float = 0.0
@@ -78,7 +84,9 @@ def build_matrix(prompt_tokens: int, expected_output: int,
     knows the order: the router builds its rows here)."""
     return np.array([(prompt_tokens, u, expected_output, e.kv_usage, e.running, e.waiting,
                       e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
-                      e.prefill_queue_ms, e.prefill_arrivals, e.step_ms, e.recent_ttft_ms,
+                      e.prefill_queue_ms,
+                      e.prefill_queue_ms + u / (e.prefill_rate or DEFAULT_PREFILL_RATE),
+                      e.prefill_arrivals, e.step_ms, e.recent_ttft_ms,
                       e.recent_tpot_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs,
                       e.hw_tflops) for u, e in zip(uncached, endpoints, strict=True)],
                     dtype=np.float64).reshape(len(endpoints), len(FEATURES))

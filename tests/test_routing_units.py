@@ -280,6 +280,7 @@ def test_feature_matrix_columns() -> None:
     x = build_matrix(1000, 64, [400, 1000], [
         EndpointSnapshot(kv_usage=0.5, running=3, waiting=1, in_flight=2, prefill_tokens=800,
                          decoding=1, oldest_pending_ms=12.5, prefill_queue_ms=40.0,
+                         prefill_rate=20.0,
                          prefill_arrivals=900.0, step_ms=11.0, recent_ttft_ms=80.0,
                          recent_tpot_ms=9.0, role="decode",
                          hw_bandwidth_tbs=3.35, hw_tflops=989.0),
@@ -289,7 +290,8 @@ def test_feature_matrix_columns() -> None:
     assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "expected_output": 64,
                    "kv_usage": 0.5, "running": 3, "waiting": 1, "in_flight": 2,
                    "prefill_tokens": 800, "decoding": 1, "oldest_pending_ms": 12.5,
-                   "prefill_queue_ms": 40.0, "prefill_arrivals": 900.0, "step_ms": 11.0,
+                   "prefill_queue_ms": 40.0, "queue_estimate_ms": 40.0 + 400 / 20.0,
+                   "prefill_arrivals": 900.0, "step_ms": 11.0,
                    "recent_ttft_ms": 80.0, "recent_tpot_ms": 9.0, "role": 2.0,
                    "hw_bandwidth_tbs": 3.35,
                    "hw_tflops": 989.0}

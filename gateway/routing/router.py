@@ -138,9 +138,13 @@ class Router:
             e = c.ep
             bw, tf = _hw(e.hardware)
             snaps.append(EndpointSnapshot(
-                e.kv_usage, e.running, e.waiting, e.in_flight, e.prefill_tokens, e.decoding,
-                e.oldest_pending_ms(now), e.prefill_queue_ms(now), e.arrival_rate(now),
-                e.current_step_ms(now), e.recent_ttft_ms, e.recent_tpot_ms, role or e.role, bw, tf))
+                kv_usage=e.kv_usage, running=e.running, waiting=e.waiting,
+                in_flight=e.in_flight, prefill_tokens=e.prefill_tokens, decoding=e.decoding,
+                oldest_pending_ms=e.oldest_pending_ms(now),
+                prefill_queue_ms=e.prefill_queue_ms(now), prefill_rate=e.prefill_rate,
+                prefill_arrivals=e.arrival_rate(now), step_ms=e.current_step_ms(now),
+                recent_ttft_ms=e.recent_ttft_ms, recent_tpot_ms=e.recent_tpot_ms,
+                role=role or e.role, hw_bandwidth_tbs=bw, hw_tflops=tf))
         x = build_matrix(req.prompt_tokens, req.expected_output,
                          [c.uncached_tokens for c in cands], snaps)
         ttft, tpot = self.predictor.predict(x)
