@@ -219,7 +219,10 @@ class OnlinePredictor:
         shrink: dict[str, tuple[float, float]] = {}
         n = 0
         for target in TARGETS:
-            held = list(self.recent[target])
+            # Hold out only what the training set can spare: the first fit comes as soon
+            # as ``min_samples`` are in, validated from the next one on.
+            spare = len(self.buffers[target]) - self.config.min_samples
+            held = list(self.recent[target])[-spare:] if spare > 0 else []
             if len(held) < self.config.min_holdout:
                 held = []
             x, y = self.buffers[target].arrays(exclude={id(r) for r, _ in held})

@@ -118,6 +118,23 @@ def test_each_fit_is_validated_on_the_latest_requests_and_shrunk_if_it_fits_nois
     assert np.allclose(again.tpot.predict(x[:8]), models.tpot.predict(x[:8]))
 
 
+def test_the_first_fit_comes_at_min_samples_and_holds_out_only_the_surplus() -> None:
+    p = OnlinePredictor(TrainConfig(min_samples=200, rounds=20, holdout=100, min_holdout=30))
+    x, ttft, tpot = world(220)
+    for i in range(200):
+        p.observe(x[i], ttft_ms=float(ttft[i]), tpot_ms=float(tpot[i]))
+    assert p.train_now() is not None and "ttft" not in p.validation  # nothing to spare yet
+    for i in range(200, 220):
+        p.observe(x[i], ttft_ms=float(ttft[i]), tpot_ms=float(tpot[i]))
+    p.train_now()
+    assert "ttft" not in p.validation  # 20 to spare: fewer than min_holdout
+    x2, t2, tp2 = world(100, seed=2)
+    for i in range(100):
+        p.observe(x2[i], ttft_ms=float(t2[i]), tpot_ms=float(tp2[i]))
+    p.train_now()
+    assert p.validation["ttft"]["n"] == 100
+
+
 def test_swap_is_atomic_under_concurrent_predictions() -> None:
     p = trained()
     x, _, _ = world(16, seed=4)
