@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter bench-routing bench-predictor calibration soak clean
+.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter bench-routing bench-predictor bench-accuracy calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-routing: install
 
 bench-predictor: install
 	$(BIN)/python -m loadtests.bench_predictor $(ARGS)
+
+bench-accuracy: install
+	$(BIN)/python -m loadtests.bench_accuracy $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
