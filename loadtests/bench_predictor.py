@@ -76,7 +76,7 @@ def main() -> None:
     pred.train_now()
     train_s = time.perf_counter() - t0
     assert pred.models is not None and pred.models.ttft is not None
-    trees = pred.models.ttft
+    trees = pred.models.ttft.trees
     booster = xgb.Booster()
     booster.load_model(bytearray(pred.models.raw["ttft"].encode()))
     booster.set_param({"nthread": 1})
