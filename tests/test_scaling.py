@@ -144,6 +144,34 @@ def test_a_pool_scales_from_zero_and_back_with_held_requests(tmp_path: Path) -> 
         gw.close()
 
 
+def test_a_disaggregated_launcher_pool_starts_one_prefill_and_one_decode(tmp_path: Path
+                                                                        ) -> None:
+    doc = {"version": 1,
+           "models": {"m": {"backend": {"model": "llama-3.2-1b", "hardware": "h200"},
+                            "default_max_tokens": 4,
+                            "routing": {"remote_prefill_min_tokens": 16},
+                            "scaling": {"min_replicas": 0, "max_replicas": 3,
+                                        "disaggregated": True, "idle_timeout_s": 60,
+                                        "launcher": {"kind": "reference",
+                                                     "time_scale": 0.01}}}},
+           "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
+           "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 60000}}}
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
+    scaler = gw.state.scalers["m"]
+    try:
+        r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                       json={"model": "m", "prompt": "hello there " * 100, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        # One launch would have left a pool that cannot serve: both roles came up at once.
+        assert sorted(i.role for i in scaler.instances) == ["decode", "prefill"]
+        by_role = {i.role: i.url for i in scaler.instances}
+        assert r.headers["x-tokengate-prefill-endpoint"] == by_role["prefill"]
+        assert r.headers["x-tokengate-endpoint"] == by_role["decode"]
+    finally:
+        gw.close()
+
+
 def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
         backend_factory: object, tmp_path: Path) -> None:
     import openai

@@ -17,6 +17,8 @@ scaling:
     time_scale: 1.0         # reference backends' time scale
   # Without a launcher the gateway only exports tokengate_desired_replicas; on Kubernetes a
   # KEDA ScaledObject scales the Deployment on it (deploy/k8s/keda-scaledobject.yaml).
+  disaggregated: true       # launch prefill and decode instances (a PD pool; the default
+                            # follows the static endpoints' roles); at least one of each
   convertible: true         # PD pools: decoders switch to prefill for bursts
   convert_backlog_ratio: 1.0  # convert when predicted prefill backlog > ratio x TTFT SLO
   revert_backlog_ratio: 0.3   # convert back when it stays under this ratio...
@@ -51,6 +53,7 @@ class Scaling:
     scale_down_delay_s: float = 10.0
     max_held: int = 256
     launcher: Launcher | None = None
+    disaggregated: bool = False
     convertible: bool = False
     convert_backlog_ratio: float = 1.0
     revert_backlog_ratio: float = 0.3
@@ -60,7 +63,8 @@ class Scaling:
 
 _KEYS = {"policy", "min_replicas", "max_replicas", "target_utilization", "target_concurrency",
          "idle_timeout_s", "scale_down_delay_s", "max_held", "launcher", "convertible",
-         "convert_backlog_ratio", "revert_backlog_ratio", "revert_after_s", "ttft_slo_ms"}
+         "disaggregated", "convert_backlog_ratio", "revert_backlog_ratio", "revert_after_s",
+         "ttft_slo_ms"}
 
 
 def parse_scaling(d: Decoder, raw: Any, path: str) -> Scaling:
@@ -81,15 +85,19 @@ def parse_scaling(d: Decoder, raw: Any, path: str) -> Scaling:
               "revert_after_s", "ttft_slo_ms"):
         if k in m:
             kw[k] = d.number(m[k], f"{path}.{k}")
-    if "convertible" in m:
-        if not isinstance(m["convertible"], bool):
-            raise d.fail(f"{path}.convertible", "expected true or false")
-        kw["convertible"] = m["convertible"]
+    for k in ("convertible", "disaggregated"):
+        if k in m:
+            if not isinstance(m[k], bool):
+                raise d.fail(f"{path}.{k}", "expected true or false")
+            kw[k] = m[k]
     if "launcher" in m:
         kw["launcher"] = _launcher(d, m["launcher"], f"{path}.launcher")
     s = Scaling(**kw)
     if s.min_replicas > s.max_replicas:
         raise d.fail(f"{path}.min_replicas", "must not exceed max_replicas")
+    if s.disaggregated and s.max_replicas < 2:
+        raise d.fail(f"{path}.max_replicas", "a disaggregated pool needs at least 2 (one "
+                     "prefill, one decode)")
     if s.target_utilization > 1:
         raise d.fail(f"{path}.target_utilization", "must be within (0, 1]")
     return s

@@ -106,7 +106,7 @@ class PoolScaler:
         self.capacity: Capacity = profile_capacity(
             b.model, b.hardware, max_num_batched_tokens=b.max_num_batched_tokens or 8192)
         roles = {e.role for e in model.endpoints}
-        self.disaggregated = bool(roles - {"both"})
+        self.disaggregated = bool(roles - {"both"}) or self.s.disaggregated
         self.velocity = Velocity(self.capacity, disaggregated=self.disaggregated, clock=clock)
         self.instances: list[Instance] = []
         self.ready_event = asyncio.Event()
@@ -238,8 +238,11 @@ class PoolScaler:
         ready = sum(1 for i in live if i.ready_at is not None)
         static = len(self.model.endpoints)
         idle = now - self.velocity.last_request_at
-        target = max(target_replicas(self.s, sum(desired.values()), held=self.held, idle_s=idle,
-                                     ready=ready + static) - static, 0)
+        total = target_replicas(self.s, sum(desired.values()), held=self.held, idle_s=idle,
+                                ready=ready + static)
+        if self.disaggregated and 0 < total < 2:
+            total = 2  # a disaggregated pool serves nothing without both roles
+        target = max(total - static, 0)
         if target > len(live):
             self.below_since = None
             if now < self.launch_after:
@@ -257,8 +260,7 @@ class PoolScaler:
             # To zero at once when idle: the idle timeout already waited.
             if target == 0 or now - self.below_since >= self.s.scale_down_delay_s:
                 self.below_since = now
-                victim = min(live, key=lambda i: (i.ready_at is not None,
-                                                  self._in_flight(i.url)))
+                victim = self._victim(live, desired, target)
                 victim.draining_since = now
                 if self.pool is not None:
                     self.attach(self.pool)
@@ -271,13 +273,47 @@ class PoolScaler:
         else:
             self.below_since = None
 
+    def _role_of(self, inst: Instance) -> str:
+        """An instance's role now (a converted decoder prefills)."""
+        e = self.fleet.endpoints.get(inst.url)
+        return e.role if e is not None else inst.role
+
+    def _roles(self, live: list[Instance]) -> dict[str, int]:
+        have = {"prefill": 0, "decode": 0}
+        for e in self.model.endpoints:
+            if e.role in have:
+                have[e.role] += 1
+        for i in live:
+            r = self._role_of(i)
+            if r in have:
+                have[r] += 1
+        return have
+
     def _role_to_add(self, d: dict[str, int]) -> str:
+        """The role of the next launch: a missing role first, then the larger deficit.
+        Instances still starting count, so one tick's launches are split between roles."""
         if not self.disaggregated:
             return "both"
-        have = {r: sum(1 for e in self.endpoint_states() if e.role == r)
-                for r in ("prefill", "decode")}
+        have = self._roles([i for i in self.instances if i.draining_since is None])
+        for r in ("prefill", "decode"):
+            if have[r] == 0:
+                return r
         return "prefill" if d.get("prefill", 0) - have["prefill"] >= \
             d.get("decode", 0) - have["decode"] else "decode"
+
+    def _victim(self, live: list[Instance], d: dict[str, int], target: int) -> Instance:
+        """The instance to remove: one not yet ready first, then the least busy; in a
+        disaggregated pool, from the role with the largest surplus, never a role's last
+        instance unless the pool goes to zero."""
+        def cost(i: Instance) -> tuple[bool, int]:
+            return i.ready_at is not None, self._in_flight(i.url)
+
+        if not self.disaggregated or target == 0:
+            return min(live, key=cost)
+        have = self._roles(live)
+        surplus = {r: have[r] - max(d.get(r, 0), 1) for r in have}
+        pool = [i for i in live if have[self._role_of(i)] > 1] or live
+        return min(pool, key=lambda i: (-surplus.get(self._role_of(i), 0), *cost(i)))
 
     def _in_flight(self, url: str) -> int:
         e = self.fleet.endpoints.get(url)
