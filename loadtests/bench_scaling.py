@@ -16,6 +16,11 @@ timestamps multiplied by ``--trace-scale`` (the same prompts and schedule for bo
 * ``velocity``: TokenScale's token velocity: replicas = arriving prompt and output tokens per
   second over what one replica processes at ``--target-utilization``.
 
+``--pd`` makes the pool disaggregated (it starts with one prefill and one decode instance);
+``velocity`` then also converts decoders to prefill while the prefill backlog threatens the
+TTFT SLO. ``--burstiness 0.5`` keeps the window's lengths and mean rate but re-times the
+arrivals as a gamma process of that shape (the issue's burstier variant).
+
 While it runs, ``/admin/scaling`` is sampled every 0.5 s. It reports, per policy: SLO
 attainment (TTFT <= ``--slo-ttft-ms``, TPOT <= ``--slo-tpot-ms``, both), backend-seconds (the
 integral of live backend processes, starting ones included: what the pool cost), cold starts,
@@ -58,9 +63,15 @@ def plan(args: argparse.Namespace, maker: PromptMaker) -> list[workloads.Planned
     rng = random.Random(0)
     lo, hi = args.start_min * 60.0, (args.start_min + args.minutes) * 60.0
     rows = [r for r in load_azure(args.trace) if lo <= r.t < hi]
-    return [workloads.Planned((r.t - lo) * args.trace_scale, min(r.input_tokens, 8000),
-                              r.output_tokens, maker.random_text(min(r.input_tokens, 8000), rng))
-            for r in rows]
+    times = [(r.t - lo) * args.trace_scale for r in rows]
+    if args.burstiness is not None:
+        # The window's lengths and mean rate, re-timed as gamma arrivals of this burstiness
+        # (0.5: gaps with a coefficient of variation of 1.4, burstier than Poisson).
+        times = workloads.gamma_arrivals(len(rows), len(rows) / (times[-1] or 1.0),
+                                         args.burstiness, rng)
+    return [workloads.Planned(t, min(r.input_tokens, 8000), r.output_tokens,
+                              maker.random_text(min(r.input_tokens, 8000), rng))
+            for t, r in zip(times, rows, strict=True)]
 
 
 def policy_doc(args: argparse.Namespace, scaling_policy: str) -> dict[str, Any]:
@@ -71,7 +82,12 @@ def policy_doc(args: argparse.Namespace, scaling_policy: str) -> dict[str, Any]:
             "backend": {"model": args.model, "hardware": args.hardware},
             "default_max_tokens": 512,
             "routing": {"strategy": "least_request"},
-            "scaling": {"policy": scaling_policy, "min_replicas": 1,
+            "scaling": {"policy": scaling_policy,
+                        "min_replicas": 2 if args.pd else 1,
+                        "disaggregated": args.pd,
+                        # TokenScale's convertible decoders come with token velocity
+                        "convertible": args.pd and scaling_policy == "velocity",
+                        "ttft_slo_ms": args.slo_ttft_ms,
                         "max_replicas": args.max_replicas,
                         "target_utilization": args.target_utilization,
                         "target_concurrency": args.target_concurrency,
@@ -122,10 +138,10 @@ async def run_one(args: argparse.Namespace, scaling_policy: str, work: list[work
         await wait_for(f"{url}/health", timeout_s=60)
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as s:
             deadline = time.monotonic() + 120
-            while True:  # the first replica (min_replicas: 1) is up
+            while True:  # the first replicas (min_replicas) are up
                 async with s.get(f"{url}/admin/scaling") as r:
                     inst = (await r.json())["demo-large"]["instances"]
-                if any(i["ready"] for i in inst):
+                if sum(1 for i in inst if i["ready"]) >= (2 if args.pd else 1):
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError("the first replica did not start")
@@ -240,6 +256,11 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=6.0)
     p.add_argument("--trace-scale", type=float, default=0.6)
     p.add_argument("--policies", default="concurrency,velocity")
+    p.add_argument("--burstiness", type=float, default=None,
+                   help="re-time the window as gamma arrivals of this shape (0.5: bursty)")
+    p.add_argument("--pd", action="store_true",
+                   help="a disaggregated pool (prefill and decode instances, at least one of "
+                   "each); velocity then also converts decoders to prefill for bursts")
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--hardware", default="a100-80g")
     p.add_argument("--max-replicas", type=int, default=4)
