@@ -166,6 +166,16 @@ def test_a_disaggregated_launcher_pool_starts_one_prefill_and_one_decode(tmp_pat
         # One launch would have left a pool that cannot serve: both roles came up at once.
         assert sorted(i.role for i in scaler.instances) == ["decode", "prefill"]
         by_role = {i.role: i.url for i in scaler.instances}
+        # The held request went as soon as the decoder was ready (it can compute the prompt
+        # itself); once both are, a new prompt is prefilled on one and decoded on the other.
+        deadline = time.monotonic() + 30
+        while any(i.ready_at is None for i in scaler.instances):
+            assert time.monotonic() < deadline, "an instance did not become ready"
+            time.sleep(0.05)
+        r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                       json={"model": "m", "prompt": "good morning " * 100, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
         assert r.headers["x-tokengate-prefill-endpoint"] == by_role["prefill"]
         assert r.headers["x-tokengate-endpoint"] == by_role["decode"]
     finally:

@@ -137,7 +137,9 @@ class PoolScaler:
         pool.endpoints = static + live
         for e in live:
             pool.api_keys.setdefault(e.url, None)
-        if pool.endpoints:
+        # A request can be served once something can decode it (a disaggregated pool's
+        # decoder computes the prompt itself while no prefill instance is ready).
+        if any(e.role in ("both", "decode") for e in pool.endpoints):
             self.ready_event.set()
         else:
             self.ready_event.clear()
