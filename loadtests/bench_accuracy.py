@@ -34,8 +34,7 @@ from typing import Any
 from backend.tokenizer import Tokenizer
 from gateway.up import DEMO_KEY
 from loadtests import predictability, report, runner, workloads
-from loadtests.bench_routing import fleet_figures, start_stack, stop_stack
-from loadtests.client import wait_for
+from loadtests.bench_routing import fleet_figures, start_stack, stop_stack, wait_stack
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
 
@@ -74,16 +73,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     shape = ["--pd", args.pd] if args.pd else ["--backends", str(args.backends)]
     proc, port = start_stack(args, "predicted", shape, log_dir, args.max_batched_tokens)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                await wait_for(f"http://127.0.0.1:{port}/health", timeout_s=2)
-                break
-            except RuntimeError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the stack did not start: "
-                                       + (log_dir / "up.log").read_text()[-2000:]) from None
-        await asyncio.sleep(1.0)
+        await wait_stack(proc, port, log_dir, "steady")
         target = runner.Target("steady", f"http://127.0.0.1:{port}/v1", DEMO_KEY, "demo-large")
         settings = runner.RunSettings(endpoint="completions", grace_s=60, timeout_s=600)
         t0 = time.time()

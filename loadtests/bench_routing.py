@@ -96,6 +96,22 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
     return proc, port
 
 
+async def wait_stack(proc: subprocess.Popen[bytes], port: int, log_dir: Path, label: str,
+                     timeout_s: float = 180.0) -> None:
+    """Wait for a ``start_stack`` gateway to answer ``/health`` (its backends up), then for
+    its first scrape of every backend."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await wait_for(f"http://127.0.0.1:{port}/health", timeout_s=2)
+            break
+        except RuntimeError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {label} stack did not start: "
+                                   f"{(log_dir / 'up.log').read_text()[-2000:]}") from None
+    await asyncio.sleep(1.0)
+
+
 def stop_stack(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -143,16 +159,7 @@ async def run_one(args: argparse.Namespace, label: str, strategy: str, shape: li
     log_dir.mkdir(parents=True, exist_ok=True)
     proc, port = start_stack(args, strategy, shape, log_dir, budget, replicas)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                await wait_for(f"http://127.0.0.1:{port}/health", timeout_s=2)
-                break
-            except RuntimeError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the {label} stack did not start: "
-                                       f"{(log_dir / 'up.log').read_text()[-2000:]}") from None
-        await asyncio.sleep(1.0)  # first scrape of every backend
+        await wait_stack(proc, port, log_dir, label)
         mirrors: tuple[str, ...] = ()
         if replicas > 1:  # a round-robin front over the replicas: the harness alternates
             line = next(x for x in (log_dir / "up.log").read_text().splitlines()
