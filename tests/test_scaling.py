@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -98,16 +99,23 @@ def test_conversion_controller_hysteresis() -> None:
     assert c.decide(200, 44.0, s, decoders=2, warm_soon=False) == "revert"
 
 
+def launched_pool(scaling: dict[str, Any], routing: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """A policy whose model ``m`` (llama-3.2-1b reference backends at time scale 0.01) is a
+    pool the gateway launches itself, with ``scaling`` (and ``routing``)."""
+    m: dict[str, Any] = {"backend": {"model": "llama-3.2-1b", "hardware": "h200"},
+                         "default_max_tokens": 4,
+                         "scaling": {**scaling, "launcher": {"kind": "reference",
+                                                             "time_scale": 0.01}}}
+    if routing:
+        m["routing"] = routing
+    return {"version": 1, "models": {"m": m},
+            "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
+            "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 60000}}}
+
+
 def test_a_pool_scales_from_zero_and_back_with_held_requests(tmp_path: Path) -> None:
-    doc = {"version": 1,
-           "models": {"m": {"backend": {"model": "llama-3.2-1b", "hardware": "h200"},
-                            "default_max_tokens": 4,
-                            "scaling": {"min_replicas": 0, "max_replicas": 1,
-                                        "idle_timeout_s": 2,
-                                        "launcher": {"kind": "reference",
-                                                     "time_scale": 0.01}}}},
-           "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
-           "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 60000}}}
+    doc = launched_pool({"min_replicas": 0, "max_replicas": 1, "idle_timeout_s": 2})
     gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
     scaler = gw.state.scalers["m"]
     try:
@@ -146,16 +154,8 @@ def test_a_pool_scales_from_zero_and_back_with_held_requests(tmp_path: Path) -> 
 
 def test_a_disaggregated_launcher_pool_starts_one_prefill_and_one_decode(tmp_path: Path
                                                                         ) -> None:
-    doc = {"version": 1,
-           "models": {"m": {"backend": {"model": "llama-3.2-1b", "hardware": "h200"},
-                            "default_max_tokens": 4,
-                            "routing": {"remote_prefill_min_tokens": 16},
-                            "scaling": {"min_replicas": 0, "max_replicas": 3,
-                                        "disaggregated": True, "idle_timeout_s": 60,
-                                        "launcher": {"kind": "reference",
-                                                     "time_scale": 0.01}}}},
-           "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
-           "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 60000}}}
+    doc = launched_pool({"min_replicas": 0, "max_replicas": 3, "disaggregated": True,
+                         "idle_timeout_s": 60}, routing={"remote_prefill_min_tokens": 16})
     gw = start_gateway(write_policy(tmp_path / "p.yaml", doc))
     scaler = gw.state.scalers["m"]
     try:
