@@ -14,7 +14,8 @@ from test_gateway_e2e import sha
 from test_reliability import NOW, TPD, charged
 
 from gateway.config.scaling import Scaling
-from gateway.scaling.autoscaler import Conversions, target_replicas
+from gateway.scaling.autoscaler import target_replicas
+from gateway.scaling.conversions import Conversions
 from gateway.scaling.velocity import Capacity, DecayingRate, Velocity, profile_capacity
 
 

@@ -1,5 +1,6 @@
 """The gateway's own autoscaler for pools with a ``scaling:`` section (the local equivalent of
-HPA/KEDA acting on ``tokengate_desired_replicas``), and the convertible-decoder controller.
+HPA/KEDA acting on ``tokengate_desired_replicas``); the convertible-decoder controller's
+decisions are ``gateway.scaling.conversions``.
 
 Every ``interval_s`` a ``PoolScaler``:
 
@@ -29,7 +30,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -39,43 +39,11 @@ from gateway.config.scaling import Scaling
 from gateway.endpoints import EndpointPool, EndpointState
 from gateway.metrics import GatewayMetrics
 from gateway.routing.fleet import Fleet
+from gateway.scaling.conversions import Conversions
 from gateway.scaling.launcher import Instance, LocalLauncher
 from gateway.scaling.velocity import Capacity, Velocity, profile_capacity
 
 log = logging.getLogger("tokengate.scaling")
-
-
-@dataclass(slots=True)
-class Conversions:
-    """The convertible-decoder controller's state (pure decisions: ``decide``)."""
-
-    converted: list[str] = field(default_factory=list)  # decode endpoints now prefilling
-    calm_since: float | None = None  # since when the backlog has stayed low
-
-    def decide(self, backlog_ms: float, now: float, s: Scaling, *, decoders: int,
-               warm_soon: bool) -> str | None:
-        """``"convert"`` (one more decoder to prefill), ``"revert"`` (one back) or None.
-
-        Convert when the backlog would break the TTFT SLO and new capacity will not be ready
-        in time (``warm_soon`` False), keeping at least one decoder; revert one at a time once
-        the backlog stayed under the low mark for ``revert_after_s``."""
-        if backlog_ms > s.convert_backlog_ratio * s.ttft_slo_ms:
-            self.calm_since = None
-            if not warm_soon and decoders > 1:
-                return "convert"
-            return None
-        if not self.converted:
-            self.calm_since = None
-            return None
-        if backlog_ms < s.revert_backlog_ratio * s.ttft_slo_ms:
-            if self.calm_since is None:
-                self.calm_since = now
-            elif now - self.calm_since >= s.revert_after_s:
-                self.calm_since = now  # the next one waits a full period again
-                return "revert"
-        else:
-            self.calm_since = None
-        return None
 
 
 def target_replicas(s: Scaling, desired: int, *, held: int, idle_s: float, ready: int) -> int:
@@ -314,7 +282,7 @@ class PoolScaler:
             return min(live, key=cost)
         have = self._roles(live)
         surplus = {r: have[r] - max(d.get(r, 0), 1) for r in have}
-        pool = [i for i in live if have[self._role_of(i)] > 1] or live
+        pool = [i for i in live if have.get(self._role_of(i), 0) > 1] or live
         return min(pool, key=lambda i: (-surplus.get(self._role_of(i), 0), *cost(i)))
 
     def _in_flight(self, url: str) -> int:

@@ -1,0 +1,42 @@
+"""The convertible-decoder controller (TokenScale): when to switch one decode endpoint of a
+disaggregated pool to prefill, and when to switch one back, with hysteresis. Pure decisions
+on the predicted prefill backlog; ``gateway.scaling.autoscaler`` acts on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.config.scaling import Scaling
+
+
+@dataclass(slots=True)
+class Conversions:
+    """The convertible-decoder controller's state (pure decisions: ``decide``)."""
+
+    converted: list[str] = field(default_factory=list)  # decode endpoints now prefilling
+    calm_since: float | None = None  # since when the backlog has stayed low
+
+    def decide(self, backlog_ms: float, now: float, s: Scaling, *, decoders: int,
+               warm_soon: bool) -> str | None:
+        """``"convert"`` (one more decoder to prefill), ``"revert"`` (one back) or None.
+
+        Convert when the backlog would break the TTFT SLO and new capacity will not be ready
+        in time (``warm_soon`` False), keeping at least one decoder; revert one at a time once
+        the backlog stayed under the low mark for ``revert_after_s``."""
+        if backlog_ms > s.convert_backlog_ratio * s.ttft_slo_ms:
+            self.calm_since = None
+            if not warm_soon and decoders > 1:
+                return "convert"
+            return None
+        if not self.converted:
+            self.calm_since = None
+            return None
+        if backlog_ms < s.revert_backlog_ratio * s.ttft_slo_ms:
+            if self.calm_since is None:
+                self.calm_since = now
+            elif now - self.calm_since >= s.revert_after_s:
+                self.calm_since = now  # the next one waits a full period again
+                return "revert"
+        else:
+            self.calm_since = None
+        return None
