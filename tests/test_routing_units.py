@@ -340,6 +340,34 @@ def test_pd_decider_prefills_remotely_unless_decode_caches_the_prompt() -> None:
     assert router.decide(RequestInfo(1000, 8, hashes, 16), exclude=[pool.endpoints[2]]) is None
 
 
+def test_a_converted_decoder_prefills_itself_when_that_is_sooner() -> None:
+    from predictor.online import OnlinePredictor
+
+    # One prefill endpoint and one decoder converted for a burst (role both).
+    pool, fleet = pool_policy(["prefill", "both"], remote_prefill_min_tokens=32)
+    router = Router(pool, fleet, OnlinePredictor())
+    pre, conv = pool.endpoints
+    hashes = block_hashes(list(range(1000)), 16, router.hasher().root)
+    req = RequestInfo(1000, 8, hashes, 16)
+    # Both idle: a tie on the virtual queue goes to the decoder itself (no KV transfer).
+    d = router.decide(req)
+    assert d is not None and d.endpoint.ep is conv and d.prefill is None
+    # The prefill endpoint's queue is short, the decoder's long: prefill remotely.
+    EndpointPool.acquire(conv, 9000, 8000)
+    d = router.decide(req)
+    assert d is not None and d.endpoint.ep is conv
+    assert d.prefill is not None and d.prefill.ep is pre
+    # The burst piles onto the prefill endpoint: the decoder computes the prompt itself.
+    EndpointPool.acquire(pre, 30000, 30000)
+    d = router.decide(req)
+    assert d is not None and d.endpoint.ep is conv and d.prefill is None
+    # A pure decoder never computes a long prompt itself while a prefill endpoint is up.
+    pool2, fleet2 = pool_policy(["prefill", "decode"], remote_prefill_min_tokens=32)
+    EndpointPool.acquire(pool2.endpoints[0], 30000, 30000)
+    d2 = Router(pool2, fleet2, OnlinePredictor()).decide(req)
+    assert d2 is not None and d2.prefill is not None
+
+
 def test_round_robin_router_still_predicts_for_the_headers() -> None:
     from predictor.online import OnlinePredictor
 

@@ -36,6 +36,15 @@ def test_decaying_rate_converges_to_a_steady_rate_and_decays() -> None:
     assert r.rate() == pytest.approx(2000, rel=0.02)
     clock.t += 5.0  # one time constant without arrivals
     assert r.rate() == pytest.approx(2000 / 2.718281828, rel=0.02)
+    # After a long idle, a step to 3,000 tokens/s reads at its size within two seconds
+    # (bias-corrected; a plain decayed sum would read 1 - exp(-2 / 5) = 33 % of it).
+    clock.t += 60.0
+    for _ in range(20):
+        clock.t += 0.1
+        r.add(300)
+    assert r.rate() == pytest.approx(3000, rel=0.1)
+    # A meter that never saw an event reads zero.
+    assert DecayingRate(clock=clock).rate() == 0.0
 
 
 def test_velocity_turns_demand_into_replicas_per_role() -> None:
@@ -84,7 +93,10 @@ def test_conversion_controller_hysteresis() -> None:
     c.converted.append("d1")
     assert c.decide(1500, 0.5, s, decoders=2, warm_soon=False) == "convert"
     c.converted.append("d2")
-    assert c.decide(1500, 1.0, s, decoders=1, warm_soon=False) is None  # keep one decoder
+    # The last one too: a converted decoder keeps decoding.
+    assert c.decide(1500, 1.0, s, decoders=1, warm_soon=False) == "convert"
+    c.converted.append("d3")
+    assert c.decide(1500, 1.0, s, decoders=0, warm_soon=False) is None  # none left
     assert c.decide(1500, 1.0, s, decoders=3, warm_soon=True) is None  # capacity is coming
     # Between the marks: hold the conversions.
     assert [c.decide(600, t, s, decoders=1, warm_soon=False) for t in (2, 10, 20)] == \

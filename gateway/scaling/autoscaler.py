@@ -13,7 +13,8 @@ Every ``interval_s`` a ``PoolScaler``:
    replica only after the target has stayed below the count for ``scale_down_delay_s``: it is
    drained first (no new requests; its streams migrate to another endpoint or, when none is
    left, finish) and then stopped;
-4. in disaggregated pools with ``convertible``, converts decode endpoints to prefill when the
+4. in disaggregated pools with ``convertible``, converts decode endpoints to prefill (role
+   ``both``: they keep decoding, ``gateway.scaling.conversions``) when the
    predicted prefill backlog exceeds ``convert_backlog_ratio`` x the TTFT SLO (a burst faster
    than a cold start can absorb) and back after the backlog stayed under
    ``revert_backlog_ratio`` x SLO for ``revert_after_s`` (hysteresis).
@@ -255,6 +256,7 @@ class PoolScaler:
                 have[e.role] += 1
         for i in live:
             r = self._role_of(i)
+            r = "decode" if r == "both" else r  # a converted decoder still decodes
             if r in have:
                 have[r] += 1
         return have
@@ -303,7 +305,7 @@ class PoolScaler:
 
     async def _convert(self, now: float) -> None:
         eps = self.endpoint_states()
-        prefill = [e for e in eps if e.role == "prefill"]
+        prefill = [e for e in eps if e.role in ("prefill", "both")]
         decoders = [e for e in eps if e.role == "decode"]
         rate = sum((e.prefill_rate or self.capacity.prefill / 1e3) for e in prefill) or 1e-9
         backlog_ms = sum(e.prefill_tokens for e in prefill) / rate
@@ -314,7 +316,7 @@ class PoolScaler:
                                          warm_soon=warm_soon)
         if action == "convert":
             ep = min(decoders, key=lambda e: (e.decoding, e.in_flight))
-            if await self._set_role(ep, "prefill"):
+            if await self._set_role(ep, "both"):  # it keeps decoding, and prefills too
                 self.conversions.converted.append(ep.url)
         elif action == "revert":
             url = self.conversions.converted.pop()

@@ -1,6 +1,11 @@
 """The convertible-decoder controller (TokenScale): when to switch one decode endpoint of a
 disaggregated pool to prefill, and when to switch one back, with hysteresis. Pure decisions
-on the predicted prefill backlog; ``gateway.scaling.autoscaler`` acts on them."""
+on the predicted prefill backlog; ``gateway.scaling.autoscaler`` acts on them.
+
+A converted decoder takes the role ``both``: it keeps decoding (its own streams and new ones)
+and also prefills, for other decoders and for the requests it decodes itself whenever that
+is sooner than the prefill queue (``gateway.routing.router``). So even a pool's only decoder
+can absorb a burst while new prefill capacity cold-starts."""
 
 from __future__ import annotations
 
@@ -13,19 +18,19 @@ from gateway.config.scaling import Scaling
 class Conversions:
     """The convertible-decoder controller's state (pure decisions: ``decide``)."""
 
-    converted: list[str] = field(default_factory=list)  # decode endpoints now prefilling
+    converted: list[str] = field(default_factory=list)  # decode endpoints now also prefilling
     calm_since: float | None = None  # since when the backlog has stayed low
 
     def decide(self, backlog_ms: float, now: float, s: Scaling, *, decoders: int,
                warm_soon: bool) -> str | None:
         """``"convert"`` (one more decoder to prefill), ``"revert"`` (one back) or None.
 
-        Convert when the backlog would break the TTFT SLO and new capacity will not be ready
-        in time (``warm_soon`` False), keeping at least one decoder; revert one at a time once
-        the backlog stayed under the low mark for ``revert_after_s``."""
+        Convert when the backlog would break the TTFT SLO, new capacity will not be ready in
+        time (``warm_soon`` False) and a pure decoder is left (``decoders``); revert one at a
+        time once the backlog stayed under the low mark for ``revert_after_s``."""
         if backlog_ms > s.convert_backlog_ratio * s.ttft_slo_ms:
             self.calm_since = None
-            if not warm_soon and decoders > 1:
+            if not warm_soon and decoders > 0:
                 return "convert"
             return None
         if not self.converted:

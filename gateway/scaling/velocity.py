@@ -36,22 +36,37 @@ DEFAULT_LINK_BPS = 400e9  # RDMA, as the reference backend's default KV link
 
 
 class DecayingRate:
-    """Events per second, exponentially weighted over ``tau_s`` (exact for a steady rate)."""
+    """Events per second, exponentially weighted over ``tau_s`` (exact for a steady rate).
 
-    def __init__(self, tau_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    Bias-corrected while young: a meter that started (or restarted after ``5 tau`` without
+    events) ``t`` seconds ago divides by ``1 - exp(-t / tau)``, the share of a steady rate its
+    mass has reached by then, so a step in arrivals from idle reads at its full size within
+    ``min_window_s`` instead of creeping up over several ``tau`` (Adam's bias correction; a
+    pool waking into a burst would otherwise launch its replicas seconds late)."""
+
+    def __init__(self, tau_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 min_window_s: float = 1.0) -> None:
         self.tau_s = tau_s
+        self.min_window_s = min_window_s
         self._clock = clock
         self._mass = 0.0
         self._at = clock()
+        self._since: float | None = None  # when the current run of events began
 
     def add(self, amount: float) -> None:
         now = self._clock()
+        if self._since is None or now - self._at > 5.0 * self.tau_s:
+            self._since = now
         self._mass = self._mass * math.exp(-(now - self._at) / self.tau_s) + amount
         self._at = now
 
     def rate(self) -> float:
+        if self._since is None:
+            return 0.0
         now = self._clock()
-        return self._mass * math.exp(-(now - self._at) / self.tau_s) / self.tau_s
+        age = max(now - self._since, self.min_window_s)
+        reached = 1.0 - math.exp(-age / self.tau_s)
+        return self._mass * math.exp(-(now - self._at) / self.tau_s) / self.tau_s / reached
 
 
 @dataclass(frozen=True, slots=True)
