@@ -88,6 +88,7 @@ def policy_doc(args: argparse.Namespace, scaling_policy: str) -> dict[str, Any]:
                         # TokenScale's convertible decoders come with token velocity
                         "convertible": args.pd and scaling_policy == "velocity",
                         "ttft_slo_ms": args.slo_ttft_ms,
+                        "convert_backlog_ratio": args.convert_backlog_ratio,
                         "max_replicas": args.max_replicas,
                         "target_utilization": args.target_utilization,
                         "target_concurrency": args.target_concurrency,
@@ -112,7 +113,8 @@ async def sample(url: str, stop: asyncio.Event, out: list[dict[str, Any]], t0: f
                             "desired": sum(pool["desired"].values()),
                             "demand_prefill": pool["velocity"]["prefill"],
                             "demand_decode": pool["velocity"]["decode"],
-                            "started": pool["started"], "converted": len(pool["converted"])})
+                            "started": pool["started"], "converted": len(pool["converted"]),
+                            "conversions": pool["conversions"]})
             except (aiohttp.ClientError, KeyError, ValueError):
                 pass
             await asyncio.sleep(0.5)
@@ -188,7 +190,7 @@ def summarize(rep: dict[str, Any], run: runner.RunOutput, scale: dict[str, Any],
             "tpot_p99_ms": rep["tpot_ms"]["p99"],
             "backend_seconds": backend_seconds(s),
             "cold_starts": (s[-1]["started"] - 1) if s else None,
-            "conversions": s[-1]["converted"] if s else None,
+            "conversions": s[-1]["conversions"] if s else None,
             "max_replicas_used": max((x["live"] for x in s), default=0)}
 
 
@@ -267,6 +269,8 @@ def main() -> None:
     p.add_argument("--target-utilization", type=float, default=0.7)
     p.add_argument("--target-concurrency", type=float, default=16.0)
     p.add_argument("--scale-down-delay-s", type=float, default=30.0)
+    p.add_argument("--convert-backlog-ratio", type=float, default=1.0,
+                   help="convert a decoder when the prefill backlog passes this x TTFT SLO")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "bench-scaling"))

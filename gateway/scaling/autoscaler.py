@@ -101,7 +101,7 @@ class PoolScaler:
         instances besides the policy's own endpoints."""
         self.pool = pool
         static = [e for e in pool.endpoints if e.url not in self._launched_urls()]
-        live = [self.fleet.endpoint(i.url, None, i.role, self.model.backend.hardware)
+        live = [self.fleet.endpoint(i.url, None, self._role_of(i), self.model.backend.hardware)
                 for i in self.instances if i.ready_at is not None and i.draining_since is None]
         pool.endpoints = static + live
         for e in live:
@@ -337,6 +337,7 @@ class PoolScaler:
             log.warning("%s: converting %s failed: %s", self.model.name, ep.url, exc)
             return False
         ep.role = role
+        self.conversions.done += 1
         self.metrics.series("role_conversions", self.model.name, old, role).inc()
         log.info("%s: converted %s from %s to %s", self.model.name, ep.url, old, role)
         return True
@@ -376,4 +377,5 @@ class PoolScaler:
                                "draining": i.draining_since is not None}
                               for i in self.instances],
                 "cold_start_s": self.cold_start_s, "started": self.started,
-                "converted": list(self.conversions.converted)}
+                "converted": list(self.conversions.converted),
+                "conversions": self.conversions.done}

@@ -20,6 +20,7 @@ class Conversions:
 
     converted: list[str] = field(default_factory=list)  # decode endpoints now also prefilling
     calm_since: float | None = None  # since when the backlog has stayed low
+    done: int = 0  # role switches made, both ways
 
     def decide(self, backlog_ms: float, now: float, s: Scaling, *, decoders: int,
                warm_soon: bool) -> str | None:
