@@ -62,6 +62,17 @@ def test_velocity_turns_demand_into_replicas_per_role() -> None:
     assert agg.desired(0.8) == {"both": 4}  # ceil(3.0 + 0.75)
     assert pd.desired(0.8) == {"prefill": 3 + (pd.needed("prefill", 0.8) > 3.0),
                                "decode": 1}
+    # Convertible decoders: the decoder's spare quarter of its time prefills. With prefill at
+    # 2.1 instances' worth, ceil(2.1 + 0.75) - 1 = 2 prefill instances instead of 3; at 2.5 the
+    # spare time is not enough and it is 3 either way.
+    def cap_for(n: float) -> float:
+        return 24_000 / (n * 0.8)
+
+    assert pd.desired(0.8, prefill_capacity=cap_for(2.1), convertible=True) == \
+        {"prefill": 2, "decode": 1}
+    assert pd.desired(0.8, prefill_capacity=cap_for(2.1)) == {"prefill": 3, "decode": 1}
+    assert pd.desired(0.8, prefill_capacity=cap_for(2.5), convertible=True) == \
+        {"prefill": 3, "decode": 1}
     # An observed prefill rate replaces the profile's.
     assert agg.desired(0.8, prefill_capacity=30_000)["both"] == 2  # 1.0 + 0.75
     c = profile_capacity("llama-3-8b", "h100-sxm")

@@ -150,7 +150,8 @@ class PoolScaler:
             return {"both": n} if not self.disaggregated else {"prefill": n, "decode": n}
         observed = [e.prefill_rate * 1e3 for e in eps if e.prefill_rate]
         cap = sum(observed) / len(observed) if observed else None
-        return self.velocity.desired(self.s.target_utilization, prefill_capacity=cap)
+        return self.velocity.desired(self.s.target_utilization, prefill_capacity=cap,
+                                     convertible=self.disaggregated and self.s.convertible)
 
     def export(self, desired: dict[str, int]) -> None:
         name = self.model.name

@@ -19,6 +19,8 @@ gateway has measured one (``EndpointState.prefill_rate``).
 
 *Desired replicas* for a role: ceil(demand / (capacity x target utilization)) summed over the
 stages the role serves, at least ``min_replicas`` (0 when idle) and at most ``max_replicas``.
+In a disaggregated pool with convertible decoders, prefill gets only what the decoders' spare
+time (they prefill once converted) leaves: ceil(prefill + decode) - decoders.
 """
 
 from __future__ import annotations
@@ -121,14 +123,23 @@ class Velocity:
         cap = capacity if capacity is not None else self.capacity.of(stage)
         return self.demand[stage].rate() / max(cap * utilization, 1e-9)
 
-    def desired(self, utilization: float, *, prefill_capacity: float | None = None
-                ) -> dict[str, int]:
-        """Replicas per role: an aggregated pool's ``both``, or ``prefill`` and ``decode``."""
+    def desired(self, utilization: float, *, prefill_capacity: float | None = None,
+                convertible: bool = False) -> dict[str, int]:
+        """Replicas per role: an aggregated pool's ``both``, or ``prefill`` and ``decode``.
+
+        With ``convertible`` decoders (TokenScale), the decoders' spare time counts as prefill
+        capacity: a converted decoder prefills while it keeps decoding, so prefill instances
+        are provisioned only for what the decoders (at least one) cannot absorb."""
         p = self.needed("prefill", utilization, prefill_capacity)
         d = self.needed("decode", utilization)
         if not self.disaggregated:
             # One instance does both: the stages share its time.
             return {"both": math.ceil(p + d - 1e-9)}
         # Transfer is network-bound on the decode side's links (it pulls the KV).
-        t = self.needed("transfer", utilization)
-        return {"prefill": math.ceil(p - 1e-9), "decode": math.ceil(max(d, t) - 1e-9)}
+        dec = max(d, self.needed("transfer", utilization))
+        n_dec = math.ceil(dec - 1e-9)
+        if convertible:
+            n_pre = max(math.ceil(p + dec - 1e-9) - max(n_dec, 1), 0)
+        else:
+            n_pre = math.ceil(p - 1e-9)
+        return {"prefill": n_pre, "decode": n_dec}
