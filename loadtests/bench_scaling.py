@@ -269,7 +269,7 @@ def main() -> None:
     p.add_argument("--target-utilization", type=float, default=0.7)
     p.add_argument("--target-concurrency", type=float, default=16.0)
     p.add_argument("--scale-down-delay-s", type=float, default=30.0)
-    p.add_argument("--convert-backlog-ratio", type=float, default=1.0,
+    p.add_argument("--convert-backlog-ratio", type=float, default=0.5,
                    help="convert a decoder when the prefill backlog passes this x TTFT SLO")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)

@@ -20,7 +20,7 @@ scaling:
   disaggregated: true       # launch prefill and decode instances (a PD pool; the default
                             # follows the static endpoints' roles); at least one of each
   convertible: true         # PD pools: decoders switch to prefill for bursts
-  convert_backlog_ratio: 1.0  # convert when predicted prefill backlog > ratio x TTFT SLO
+  convert_backlog_ratio: 0.5  # convert when predicted prefill backlog > ratio x TTFT SLO
   revert_backlog_ratio: 0.3   # convert back when it stays under this ratio...
   revert_after_s: 5           # ...for this long (hysteresis)
   ttft_slo_ms: 2000
@@ -55,7 +55,7 @@ class Scaling:
     launcher: Launcher | None = None
     disaggregated: bool = False
     convertible: bool = False
-    convert_backlog_ratio: float = 1.0
+    convert_backlog_ratio: float = 0.5
     revert_backlog_ratio: float = 0.3
     revert_after_s: float = 5.0
     ttft_slo_ms: float = 2000.0
