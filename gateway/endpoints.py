@@ -117,6 +117,12 @@ class EndpointState:
         done = min(float(tokens), rate * max(now - max(sent, self.head_done_at), 0.0) * 1e3)
         return max(self.prefill_tokens - done, 0.0) / rate
 
+    def prefill_finish_ms(self, now: float, uncached_tokens: int) -> float:
+        """When a new prompt of ``uncached_tokens`` sent here now would be computed, in ms:
+        the virtual queue ahead of it, then its own tokens, at the observed prefill rate."""
+        rate = self.prefill_rate or DEFAULT_PREFILL_RATE
+        return self.prefill_queue_ms(now) + uncached_tokens / rate
+
     def arrival_rate(self, now: float) -> float:
         """Uncached prompt tokens sent here per second, recently (exponentially weighted over
         ``ARRIVAL_TAU_S``): the prefill work that will share the steps of a request decoding

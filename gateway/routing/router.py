@@ -25,7 +25,7 @@ from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
 from gateway.routing.prefix import PromptHasher
 from gateway.tokenize import TokenCounter
-from predictor.features import DEFAULT_PREFILL_RATE, EndpointSnapshot, build_matrix
+from predictor.features import EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
 
 _DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
@@ -51,14 +51,6 @@ class Decision:
 def _hw(name: str | None) -> tuple[float, float]:
     hw = HARDWARE.get(name or "")
     return (hw.hbm_bandwidth / 1e12, hw.peak_flops / 1e12) if hw else (0.0, 0.0)
-
-
-def _prefill_ms(c: Candidate) -> float:
-    """When ``c``'s endpoint would finish this prompt: its prefill queue, then the
-    candidate's uncached tokens, at the endpoint's observed prefill rate (a virtual queue)."""
-    e = c.ep
-    rate = e.prefill_rate or DEFAULT_PREFILL_RATE
-    return e.prefill_queue_ms(time.monotonic()) + c.uncached_tokens / rate
 
 
 def profile_for(model: Model) -> Profile:
@@ -190,9 +182,12 @@ class Router:
             if prefillers:
                 prefill = self._stage(self.profile, req, prefillers, self.cfg_prefill,
                                       "prefill")
-            if prefill is not None and dec.ep.role == "both" and \
-                    _prefill_ms(dec) <= _prefill_ms(prefill):
-                prefill = None  # a decoder that also prefills computes it sooner itself
+            if prefill is not None and dec.ep.role == "both":
+                # A decoder that also prefills computes the prompt itself when that is sooner.
+                now = time.monotonic()
+                if dec.ep.prefill_finish_ms(now, dec.uncached_tokens) <= \
+                        prefill.ep.prefill_finish_ms(now, prefill.uncached_tokens):
+                    prefill = None
         return Decision(dec, prefill, self.strategy)
 
     def commit(self, d: Decision, req: RequestInfo) -> None:
