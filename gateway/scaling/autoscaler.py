@@ -14,10 +14,10 @@ Every ``interval_s`` a ``PoolScaler``:
    drained first (no new requests; its streams migrate to another endpoint or, when none is
    left, finish) and then stopped;
 4. in disaggregated pools with ``convertible``, converts decode endpoints to prefill (role
-   ``both``: they keep decoding, ``gateway.scaling.conversions``) when the
-   predicted prefill backlog exceeds ``convert_backlog_ratio`` x the TTFT SLO (a burst faster
-   than a cold start can absorb) and back after the backlog stayed under
-   ``revert_backlog_ratio`` x SLO for ``revert_after_s`` (hysteresis).
+   ``both``: they keep decoding, ``gateway.scaling.conversions``) when the predicted prefill
+   backlog exceeds ``convert_backlog_ratio`` x the TTFT SLO and no prefill capacity already
+   starting will be ready before the backlog breaks the SLO, and back after the backlog
+   stayed under ``revert_backlog_ratio`` x SLO for ``revert_after_s`` (hysteresis).
 
 Requests for a pool with no ready endpoint are *held* (``hold``): bounded by ``max_held``,
 each up to its route's ``hold_timeout_ms``, and they wake the pool.
@@ -310,9 +310,12 @@ class PoolScaler:
         decoders = [e for e in eps if e.role == "decode"]
         rate = sum((e.prefill_rate or self.capacity.prefill / 1e3) for e in prefill) or 1e-9
         backlog_ms = sum(e.prefill_tokens for e in prefill) / rate
-        warm_soon = (self.cold_start_s is not None and self.launcher is not None
-                     and self.cold_start_s * 1e3 < backlog_ms
-                     and len(self.instances) < self.s.max_replicas)
+        # Prefill capacity already starting that is ready before the backlog breaks the SLO
+        # makes a conversion needless; anything later (or a launch not yet made) does not.
+        cold_ms = (self.cold_start_s if self.cold_start_s is not None else math.inf) * 1e3
+        eta_ms = min((cold_ms - (now - i.started_at) * 1e3 for i in self.instances
+                      if i.ready_at is None and i.role != "decode"), default=math.inf)
+        warm_soon = eta_ms < self.s.ttft_slo_ms - backlog_ms
         action = self.conversions.decide(backlog_ms, now, self.s, decoders=len(decoders),
                                          warm_soon=warm_soon)
         if action == "convert":
