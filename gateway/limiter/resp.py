@@ -75,6 +75,7 @@ class _Conn(asyncio.Protocol):
         self.pending: deque[asyncio.Future[Any]] = deque()
         self.buf = b""
         self.closed = False
+        self.out: list[bytes] = []  # commands sent in this loop iteration, not yet written
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # NOTE: uvloop's transports are not asyncio.Transport subclasses; do not check the type.
@@ -105,11 +106,22 @@ class _Conn(asyncio.Protocol):
                 fut.set_exception(err)
 
     def send(self, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """Queue a command; every command queued in one event-loop iteration leaves in one
+        socket write (a write to loopback costs a system call and wakes Redis, so under load
+        the requests' reservations and settlements share them)."""
         assert self.transport is not None
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         self.pending.append(fut)
-        self.transport.write(encode(args))
+        if not self.out:
+            loop.call_soon(self._flush)
+        self.out.append(encode(args))
         return fut
+
+    def _flush(self) -> None:
+        data, self.out = b"".join(self.out), []
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
 
 
 def _expire(fut: asyncio.Future[Any], conn: _Conn) -> None:
