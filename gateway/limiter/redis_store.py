@@ -89,7 +89,8 @@ class RedisStore:
                        cluster=True)
         return cls(FastRedis(url, timeout_s=float(opts["socket_timeout"])))
 
-    async def _eval(self, src: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def _eval(self, src: str, keys: Sequence[str], args: Sequence[Any],
+                    defer: bool = False) -> Any:
         self.stats.round_trips += 1
         sha = self._sha.get(src)
         try:
@@ -97,6 +98,8 @@ class RedisStore:
             if sha is None:
                 sha = self._sha[src] = await self._r.script_load(src)
             try:
+                if defer and isinstance(self._r, FastRedis):
+                    return await self._r.evalsha(sha, len(keys), *keys, *args, defer=True)
                 return await self._r.evalsha(sha, len(keys), *keys, *args)
             except (rexc.NoScriptError, NoScript):  # a restarted node lost its scripts
                 return await self._r.eval(src, len(keys), *keys, *args)
@@ -153,6 +156,9 @@ class RedisStore:
             groups[c.scope if self._cluster else ""].append((c, delta))
         if not groups:
             groups[""] = []
+        # A pure refund may wait a moment for company on the connection (FastRedis's
+        # ``defer``): it only returns quota, so holding it back never admits too much.
+        refund = all(d <= 0 for d in deltas.values())
         applied = False
         for scope, items in groups.items():
             marker_scope = scope or (reservation.charges[0].scope if reservation.charges
@@ -162,7 +168,8 @@ class RedisStore:
             args: list[Any] = [len(items)]
             for c, d in items:
                 args += [c.limit.kind, repr(c.limit.interval), repr(d), _ttl_ms(c)]
-            applied = bool(int(await self._eval(self._adjust_src, keys, args))) or applied
+            applied = bool(int(await self._eval(self._adjust_src, keys, args,
+                                                refund))) or applied
         return applied
 
     async def close(self) -> None:

@@ -75,7 +75,9 @@ class _Conn(asyncio.Protocol):
         self.pending: deque[asyncio.Future[Any]] = deque()
         self.buf = b""
         self.closed = False
-        self.out: list[bytes] = []  # commands sent in this loop iteration, not yet written
+        self.out: list[bytes] = []  # commands queued, not yet written
+        self._soon = False  # a write at the end of this loop iteration is scheduled
+        self._later: asyncio.TimerHandle | None = None  # a deferred write is scheduled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # NOTE: uvloop's transports are not asyncio.Transport subclasses; do not check the type.
@@ -105,23 +107,38 @@ class _Conn(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(err)
 
-    def send(self, args: tuple[Any, ...]) -> asyncio.Future[Any]:
-        """Queue a command; every command queued in one event-loop iteration leaves in one
+    def send(self, args: tuple[Any, ...], defer: bool = False) -> asyncio.Future[Any]:
+        """Queue a command. Every command queued in one event-loop iteration leaves in one
         socket write (a write to loopback costs a system call and wakes Redis, so under load
-        the requests' reservations and settlements share them)."""
+        the requests' reservations and settlements share them). With ``defer`` the command
+        waits up to ``DEFER_S`` for another one to travel with (a refund rides with the next
+        request's reservation instead of waking Redis on its own)."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self.pending.append(fut)
-        if not self.out:
-            loop.call_soon(self._flush)
         self.out.append(encode(args))
+        if not defer:
+            if not self._soon:
+                self._soon = True
+                loop.call_soon(self._flush)
+        elif self._later is None and not self._soon:
+            self._later = loop.call_later(DEFER_S, self._flush)
         return fut
 
     def _flush(self) -> None:
+        self._soon = False
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+        if not self.out:
+            return
         data, self.out = b"".join(self.out), []
         if self.transport is not None and not self.closed:
             self.transport.write(data)
+
+
+DEFER_S = 0.05  # how long a deferred command may wait for company
 
 
 def _expire(fut: asyncio.Future[Any], conn: _Conn) -> None:
@@ -165,12 +182,12 @@ class FastRedis:
             self._conns[i] = proto
             return proto
 
-    async def execute(self, *args: Any) -> Any:
+    async def execute(self, *args: Any, defer: bool = False) -> Any:
         i = next(self._next)
         conn = self._conns[i]
         if conn is None or conn.closed:
             conn = await self._conn(i)
-        fut = conn.send(args)
+        fut = conn.send(args, defer)
         # A timer instead of asyncio.wait_for: no extra task per call on the hot path.
         timer = asyncio.get_running_loop().call_later(self.timeout_s, _expire, fut, conn)
         try:
@@ -182,8 +199,8 @@ class FastRedis:
         sha = await self.execute("SCRIPT", "LOAD", src)
         return sha.decode() if isinstance(sha, bytes) else str(sha)
 
-    async def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
-        return await self.execute("EVALSHA", sha, numkeys, *args)
+    async def evalsha(self, sha: str, numkeys: int, *args: Any, defer: bool = False) -> Any:
+        return await self.execute("EVALSHA", sha, numkeys, *args, defer=defer)
 
     async def eval(self, src: str, numkeys: int, *args: Any) -> Any:
         return await self.execute("EVAL", src, numkeys, *args)
