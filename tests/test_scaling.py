@@ -3,6 +3,7 @@ controller's decisions and hysteresis, and a pool that scales 0 -> 1 -> 0 with h
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from test_reliability import NOW, TPD, charged
 
 from gateway.config.scaling import Scaling
 from gateway.scaling.autoscaler import target_replicas
-from gateway.scaling.conversions import Conversions
+from gateway.scaling.conversions import Conversions, starting_prefill_eta_ms
 from gateway.scaling.velocity import Capacity, DecayingRate, Velocity, profile_capacity
 
 
@@ -121,6 +122,23 @@ def test_conversion_controller_hysteresis() -> None:
     assert c.decide(900, 38.0, s, decoders=2, warm_soon=False) is None  # calm broken
     assert c.decide(200, 39.0, s, decoders=2, warm_soon=False) is None
     assert c.decide(200, 44.0, s, decoders=2, warm_soon=False) == "revert"
+
+
+def test_prefill_capacity_starting_is_timed_from_the_last_cold_start() -> None:
+    from gateway.scaling.launcher import Instance
+
+    def inst(role: str, started: float, ready: float | None = None) -> Instance:
+        return Instance(url="http://127.0.0.1:1/v1", proc=None,  # type: ignore[arg-type]
+                        role=role, started_at=started, ready_at=ready)
+
+    now = 100.0
+    starting = [inst("decode", 99.0), inst("prefill", 95.0), inst("prefill", 98.0),
+                inst("prefill", 90.0, ready=97.0)]
+    # A 7 s cold start: the prefill launched at 95 s is due in 2 s; the decoder and the one
+    # already ready do not count.
+    assert starting_prefill_eta_ms(starting, 7.0, now) == pytest.approx(2000.0)
+    assert starting_prefill_eta_ms(starting, None, now) == math.inf  # never measured
+    assert starting_prefill_eta_ms([inst("decode", 99.0)], 7.0, now) == math.inf
 
 
 def launched_pool(scaling: dict[str, Any], routing: dict[str, Any] | None = None

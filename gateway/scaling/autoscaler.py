@@ -40,7 +40,7 @@ from gateway.config.scaling import Scaling
 from gateway.endpoints import EndpointPool, EndpointState
 from gateway.metrics import GatewayMetrics
 from gateway.routing.fleet import Fleet
-from gateway.scaling.conversions import Conversions
+from gateway.scaling.conversions import Conversions, starting_prefill_eta_ms
 from gateway.scaling.launcher import Instance, LocalLauncher
 from gateway.scaling.velocity import Capacity, Velocity, profile_capacity
 
@@ -312,9 +312,7 @@ class PoolScaler:
         backlog_ms = sum(e.prefill_tokens for e in prefill) / rate
         # Prefill capacity already starting that is ready before the backlog breaks the SLO
         # makes a conversion needless; anything later (or a launch not yet made) does not.
-        cold_ms = (self.cold_start_s if self.cold_start_s is not None else math.inf) * 1e3
-        eta_ms = min((cold_ms - (now - i.started_at) * 1e3 for i in self.instances
-                      if i.ready_at is None and i.role != "decode"), default=math.inf)
+        eta_ms = starting_prefill_eta_ms(self.instances, self.cold_start_s, now)
         warm_soon = eta_ms < self.s.ttft_slo_ms - backlog_ms
         action = self.conversions.decide(backlog_ms, now, self.s, decoders=len(decoders),
                                          warm_soon=warm_soon)

@@ -9,9 +9,22 @@ can absorb a burst while new prefill capacity cold-starts."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway.config.scaling import Scaling
+from gateway.scaling.launcher import Instance
+
+
+def starting_prefill_eta_ms(instances: Iterable[Instance], cold_start_s: float | None,
+                            now: float) -> float:
+    """In how many ms the first instance now starting that can prefill should be ready (the
+    last measured cold start after its launch); infinite when none is starting or no cold start
+    has been measured yet."""
+    cold_ms = (cold_start_s if cold_start_s is not None else math.inf) * 1e3
+    return min((cold_ms - (now - i.started_at) * 1e3 for i in instances
+                if i.ready_at is None and i.role != "decode"), default=math.inf)
 
 
 @dataclass(slots=True)
