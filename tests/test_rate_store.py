@@ -214,3 +214,22 @@ async def test_a_silent_redis_times_out_as_unavailable() -> None:
             await w.wait_closed()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_cluster_with_no_reachable_node_is_unavailable() -> None:
+    """Re-discovering a cluster whose nodes all refuse raises redis-py's
+    RedisClusterException (not a RedisError): the store reports it as unavailable, so the
+    gateway fails open or closed as its policy says instead of answering 500."""
+    import socket
+
+    from gateway.limiter.store import StoreUnavailable
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    st = RedisStore.from_url(f"redis+cluster://127.0.0.1:{port}", socket_connect_timeout=0.2)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await st.reserve([Charge("tenant:gone", tokens(10), 1)], "c1")
+    finally:
+        await st.close()

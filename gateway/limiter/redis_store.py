@@ -40,8 +40,10 @@ from gateway.limiter.store import (
     StoreUnavailable,
 )
 
+# NOTE: RedisClusterException is not a RedisError: redis-py raises it when re-discovering a
+# cluster finds no reachable node (a master just killed, the rest slow to answer).
 _ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
-           rexc.ClusterError, OSError, TimeoutError, RespError)
+           rexc.ClusterError, rexc.RedisClusterException, OSError, TimeoutError, RespError)
 
 
 def _script(name: str) -> str:
