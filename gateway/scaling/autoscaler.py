@@ -246,7 +246,8 @@ class PoolScaler:
             self.below_since = None
 
     def _role_of(self, inst: Instance) -> str:
-        """An instance's role now (a converted decoder prefills)."""
+        """An instance's role now, as its endpoint has it (a converted decoder's is
+        ``both``), else the role it was launched with."""
         e = self.fleet.endpoints.get(inst.url)
         return e.role if e is not None else inst.role
 
