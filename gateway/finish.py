@@ -35,12 +35,12 @@ def observe(ctx: RequestContext, r: RelayResult, sent: Sent) -> None:
     d.endpoint.ep.observed(None, tpot_ms)
     if lead.row is not None:
         state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
-                                predicted_ttft_ms=lead.ttft_ms)
+                                predicted_ttft_ms=lead.ttft_ms, sent_at=sent.ttft_origin)
         if state.sync is not None:
             state.sync.queue_sample("ttft", lead.row, math.log(max(ttft_ms, 1e-3)))
     if d.endpoint.row is not None and tpot_ms is not None:
         state.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
-                                predicted_tpot_ms=d.endpoint.tpot_ms)
+                                predicted_tpot_ms=d.endpoint.tpot_ms, sent_at=sent.ttft_origin)
         if state.sync is not None:
             state.sync.queue_sample("tpot", d.endpoint.row, math.log(max(tpot_ms, 1e-3)))
 

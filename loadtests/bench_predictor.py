@@ -7,7 +7,7 @@ compiled trees (``predictor.trees``) for the same rows, the predictor's ``predic
 targets), a whole ``Router.decide`` over ``--candidates`` endpoints with the ``predicted``
 strategy (features, predictions, plugins, pick), and hashing a 12K-token prompt's blocks cold
 and a 100K-token conversation's new turn warm. The models are trained on synthetic samples
-with the production settings (80 rounds, depth 6).
+with the production settings (``predictor.online.TrainConfig``: 120 rounds, depth 5).
 """
 
 from __future__ import annotations
