@@ -184,3 +184,24 @@ def test_predictability_tells_decision_time_from_hindsight() -> None:
     assert tp["decision_time"] > 0.8 * tp["median_only"]  # the past barely helps
     assert tp["corr_with_prefill_during_decode"] > 0.5
     assert b["ttft"]["hindsight"] < 0.2  # TTFT here is the prompt's own prefill: predictable
+
+
+def test_predictability_counts_prompts_that_arrive_during_a_prefill() -> None:
+    """A run where each prompt's TTFT grows with the prompts that reach its endpoint while it
+    is being computed (they share its last chunk step): only the bound that knows those later
+    arrivals predicts it."""
+    from loadtests.predictability import bounds
+
+    rng = random.Random(5)
+    sends = sorted(rng.uniform(0, 300) for _ in range(400))
+    prompts = [rng.randint(200, 8000) for _ in sends]
+    results = []
+    for i, (s, p) in enumerate(zip(sends, prompts, strict=True)):
+        own = 0.02 + p / 40_000
+        later = sum(prompts[j] for j in range(i + 1, len(sends)) if sends[j] < s + own)
+        ttft = own + later / 10_000
+        results.append(RequestResult(sent_at=100.0 + s, ttft=ttft, latency=ttft + 0.5,
+                                     output_tokens=20, prompt_tokens=p, endpoint="e"))
+    tt = bounds(results, 100.0, warmup_s=0.0)["ttft"]
+    assert tt["n"] == 400
+    assert tt["hindsight_with_arrivals"] < 0.5 * tt["hindsight"]
