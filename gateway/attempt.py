@@ -1,17 +1,20 @@
 """Sending a request to one endpoint: an attempt (and, for a stream, waiting for its first
-event, so a failure before it can still be retried elsewhere), how its failures are
-classified for the retry loop in ``gateway.pipeline``, and continuing a stream on another
-endpoint when its own is drained (``gateway.migrate``)."""
+event, so a failure before it can still be retried elsewhere), how its failures and non-200
+answers are classified for the retry loop (``gateway.dispatch``), and continuing a stream on
+another endpoint when its own is drained (``gateway.migrate``).
+
+An upstream's error answer never reaches the client as it came: its body is read (capped),
+logged, and replaced by our OpenAI-shaped error with a safe message and a mapped status."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from gateway import migrate, quota
@@ -20,12 +23,17 @@ from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError
 from gateway.migrate import Live
+from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamBroken, UpstreamResponse
+from gateway.upstream import UpstreamBroken, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("tokengate.gateway")
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_CLIENT_STATUSES = frozenset({400, 413, 422})  # the request's content was refused
+_IDENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_ERROR_BODY_LIMIT = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -49,20 +57,27 @@ class Sent:
         return self.started_at if self.started_at is not None else self.sent_at
 
 
+def request_headers(ctx: RequestContext, pool: EndpointPool, ep: EndpointState
+                    ) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
+            **pool.auth_headers(ep)}
+
+
 async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
                   ep: EndpointState, url: str, body: bytes, t: Timeouts
                   ) -> tuple[UpstreamResponse, AsyncIterator[bytes] | None]:
     """Send one attempt; for a stream, also wait for its first event (within
     ``first_token_s``), so that an upstream that stalls or breaks before producing anything
     can still be retried elsewhere, invisibly to the client."""
-    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
-               **pool.auth_headers(ep)}
+    headers = request_headers(ctx, pool, ep)
     if not ctx.parsed.stream:
-        up = await asyncio.wait_for(
-            state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s), t.total_s)
+        async with asyncio.timeout(t.total_s):
+            up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s,
+                                           ca_file=ep.ca_file)
         return up, None
     async with asyncio.timeout(t.first_token_s):
-        up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s)
+        up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s,
+                                       ca_file=ep.ca_file)
         if up.status != 200:
             return up, None
         lines = up.lines()
@@ -85,28 +100,90 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
 
 class Failure(Exception):
     """One attempt failed in a way another endpoint may not: retry (``backoff`` says whether
-    to pause first: overload answers and stalls, not refused connections)."""
+    to pause first: overload answers and stalls, not refused connections). ``retry`` is False
+    for answers another endpoint would give too (the request itself was refused)."""
 
-    def __init__(self, error: APIError, kind: str, backoff: bool) -> None:
+    def __init__(self, error: APIError, kind: str, backoff: bool, *, retry: bool = True,
+                 endpoint_fault: bool = True) -> None:
         super().__init__(error.message)
         self.error, self.kind, self.backoff = error, kind, backoff
+        self.retry, self.endpoint_fault = retry, endpoint_fault
 
 
 def upstream_failure(exc: BaseException, stream: bool) -> Failure:
+    """A failed exchange (a timeout or one of ``gateway.upstream``'s errors) as a Failure."""
     if isinstance(exc, TimeoutError):
         what = "first token" if stream else "response"
         return Failure(APIError(504, f"the upstream did not send its {what} in time",
                                 type="server_error", code="upstream_timeout"), "timeout", True)
-    refused = isinstance(exc, ConnectionRefusedError)
-    return Failure(APIError(502, "the upstream could not be reached" if refused else
-                            "the upstream closed the connection", type="server_error",
-                            code="upstream_unavailable"),
-                   "connect" if refused else "broken", not refused)
+    kind = exc.kind if isinstance(exc, UpstreamError) else "broken"
+    message = {"connect": "the upstream could not be reached",
+               "protocol": "the upstream sent a malformed response"}.get(
+                   kind, "the upstream closed the connection")
+    if kind == "protocol":
+        log.warning("malformed upstream response: %s", exc)
+    return Failure(APIError(502, message, type="server_error", code="upstream_unavailable"),
+                   kind, kind != "connect")
+
+
+async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: EndpointPool
+                         ) -> Failure:
+    """A non-200 answer as a Failure: overload and server errors are retried elsewhere; the
+    request's own faults (400, 413, 422) are not; anything else is the upstream's fault. The
+    upstream's body goes to the log only; the client gets our message (with the upstream's
+    ``code``/``param`` when they are plain identifiers)."""
+    status = up.status
+    asked = up.headers.get("retry-after")
+    try:
+        body = await up.read(_ERROR_BODY_LIMIT)
+    except (UpstreamError, TimeoutError):
+        body = b""
+    finally:
+        up.release()
+    log.warning("endpoint %s answered %d: %s", ep.url, status,
+                body[:500].decode("utf-8", "replace"))
+    if status in RETRY_STATUSES:
+        if asked is not None:
+            pool.overloaded(ep, asked)
+        return Failure(APIError(502 if status >= 500 else 429,
+                                f"the model server answered {status}", type="server_error",
+                                code="upstream_error",
+                                headers={"retry-after": _retry_after(asked)}),
+                       str(status), True)
+    code = param = None
+    try:
+        err = orjson.loads(body).get("error") if body else None
+    except (orjson.JSONDecodeError, AttributeError):
+        err = None
+    if isinstance(err, dict):
+        code = _ident(err.get("code"))
+        param = _ident(err.get("param"))
+    if status in _CLIENT_STATUSES:
+        return Failure(APIError(400, f"the model server rejected the request ({status}"
+                                f"{': ' + code if code else ''})", param=param,
+                                code=code or "upstream_rejected"),
+                       str(status), False, retry=False, endpoint_fault=False)
+    return Failure(APIError(502, f"the model server answered {status}", type="server_error",
+                            code="upstream_error"), str(status), True)
+
+
+def _ident(v: object) -> str | None:
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = str(v)
+    return v if isinstance(v, str) and _IDENT.match(v) else None
+
+
+def _retry_after(asked: str | None) -> str:
+    try:
+        return str(max(1, min(int(float(asked or "1")), 60)))
+    except ValueError:
+        return "1"
 
 
 async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.Admission,
                           sent: Sent, live: Live, generated: int) -> Sent | None:
-    """Continue a stream cut off a draining endpoint on another one (``gateway.migrate``)."""
+    """Continue a stream cut off a draining endpoint on another one (``gateway.migrate``),
+    under the same retry policy as first attempts."""
     m = adm.model
     router = ctx.view.routers[m.name]
     pool = router.pool
@@ -120,29 +197,33 @@ async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.A
     path = "/chat/completions" if ctx.kind == "chat" else "/completions"
     info = sent.info
     tried = [old]
+    retrier = Retrier(ctx.view.policy.settings.retries, pool.budget, state.rng)
+    retrier.first()
     decision = router.decide(info, tried) if info is not None else None
-    while decision is not None and len(tried) <= ctx.view.policy.settings.retries.max_attempts:
+    backoff = False
+    while decision is not None:
+        if len(tried) > 1 and not await retrier.again(backoff):
+            break
         ep = decision.endpoint.ep
         tried.append(ep)
         tokens = (info.prompt_tokens if info else 0) + adm.expected_output
         ticket = pool.acquire(ep, tokens, tokens - adm.expected_output + generated)
         try:
             up, lines = await attempt(state, ctx, pool, ep, ep.url + path, raw,
-                                       ctx.route.timeouts)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                                      ctx.route.timeouts)
+            if up.status != 200 or lines is None:
+                raise await answer_failure(up, ep, pool)
+        except (UpstreamError, TimeoutError, Failure) as exc:
             pool.release(ticket)
-            log.warning("migration of %s to %s failed: %s", ctx.request_id, ep.url, exc)
+            f = exc if isinstance(exc, Failure) else upstream_failure(exc, True)
+            log.warning("migration of %s to %s failed: %s", ctx.request_id, ep.url, f.kind)
+            backoff = f.backoff
             decision = router.decide(info, tried) if info is not None else None
             continue
         except BaseException:
             pool.release(ticket)
             raise
-        if up.status != 200 or lines is None:
-            up.release()
-            pool.release(ticket)
-            decision = router.decide(info, tried) if info is not None else None
-            continue
-        pool.first_token(ticket)  # _attempt waited for its first event: the prompt is in
+        pool.first_token(ticket)  # attempt waited for its first event: the prompt is in
         state.metrics.series("migrations", m.name, "moved").inc()
         log.info("moved stream %s from %s to %s after %d tokens", ctx.request_id, old.url,
                  ep.url, generated)

@@ -4,11 +4,14 @@ step and hands it to the attempt, migration and settlement code."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backend.protocol import GenerationRequest, Kind
-from gateway.config.policy import Route
+from gateway.config.policy import Model, Route
 from gateway.state import GatewayState, PolicyView
+
+if TYPE_CHECKING:
+    from gateway.quota import Admission
 
 
 @dataclass(slots=True)
@@ -26,3 +29,20 @@ class RequestContext:
     slo: tuple[float | None, float | None] = (None, None)
     priority: str = "standard"
     text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
+    admissions: list[Admission] = field(default_factory=list)  # every reservation made
+
+    async def count_prompt(self, m: Model) -> int:
+        """The prompt's tokens as model ``m`` counts them (tokenized once per model)."""
+        counter = self.view.counters[m.name]
+        g = self.parsed
+        if g.kind == "chat":
+            return await counter.chat(g.messages)
+        if g.prompt_ids is not None:
+            return len(g.prompt_ids)
+        ids = await counter.text_ids(g.prompt_text or "")
+        self.text_ids[m.name] = ids  # routing hashes the same ids: tokenize once
+        return len(ids)
+
+    def expected_output(self, m: Model) -> int:
+        g = self.parsed
+        return g.max_tokens if g.max_tokens is not None else m.default_max_tokens

@@ -3,7 +3,7 @@
 The prefill endpoint gets the client's body with ``stream: false``, ``max_tokens: 1`` (and
 ``max_completion_tokens: 1`` if present), ``stream_options`` and ``min_tokens`` removed and
 ``kv_transfer_params.do_remote_decode``; its answer's ``kv_transfer_params`` go to the decode
-endpoint with the original body (``pipeline._upstream_body``). Both calls carry the same
+endpoint with the original body (``dispatch.upstream_body``). Both calls carry the same
 ``X-Request-Id``. Any failure returns None: the decode endpoint then computes the prompt itself.
 """
 
@@ -13,7 +13,6 @@ import asyncio
 import logging
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.config.policy import Model
@@ -21,6 +20,7 @@ from gateway.config.resilience import Timeouts
 from gateway.endpoints import EndpointPool
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
+from gateway.upstream import UpstreamError
 
 log = logging.getLogger("tokengate.gateway")
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -56,7 +56,8 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
     try:
         up = await asyncio.wait_for(
             state.upstream.post(ep.url + path, prefill_body(client_body, m), headers,
-                                connect_timeout_s=t.connect_s), t.first_token_s)
+                                connect_timeout_s=t.connect_s, ca_file=ep.ca_file),
+            t.first_token_s)
         try:
             data = await up.read()
         finally:
@@ -66,8 +67,7 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
             # The prompt is computed: the prefill endpoint's queue moves on (and its prefill
             # rate is learned) exactly as when an aggregated endpoint sends a first token.
             pool.first_token(ticket)
-    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError,
-            AttributeError) as exc:
+    except (UpstreamError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
         log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)
         params = None
     finally:

@@ -36,6 +36,7 @@ class EndpointState:
     api_key: str | None = None
     role: str = "both"
     hardware: str | None = None
+    ca_file: str | None = None  # the CA bundle that verifies an https endpoint
     # live counters
     in_flight: int = 0
     tokens_outstanding: int = 0

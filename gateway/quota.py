@@ -13,6 +13,8 @@ concurrent long generations cannot overshoot a limit by more than one step each.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +29,7 @@ from gateway.limiter.store import (
     RateStore,
     Reservation,
     Settlement,
+    StoreUnavailable,
 )
 
 
@@ -59,6 +62,13 @@ class Admission:
     failover_from: str | None = None
     settlement: Settlement | None = None
     refused: list[Decision] = field(default_factory=list)
+    settling: bool = False  # settlement was handed to the response's ``finish``
+
+    @property
+    def open(self) -> bool:
+        """Admitted, and neither settled nor handed to a settlement."""
+        st = self.settlement
+        return st is not None and not st.final and not self.settling
 
 
 async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, model: Model,
@@ -145,11 +155,14 @@ def rate_limit_error(d: Decision) -> APIError:
 
 async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
                  prompt_tokens: int | None, failed_before_first_token: bool) -> None:
-    """Bring the reservation to actual use, once (the ``final`` step)."""
+    """Bring the reservation to actual use, once (the ``final`` step), after any progressive
+    charge still in flight (so its deltas are counted exactly once)."""
     st = adm.settlement
     if st is None or st.final:
         return
     st.final = True
+    if st.in_flight:
+        await asyncio.gather(*st.in_flight, return_exceptions=True)
     if failed_before_first_token:
         totals = {"requests": 0.0, "tokens": 0.0, "tokens_day": 0.0, "budget": 0.0}
     else:
@@ -164,15 +177,34 @@ async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
         st.record(deltas)
 
 
+async def refund(store: RateStore, adm: Admission) -> None:
+    """Nothing was served: give the whole reservation back (the request included), leaving
+    the buckets where a refused request would have."""
+    await settle(store, adm, output_tokens=0, prompt_tokens=None,
+                 failed_before_first_token=True)
+
+
 async def charge_progress(store: RateStore, adm: Admission, streamed: int) -> None:
-    """Charge a long stream's tokens beyond what was reserved, as they are generated."""
+    """Charge a long stream's tokens beyond what was reserved, as they are generated. The
+    store call runs as a task of its own that records what it applied when it ends, so a
+    stream cancelled meanwhile (the client left) neither loses nor double-counts it."""
     st = adm.settlement
     if st is None or st.final:
         return
     tokens = float(adm.prompt_tokens + streamed)
     deltas = {k: d for k, d in st.deltas_to({"tokens": tokens, "tokens_day": tokens}).items()
               if d > 0}
-    if deltas:
-        st.steps += 1
-        await store.adjust(st.reservation, deltas, f"p{st.steps}")
-        st.record(deltas)
+    if not deltas:
+        return
+    st.steps += 1
+    task = asyncio.ensure_future(store.adjust(st.reservation, deltas, f"p{st.steps}"))
+    st.in_flight.add(task)
+
+    def done(t: asyncio.Future[bool]) -> None:
+        st.in_flight.discard(t)
+        if not t.cancelled() and t.exception() is None:
+            st.record(deltas)
+
+    task.add_done_callback(done)
+    with contextlib.suppress(StoreUnavailable):
+        await asyncio.shield(task)

@@ -1,28 +1,40 @@
 """Relaying one upstream response to the client, chunk by chunk, as it arrives.
 
 Server-sent events are forwarded one event at a time (never buffered beyond the event being
-read). On the way through, the relay stamps the first content chunk (TTFT), counts content
-chunks (one token each on vLLM-style servers) for progressive charging (every N tokens or T
-seconds, whichever comes first), picks up ``usage`` from
-the final chunk (and drops that chunk unless the client asked for it), and renames the upstream
-model to the one the client asked for. A stream that breaks after its first byte ends with an
-SSE error event and ``[DONE]``, cleanly.
+read). Every event is parsed (orjson; a JSON object is required, however it is spaced) and
+decisions are taken on the parsed event, never on byte patterns: the relay stamps the first
+token (TTFT), counts the tokens it writes to the client (a choice's content, reasoning or
+tool-call arguments, or a completion's text: one token per choice and chunk on vLLM-style
+servers) for progressive charging (every N tokens or T seconds, whichever comes first) and for
+settlement when the upstream sends no usage, picks up ``usage`` from the final chunk (and drops
+that chunk unless the client asked for it), and renames the upstream model to the one the
+client asked for. A stream that breaks after its first byte -- the connection closes, the
+upstream's HTTP framing or an event is malformed, an error event arrives, it stalls, or it ends
+without ``[DONE]`` -- ends with our SSE error event and ``[DONE]``, cleanly, and is marked
+``broken`` (the endpoint is counted as failed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.migrate import Live, shift_usage, stream_id
-from gateway.upstream import UpstreamResponse
+from gateway.migrate import Live, shift_usage
+from gateway.upstream import (
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+)
+
+log = logging.getLogger("tokengate.gateway")
 
 
 @dataclass(slots=True)
@@ -39,6 +51,8 @@ class RelayResult:
     client_gone: bool = False  # the client disconnected mid-stream
     migrated: bool = False  # cut on purpose to continue elsewhere (gateway.migrate)
     stream_id: bytes | None = None  # the completion id the client sees
+    done: bool = False  # the upstream's ``[DONE]`` arrived
+    body: bytes | None = None  # a non-streamed answer, as relayed
 
 
 class Tally(Protocol):
@@ -47,29 +61,59 @@ class Tally(Protocol):
     streamed: int
 
 
-def _rename(data: bytes, upstream: bytes, served: bytes) -> bytes:
-    if upstream == served:
+def _tokens(obj: dict[str, Any]) -> int:
+    """Tokens one parsed chunk carries: one per choice whose delta has text, reasoning or
+    tool-call arguments (chat), or text (completions) -- vLLM sends one token per chunk and
+    choice; the count settles a stream whose upstream gave no usage."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return 0
+    n = 0
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        d = c.get("delta")
+        if isinstance(d, dict):
+            if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
+                n += 1
+                continue
+            calls = d.get("tool_calls")
+            if isinstance(calls, list) and any(
+                    isinstance(t, dict) and isinstance(t.get("function"), dict)
+                    and t["function"].get("arguments") for t in calls):
+                n += 1
+        elif c.get("text"):
+            n += 1
+    return n
+
+
+def _renamed(data: bytes, obj: dict[str, Any], upstream: str, served: str) -> bytes:
+    """``data`` with the upstream's model name replaced by the one the client asked for:
+    a byte replacement where the JSON is written compactly or with spaces, else re-encoded."""
+    if upstream == served or obj.get("model") != upstream:
         return data
-    spaced_up = upstream.replace(b'":"', b'": "', 1)
-    return data.replace(upstream, served).replace(spaced_up,
-                                                  served.replace(b'":"', b'": "', 1))
+    for sep in (b'":"', b'": "'):
+        tag = b'"model' + sep + upstream.encode() + b'"'
+        if tag in data:
+            return data.replace(tag, b'"model' + sep + served.encode() + b'"', 1)
+    obj["model"] = served
+    return b"data: " + orjson.dumps(obj) + b"\n"
 
 
-def _usage_of(payload: bytes) -> dict[str, Any] | None:
-    if b'"usage"' not in payload:
-        return None
+class BadEvent(Exception):
+    """An upstream event that is not a JSON object, or is an error event."""
+
+
+def _parse(payload: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return None
-    u = obj.get("usage") if isinstance(obj, dict) else None
-    return u if isinstance(u, dict) else None
-
-
-def _has_content(payload: bytes) -> bool:
-    # Cheap test on the raw bytes: a chunk with text or delta content that is not empty.
-    return (b'"content":"' in payload and b'"content":""' not in payload) or \
-        (b'"text":"' in payload and b'"text":""' not in payload)
+        raise BadEvent("the upstream sent an event that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise BadEvent("the upstream sent an event that is not a JSON object")
+    if "error" in obj:
+        raise BadEvent("the upstream reported an error mid-stream")
+    return obj
 
 
 class _Stall:
@@ -137,8 +181,6 @@ async def relay_stream(
     content chunks per endpoint (its current decode step, a routing feature).
     """
     res = into if into is not None else RelayResult(status=200)
-    up_tag = f'"model":"{upstream_model}"'.encode()
-    served_tag = f'"model":"{served_model}"'.encode()
     event: list[bytes] = []
     next_charge = every
     next_charge_at = time.perf_counter() + every_s
@@ -160,39 +202,48 @@ async def relay_stream(
                 payload = data[5:].strip() if data.startswith(b"data:") else b""
                 forward = True
                 if payload and payload != b"[DONE]":
+                    obj = _parse(payload)
                     if live is not None:
-                        sid = stream_id(payload)
+                        sid = obj.get("id")
+                        sid = sid.encode() if isinstance(sid, str) else None
                         if res.stream_id is None:
                             res.stream_id = sid
                         elif swap is None and sid is not None and sid != res.stream_id:
                             swap = (sid, res.stream_id)
                         if swap is not None:
                             data = data.replace(swap[0], swap[1])
-                    usage = _usage_of(payload)
-                    if usage is not None:
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict):
                         if usage_shift:
                             shifted, usage = shift_usage(payload, usage_shift)
                             if swap is not None:
                                 shifted = shifted.replace(swap[0], swap[1])
                             data = b"data: " + shifted + b"\n"
                         res.usage = usage
-                        if b'"choices":[]' in payload and not pass_usage:
+                        if obj.get("choices") == [] and not pass_usage:
                             forward = False
-                    if _has_content(payload):
-                        if live is not None:
-                            live.payloads.append(payload)
-                        now = time.perf_counter()
-                        if res.first_token_at is None:
-                            res.first_token_at = now
-                            if on_first is not None:
-                                on_first()
-                        res.last_token_at = now
-                        res.chunks += 1
-                        if tally is not None:
-                            tally.streamed += 1
+                    if forward:
+                        data = _renamed(data, obj, upstream_model, served_model)
+                    n = _tokens(obj)
+                else:
+                    n = 0
+                    if payload == b"[DONE]":
+                        res.done = True
+                if n:
+                    if live is not None:
+                        live.payloads.append(payload)
+                    now = time.perf_counter()
+                    if res.first_token_at is None:
+                        res.first_token_at = now
+                        if on_first is not None:
+                            on_first()
+                    res.last_token_at = now
+                    if tally is not None:
+                        tally.streamed += n
                 if forward:
-                    await resp.write(_rename(data, up_tag, served_tag) + b"\n")
+                    await resp.write(data + b"\n")
                     res.bytes_sent = True
+                    res.chunks += n  # counted once written: what the client was sent
                 if on_tokens is not None and res.chunks and (
                         res.chunks >= next_charge or
                         (res.last_token_at or 0.0) >= next_charge_at):
@@ -206,12 +257,13 @@ async def relay_stream(
             raise TimeoutError from None
         finally:
             stall.close()
+        if not res.done:
+            raise UpstreamBroken("the stream ended without [DONE]")
     except ConnectionResetError:
         # Writing to the client failed: it went away. Stop; the caller settles what was sent.
         res.client_gone = True
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
-            TimeoutError) as exc:
-        if live is not None and live.migrating and not isinstance(exc, TimeoutError):
+    except (UpstreamError, BadEvent, TimeoutError) as exc:
+        if live is not None and live.migrating and isinstance(exc, UpstreamBroken):
             res.migrated = True  # the caller continues the stream elsewhere
             return res
         res.broken = True
@@ -219,8 +271,11 @@ async def relay_stream(
             what = ("the request's total timeout passed" if loop.time() >= end - 1e-3 else
                     f"no token for {gap_s:g} s")
             message, code = f"upstream stalled: {what}", "upstream_timeout"
-        else:
+        elif isinstance(exc, UpstreamBroken):
             message, code = "upstream stream broke: the connection closed", "upstream_error"
+        else:
+            log.warning("upstream stream malformed: %s", exc)
+            message, code = "upstream stream broke: malformed response", "upstream_error"
         err = {"error": {"message": message, "type": "server_error", "param": None,
                          "code": code}}
         try:
@@ -235,9 +290,18 @@ async def relay_body(upstream: UpstreamResponse, *, upstream_model: str,
     """Read a non-streamed response; pick up its usage and rename the model."""
     body = await upstream.read()
     res = RelayResult(status=upstream.status)
-    res.usage = _usage_of(body)
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+        log.warning("upstream answered 200 with a body that is not a completion")
+        raise UpstreamProtocolError("the upstream's answer is not a completion")
+    usage = obj.get("usage")
+    res.usage = usage if isinstance(usage, dict) else None
     now = time.perf_counter()
     res.first_token_at = res.last_token_at = now
-    up_tag = f'"model":"{upstream_model}"'.encode()
-    served_tag = f'"model":"{served_model}"'.encode()
-    return _rename(body, up_tag, served_tag), res
+    if upstream_model != served_model and obj.get("model") == upstream_model:
+        obj["model"] = served_model
+        body = orjson.dumps(obj)
+    return body, res

@@ -9,6 +9,7 @@ cannot bank an unbounded burst. Under a fleet-wide failure, retries add at most
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Callable
@@ -57,3 +58,30 @@ def backoff_s(r: Retries, retry: int, rng: random.Random) -> float:
     uniformly over [50%, 150%] so that retries from many requests do not arrive in step."""
     base = min(r.backoff_ms * 2.0 ** (retry - 1), r.max_backoff_ms)
     return base * rng.uniform(0.5, 1.5) / 1000.0
+
+
+class Retrier:
+    """The one retry policy of the request path, for first attempts and for moving a stream
+    (``gateway.dispatch``, ``gateway.attempt.continue_stream``): at most ``max_attempts``
+    endpoints, each retry paid from the pool's budget and, after an overload answer or a
+    stall, preceded by a jittered backoff."""
+
+    def __init__(self, r: Retries, budget: RetryBudget, rng: random.Random) -> None:
+        self.r = r
+        self.budget = budget
+        self.rng = rng
+        self.attempts = 0
+
+    def first(self) -> None:
+        """The first attempt is about to be made: it pays into the budget."""
+        self.attempts = 1
+        self.budget.deposit()
+
+    async def again(self, backoff: bool) -> bool:
+        """May another attempt be made (after the pause the failure asks for)?"""
+        if self.attempts >= self.r.max_attempts or not self.budget.withdraw():
+            return False
+        if backoff:
+            await asyncio.sleep(backoff_s(self.r, self.attempts, self.rng))
+        self.attempts += 1
+        return True

@@ -100,7 +100,8 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
     pools = {}
     for name, m in policy.models.items():
         pool = EndpointPool(m, [fleet.endpoint(e.url, endpoint_key(e), e.role,
-                                               e.hardware or m.backend.hardware)
+                                               e.hardware or m.backend.hardware,
+                                               e.tls_ca_file)
                                 for e in m.endpoints],
                             trip_after=fleet.trip_after, cooldown_s=fleet.cooldown_s,
                             retries=policy.settings.retries,

@@ -1,38 +1,94 @@
-"""A lean pooled HTTP/1.1 client for the gateway's upstream calls (https goes via aiohttp).
+"""A lean pooled HTTP/1.1 client for the gateway's upstream calls, http and https.
 
-aiohttp's client was a fifth of the gateway's CPU per request (request objects, cookie and
-redirect handling, tracing hooks, a generic stream reader). Upstream calls here are always the
-same shape: one POST with a JSON body on a keep-alive connection, a response framed by
-Content-Length or chunked encoding, read whole or line by line (SSE). This client does exactly
-that on an asyncio Protocol: the head is parsed once, the body is decoded as it arrives, and a
-connection goes back to its pool only when its response was read to the end.
+Upstream calls are always the same shape: one POST with a JSON body on a keep-alive
+connection, a response read whole or line by line (SSE). This client does exactly that on an
+asyncio Protocol and parses responses with llhttp (``httptools``, the parser behind uvicorn and
+aiohttp's C path), so framing is never guessed: status line, headers, Content-Length, chunk
+sizes and their CRLFs, trailers, interim ``1xx`` answers and keep-alive are llhttp's to judge.
 
-Errors: connecting raises ``OSError``/``TimeoutError``; a connection that closes mid-response
-raises ``UpstreamBroken``.
+The upstream is not trusted:
+
+* a response head is capped (``MAX_HEAD_BYTES``, ``MAX_HEADERS``), a status outside 200-599
+  after the interim answers is refused, ``101`` (an upgrade nobody asked for) too;
+* body bytes are handed on as they arrive, never buffered whole: a read pauses the socket
+  when ``HIGH_WATER`` bytes wait for the reader and resumes under ``LOW_WATER`` (back-pressure
+  from the client through the relay to the upstream); ``read`` caps a whole body at
+  ``MAX_BODY_BYTES``, ``lines`` an SSE line at ``MAX_LINE_BYTES``;
+* the Host header is the URL's host and port only (never its userinfo).
+
+Every failure is one of this module's exceptions, so the request path knows one error family:
+``UpstreamConnectError`` (could not connect: refused, unreachable, TLS handshake failed),
+``UpstreamBroken`` (the connection closed before the response ended) and
+``UpstreamProtocolError`` (the answer is not valid HTTP/1.1, or over a limit). Timeouts are the
+caller's (``TimeoutError``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
 from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
+
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 128
+MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_LINE_BYTES = 4 * 1024 * 1024
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
 
 
-class UpstreamBroken(ConnectionError):
+class UpstreamError(Exception):
+    """An upstream call failed; ``kind`` is ``connect``, ``broken`` or ``protocol``."""
+
+    kind = "broken"
+
+
+class UpstreamConnectError(UpstreamError):
+    kind = "connect"
+
+
+class UpstreamBroken(UpstreamError):
     """The upstream closed the connection before its response ended."""
+
+    kind = "broken"
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The upstream's answer is not valid HTTP/1.1, or exceeds a limit."""
+
+    kind = "protocol"
 
 
 class _Conn(asyncio.Protocol):
+    """One connection and the response being parsed on it (llhttp's callbacks land here)."""
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.busy = False  # a request was sent and its response is not complete yet
+        self.error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.paused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_bytes = 0
+        self.head_done = False
+        self.interim = False
+        self.complete = False
+        self.pieces: deque[bytes] = deque()
+        self.buffered = 0
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # NOTE: uvloop's transports are not asyncio.Transport subclasses; do not check the type.
@@ -42,97 +98,155 @@ class _Conn(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if not self.busy or self.error is not None:
+            # Bytes nobody asked for (after a complete response): the connection is unusable.
+            self._fail(UpstreamProtocolError("the upstream sent data after its response"))
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamProtocolError("the upstream switched protocols"))
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            self._fail(cause if isinstance(cause, UpstreamError) else
+                       UpstreamProtocolError(f"malformed response: {exc}"))
+        else:
+            if not self.head_done:
+                self.head_bytes += len(data)
+                if self.head_bytes > MAX_HEAD_BYTES:
+                    self._fail(UpstreamProtocolError("response head too large"))
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._wake()
+
+    # -- llhttp callbacks --------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a trailer: parsed (and so checked) by llhttp, not used
+        if len(self.headers) >= MAX_HEADERS:
+            raise UpstreamProtocolError(f"more than {MAX_HEADERS} response headers")
+        key = name.decode("latin-1").lower()
+        v = value.decode("latin-1").strip()
+        self.headers[key] = f"{self.headers[key]}, {v}" if key in self.headers else v
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self.interim = True  # 100 Continue, 103 Early Hints: the final answer follows
+            return
+        if not 200 <= status <= 599:
+            raise UpstreamProtocolError(f"invalid status {status}")
+        self.status = status
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            self.headers = {}
+            self.head_bytes = 0
+            return
+        self.complete = True
+
+    # -- for the reader ----------------------------------------------------------------------
+
+    def _fail(self, err: UpstreamError) -> None:
+        if self.error is None:
+            self.error = err
+        if self.transport is not None:
+            self.transport.close()
+
+    def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
+    def take(self) -> bytes | None:
+        """The next body piece, if one is waiting."""
+        if not self.pieces:
+            return None
+        piece = self.pieces.popleft()
+        self.buffered -= len(piece)
+        if self.paused and self.buffered < LOW_WATER and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return piece
+
     async def more(self) -> None:
-        """Wait until more bytes arrive (or the connection closes)."""
+        """Wait for the parser to make progress; raise if the connection cannot."""
+        if self.error is not None:
+            raise self.error
         if self.closed:
             raise UpstreamBroken("upstream closed the connection")
         self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
-        self._waiter = None
-        if self._drained():
-            raise UpstreamBroken("upstream closed the connection")
-
-    def _drained(self) -> bool:
-        return self.closed and not self.buf
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
 
 
 class Response:
     """An upstream response whose body is read whole (``read``) or by lines (``lines``)."""
 
-    def __init__(self, conn: _Conn, pool: deque[_Conn], status: int,
-                 headers: dict[str, str]) -> None:
+    def __init__(self, conn: _Conn, pool: deque[_Conn]) -> None:
         self._conn = conn
         self._pool = pool
-        self.status = status
-        self.headers = headers
-        te = headers.get("transfer-encoding", "").lower()
-        self._chunked = "chunked" in te
-        cl = headers.get("content-length")
-        self._left = int(cl) if cl is not None and not self._chunked else None
-        self._done = self._left == 0
+        self.status = conn.status
+        self.headers = conn.headers
+        te = self.headers.get("transfer-encoding", "").lower()
+        # Neither length nor chunks: the body ends when the connection closes.
+        self._until_close = ("chunked" not in te and "content-length" not in self.headers
+                             and self.status not in (204, 304))
         self._released = False
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         """Decoded body pieces as they arrive."""
         c = self._conn
-        if self._chunked:
-            while True:
-                while (i := c.buf.find(b"\r\n")) < 0:
-                    await c.more()
-                size = int(bytes(c.buf[:i]).split(b";", 1)[0], 16)
-                while len(c.buf) < i + 2 + size + 2:
-                    await c.more()
-                data = bytes(c.buf[i + 2:i + 2 + size])
-                del c.buf[:i + 2 + size + 2]
-                if size == 0:
-                    self._done = True
-                    return
-                yield data
-        elif self._left is not None:
-            while self._left > 0:
-                if not c.buf:
-                    await c.more()
-                data = bytes(c.buf[:self._left])
-                del c.buf[:len(data)]
-                self._left -= len(data)
-                yield data
-            self._done = True
-        else:  # delimited by the connection closing
-            while True:
-                if c.buf:
-                    data = bytes(c.buf)
-                    c.buf.clear()
-                    yield data
-                try:
-                    await c.more()
-                except UpstreamBroken:
-                    self._done = True
-                    return
+        while True:
+            piece = c.take()
+            if piece is not None:
+                yield piece
+                continue
+            if c.complete:
+                return
+            if c.closed and c.error is None and self._until_close:
+                c.complete = True
+                return
+            await c.more()
 
-    async def read(self) -> bytes:
-        return b"".join([piece async for piece in self._chunks()])
+    async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        out = bytearray()
+        async for piece in self._chunks():
+            out += piece
+            if len(out) > limit:
+                self.abort()
+                raise UpstreamProtocolError(f"response body over {limit} bytes")
+        return bytes(out)
 
     async def lines(self) -> AsyncIterator[bytes]:
         """The body split after each ``\\n`` (for server-sent events)."""
         rest = b""
         async for piece in self._chunks():
-            data = rest + piece
+            data = rest + piece if rest else piece
             start = 0
             while (j := data.find(b"\n", start)) >= 0:
                 yield data[start:j + 1]
                 start = j + 1
             rest = data[start:]
+            if len(rest) > MAX_LINE_BYTES:
+                self.abort()
+                raise UpstreamProtocolError(f"an event line over {MAX_LINE_BYTES} bytes")
         if rest:
             yield rest
 
@@ -149,55 +263,52 @@ class Response:
             return
         self._released = True
         c = self._conn
-        keep = self._done and not c.closed and not c.buf and \
-            self.headers.get("connection", "").lower() != "close"
+        keep = (c.complete and not c.closed and c.error is None and not c.pieces
+                and not self._until_close and c.parser.should_keep_alive())
         if keep:
+            c.busy = False
             self._pool.append(c)
         elif c.transport is not None:
             c.transport.close()
 
 
-class AiohttpResponse:
-    """The same interface over an aiohttp response (https upstreams)."""
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._r = resp
-        self.status = resp.status
-        self.headers = {k.lower(): v for k, v in resp.headers.items()}
-
-    async def read(self) -> bytes:
-        return await self._r.read()
-
-    async def lines(self) -> AsyncIterator[bytes]:
-        async for line in self._r.content:
-            yield line
-
-    def abort(self) -> None:
-        self._r.close()
-
-    def release(self) -> None:
-        self._r.release()
+UpstreamResponse = Response
 
 
-UpstreamResponse = Response | AiohttpResponse
+def _header_value(v: str) -> str:
+    """A header value safe to write: no CR/LF (no header injection), latin-1 encodable."""
+    return v.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace").decode(
+        "latin-1")
 
 
 class UpstreamClient:
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, int], deque[_Conn]] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[tuple[str, str, int, str | None], deque[_Conn]] = {}
+        self._tls: dict[str | None, ssl.SSLContext] = {}
+
+    def _context(self, ca_file: str | None) -> ssl.SSLContext:
+        ctx = self._tls.get(ca_file)
+        if ctx is None:
+            ctx = self._tls[ca_file] = ssl.create_default_context(cafile=ca_file)
+        return ctx
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
-                   connect_timeout_s: float) -> UpstreamResponse:
+                   connect_timeout_s: float, ca_file: str | None = None) -> Response:
         u = urlsplit(url)
-        if u.scheme != "http":
-            return await self._via_aiohttp(url, body, headers, connect_timeout_s)
-        host, port = u.hostname or "127.0.0.1", u.port or 80
-        pool = self._pools.setdefault((host, port), deque())
+        if u.scheme not in ("http", "https"):
+            raise UpstreamConnectError(f"unsupported upstream scheme {u.scheme!r}")
+        tls = u.scheme == "https"
+        host = u.hostname or "127.0.0.1"
+        port = u.port or (443 if tls else 80)
+        key = (u.scheme, host, port, ca_file if tls else None)
+        pool = self._pools.setdefault(key, deque())
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        head = [f"POST {path} HTTP/1.1", f"Host: {u.netloc}", f"Content-Length: {len(body)}",
-                *(f"{k}: {v}" for k, v in headers.items()), "", ""]
-        payload = "\r\n".join(head).encode() + body
+        authority = f"[{host}]" if ":" in host else host
+        if u.port is not None:
+            authority += f":{port}"
+        head = [f"POST {path} HTTP/1.1", f"Host: {authority}", f"Content-Length: {len(body)}",
+                *(f"{k}: {_header_value(v)}" for k, v in headers.items()), "", ""]
+        payload = "\r\n".join(head).encode("latin-1") + body
         while pool:
             conn = pool.pop()
             if conn.closed or conn.transport is None or conn.transport.is_closing():
@@ -205,50 +316,37 @@ class UpstreamClient:
             try:
                 return await self._exchange(conn, pool, payload)
             except UpstreamBroken:
+                if conn.head_bytes:
+                    raise  # it had started answering: this one is the upstream's fault
                 continue  # a kept-alive connection the upstream had closed: use a fresh one
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(_Conn, host, port),
-                                         connect_timeout_s)
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                _Conn, host, port, ssl=self._context(ca_file) if tls else None,
+                server_hostname=host if tls else None), connect_timeout_s)
+        except TimeoutError:
+            raise
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamConnectError(f"could not connect to {authority}: {exc}") from exc
         return await self._exchange(conn, pool, payload)
 
     async def _exchange(self, conn: _Conn, pool: deque[_Conn], payload: bytes) -> Response:
         """Send a request and read its head; on any failure (including cancellation by a
         timeout) the connection is closed, never leaked nor pooled mid-exchange."""
         try:
-            return await self._exchange_head(conn, pool, payload)
+            assert conn.transport is not None
+            conn._reset()
+            conn.busy = True
+            conn.transport.write(payload)
+            while not conn.head_done:
+                await conn.more()
+            return Response(conn, pool)
         except BaseException:
             if conn.transport is not None:
                 conn.transport.close()
             raise
 
-    async def _exchange_head(self, conn: _Conn, pool: deque[_Conn], payload: bytes
-                             ) -> Response:
-        assert conn.transport is not None
-        conn.buf.clear()
-        conn.transport.write(payload)
-        while (end := conn.buf.find(b"\r\n\r\n")) < 0:
-            await conn.more()
-        head = bytes(conn.buf[:end]).decode("latin-1").split("\r\n")
-        del conn.buf[:end + 4]
-        status = int(head[0].split(" ", 2)[1])
-        headers: dict[str, str] = {}
-        for line in head[1:]:
-            k, _, v = line.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        return Response(conn, pool, status, headers)
-
-    async def _via_aiohttp(self, url: str, body: bytes, headers: Mapping[str, str],
-                           connect_timeout_s: float) -> AiohttpResponse:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(auto_decompress=False,
-                                                  cookie_jar=aiohttp.DummyCookieJar())
-        r = await self._session.post(url, data=body, headers=dict(headers),
-                                     timeout=aiohttp.ClientTimeout(sock_connect=connect_timeout_s))
-        return AiohttpResponse(r)
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
         for pool in self._pools.values():
             while pool:
                 c = pool.pop()

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -67,6 +68,7 @@ class Endpoint:
     api_key: str | None = None  # inline secrets are allowed but discouraged
     role: Literal["both", "prefill", "decode"] = "both"
     hardware: str | None = None  # accelerator profile name: a predictor feature
+    tls_ca_file: str | None = None  # CA bundle for an https endpoint (default: the system's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,15 +204,21 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     eps = []
     for i, e in enumerate(eps_raw):
         p = f"{path}.endpoints[{i}]"
-        em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware"}, {"url"})
+        em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware",
+                              "tls_ca_file"}, {"url"})
         url = d.string(em["url"], f"{p}.url").rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
+        if "@" in urlsplit(url).netloc:
+            raise d.fail(f"{p}.url", "credentials in the URL are not sent: use api_key_env")
+        ca = d.string(em["tls_ca_file"], f"{p}.tls_ca_file") if "tls_ca_file" in em else None
+        if ca is not None and not url.startswith("https://"):
+            raise d.fail(f"{p}.tls_ca_file", "applies to https endpoints only")
         role = em.get("role", "both")
         if role not in ("both", "prefill", "decode"):
             raise d.fail(f"{p}.role", "expected both, prefill or decode")
         hw = d.string(em["hardware"], f"{p}.hardware") if "hardware" in em else None
-        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw))
+        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw, ca))
     kw: dict[str, Any] = {}
     if "price" in m:
         pm = d.mapping(m["price"], f"{path}.price", {"input_per_1k", "output_per_1k"})

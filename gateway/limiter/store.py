@@ -11,6 +11,7 @@ touched, what is left and when it is full again, for the ``x-ratelimit-*`` heade
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -90,6 +91,7 @@ class Settlement:
     charged: dict[tuple[str, str], float] = field(default_factory=dict)
     steps: int = 0
     final: bool = False
+    in_flight: set[asyncio.Future[bool]] = field(default_factory=set)  # progressive charges
 
     def __post_init__(self) -> None:
         for c in self.reservation.charges:

@@ -77,14 +77,14 @@ class Fleet:
         self.probe_trips = 0
         self._probing: set[str] = set()
 
-    def endpoint(self, url: str, api_key: str | None, role: str, hardware: str | None
-                 ) -> EndpointState:
+    def endpoint(self, url: str, api_key: str | None, role: str, hardware: str | None,
+                 ca_file: str | None = None) -> EndpointState:
         e = self.endpoints.get(url)
         if e is None:
             e = self.endpoints[url] = EndpointState(url)
         # The scrape credential: any model's key for this URL (requests use their pool's).
         e.api_key = api_key or e.api_key
-        e.role, e.hardware = role, hardware
+        e.role, e.hardware, e.ca_file = role, hardware, ca_file
         return e
 
     def retain(self, urls: Iterable[str]) -> None:

@@ -1,0 +1,191 @@
+"""Getting a request to an endpoint that answers: hold while a pool wakes from zero, route,
+send, and re-decide without a failed endpoint under the one retry policy
+(``gateway.retry.Retrier``); with a remote prefill first when routing picked one
+(``gateway.disagg``). Walks the model's fallback chain when every endpoint failed before the
+first byte (or none can meet the SLO). Returns a ``Sent`` or the error to answer.
+
+Every reservation this module makes (a fallback's) is recorded in ``ctx.admissions``, so the
+pipeline settles it whatever happens after, cancellation included."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from gateway import disagg, quota, slo
+from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_failure
+from gateway.config.policy import Model
+from gateway.context import RequestContext
+from gateway.endpoints import EndpointState
+from gateway.errors import APIError
+from gateway.retry import Retrier
+from gateway.routing.plugins import RequestInfo
+from gateway.routing.router import Decision, Router
+from gateway.settle import refund_later
+from gateway.state import GatewayState
+from gateway.upstream import UpstreamError
+
+log = logging.getLogger("tokengate.gateway")
+
+# Fields only the gateway may set on an upstream request: a client's are dropped (a client's
+# ``kv_transfer_params`` would make a decode engine pull KV from an address it names).
+GATEWAY_ONLY_FIELDS = ("kv_transfer_params",)
+
+
+def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
+    """The body sent upstream: the client's, with the upstream model name, usage asked for
+    on streams, and the prefill's ``kv_transfer_params`` when the prompt was prefilled
+    elsewhere. Forwarded byte for byte when nothing needs to change (large agent prompts)."""
+    if kv is None and ctx.body.get("model") == m.upstream_name and (
+            not ctx.parsed.stream or ctx.parsed.include_usage) and not any(
+            f in ctx.body for f in GATEWAY_ONLY_FIELDS):
+        return ctx.raw
+    body = {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
+    body["model"] = m.upstream_name
+    if ctx.parsed.stream:
+        opts = dict(body.get("stream_options") or {})
+        opts["include_usage"] = True
+        body["stream_options"] = opts
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    return orjson.dumps(body)
+
+
+async def _route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                 reserved: int) -> tuple[Router, RequestInfo, Decision] | APIError:
+    """Hold while the pool wakes from zero, then the first decision (held to the SLO)."""
+    router = ctx.view.routers[m.name]
+    scaler = state.scalers.get(m.name)
+    if scaler is not None:
+        scaler.admitted(prompt_tokens, reserved)
+        if not router.pool.endpoints and not await scaler.hold(
+                ctx.route.hold_timeout_ms / 1000.0):
+            # Held while the pool woke from zero, and it did not wake in time (or the hold
+            # queue is full).
+            return APIError(503, f"{m.name} is starting; retry shortly",
+                            type="service_unavailable", code="cold_start",
+                            headers={"retry-after": "2"})
+    t0 = time.perf_counter()
+    g = ctx.parsed
+    info = await router.prepare(
+        ctx.view.counters[m.name], messages=g.messages if g.kind == "chat" else None,
+        prompt_ids=g.prompt_ids if g.prompt_ids is not None else ctx.text_ids.get(m.name),
+        prompt_text=g.prompt_text, salt=g.cache_salt,
+        prompt_tokens=prompt_tokens, expected_output=reserved,
+        slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
+    first = await slo.decide(state, ctx.route, m, router, info)
+    state.metrics.routing_seconds.observe(time.perf_counter() - t0)
+    if isinstance(first, APIError):
+        return first
+    return router, info, first
+
+
+async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                     reserved: int) -> Sent | APIError:
+    """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
+    says it is the client's fault), within the retry policy; the last error when none
+    would."""
+    routed = await _route(state, ctx, m, prompt_tokens, reserved)
+    if isinstance(routed, APIError):
+        return routed
+    router, info, first = routed
+    pool = router.pool
+    t = ctx.route.timeouts
+    g = ctx.parsed
+    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
+    tried: list[EndpointState] = []
+    last = APIError(502, f"no endpoint of {m.name} answered", type="server_error",
+                    code="upstream_unavailable")
+    retrier = Retrier(ctx.view.policy.settings.retries, pool.budget, state.rng)
+    retrier.first()
+    decision: Decision | None = first
+    backoff = False
+    while decision is not None:
+        if tried and not await retrier.again(backoff):
+            state.metrics.series("retries", m.name, "denied").inc()
+            break
+        if tried:
+            state.metrics.series("retries", m.name, "made").inc()
+        ep = decision.endpoint.ep
+        tried.append(ep)
+        router.commit(decision, info)
+        state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
+                             "decode" if decision.prefill else "sole").inc()
+        kv = None
+        started_at = time.perf_counter()
+        if decision.prefill is not None:
+            state.metrics.series("routing_decisions", m.name, router.strategy,
+                                 decision.prefill.ep.url, "prefill").inc()
+            kv = await disagg.remote_prefill(state, t, ctx.kind, ctx.request_id, ctx.body, m,
+                                             pool, decision)
+        prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
+        ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
+        sent_at = time.perf_counter()
+        try:
+            try:
+                up, lines = await attempt(state, ctx, pool, ep, ep.url + path,
+                                          upstream_body(ctx, m, kv), t)
+            except (UpstreamError, TimeoutError) as exc:
+                raise upstream_failure(exc, g.stream) from exc
+            if up.status != 200:
+                raise await answer_failure(up, ep, pool)
+        except Failure as f:
+            pool.release(ticket)
+            last, backoff = f.error, f.backoff
+            if not f.endpoint_fault:
+                return f.error  # the request's own fault: another endpoint would refuse it
+            pool.failed(ep, transport=f.kind in ("connect", "broken", "protocol"))
+            if f.kind in ("connect", "broken", "timeout", "protocol"):
+                state.fleet.suspect(ep)
+            state.metrics.series("upstream_errors", ep.url, f.kind).inc()
+            log.warning("endpoint %s failed (%s); retrying elsewhere if allowed", ep.url,
+                        f.kind)
+            if f.kind == "timeout" and not g.stream:
+                break  # a whole non-streamed request timed out: do not run it again
+            decision = router.decide(info, tried)
+            continue
+        except BaseException:  # cancelled (the client left): give the counters back
+            pool.release(ticket)
+            raise
+        state.metrics.series("prefix_cached_tokens", m.name).inc(
+            decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
+        return Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info,
+                    started_at if kv is not None else None)
+    return last
+
+
+async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admission
+                       ) -> tuple[quota.Admission, Sent, str | None] | APIError:
+    """``open_model`` on the admitted model, then down its fallback chain when every endpoint
+    failed before the first byte; the admission that is being served (the fallback's, whose
+    own quota was reserved, when it failed over), and why it failed over."""
+    policy = ctx.view.policy
+    failover = "quota" if adm.failover_from else None
+    opened = await open_model(state, ctx, adm.model, adm.prompt_tokens, adm.expected_output)
+    if not isinstance(opened, APIError):
+        return adm, opened, failover
+    if not ctx.route.failover or opened.code in ("overloaded",) or opened.status == 400:
+        return opened
+    reason = "slo" if opened.code == "slo_unattainable" else "upstream"
+    for name in adm.model.fallback:
+        if name not in ctx.route.models:
+            continue
+        fb = policy.models[name]
+        nxt = await quota.admit(state.store, policy, ctx.tenant, ctx.route, fb,
+                                lambda mm: ctx.count_prompt(mm),
+                                lambda mm: ctx.expected_output(mm))
+        ctx.admissions.append(nxt)
+        if not nxt.decision.allowed or nxt.model is not fb:
+            refund_later(ctx, nxt)
+            continue
+        attempt_ = await open_model(state, ctx, fb, nxt.prompt_tokens, nxt.expected_output)
+        if isinstance(attempt_, APIError):
+            refund_later(ctx, nxt)
+            continue
+        state.metrics.series("failovers", reason, adm.model.name, fb.name).inc()
+        refund_later(ctx, adm)
+        return nxt, attempt_, reason
+    return opened

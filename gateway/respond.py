@@ -1,0 +1,150 @@
+"""Answering the client from an opened upstream response: a stream relayed event by event
+(moved to another endpoint when its own is drained), or a whole body. Whatever happens here
+(the client leaves, the upstream breaks, a timeout), the endpoint's counters are given back and
+settlement (``gateway.settle``) is started exactly once, in ``finally``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from aiohttp import web
+
+from gateway import quota
+from gateway.attempt import Sent, continue_stream, upstream_failure
+from gateway.context import RequestContext
+from gateway.migrate import Live
+from gateway.relay import RelayResult, relay_body, relay_stream
+from gateway.settle import finish
+from gateway.upstream import UpstreamError
+
+_MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '
+                     b'endpoint", "type": "server_error", "param": null, "code": '
+                     b'"migration_failed"}}\n\ndata: [DONE]\n\n')
+
+
+def headers(ctx: RequestContext, adm: quota.Admission, sent: Sent, failover: str | None
+            ) -> dict[str, str]:
+    d = sent.decision
+    h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,
+         "x-tokengate-model": adm.model.name}
+    if d.prefill is not None and sent.prefill_used:
+        h["x-tokengate-prefill-endpoint"] = d.prefill.ep.url
+    if math.isfinite(d.predicted_ttft_ms):
+        h["x-tokengate-predicted-ttft-ms"] = f"{d.predicted_ttft_ms:.1f}"
+    if math.isfinite(d.predicted_tpot_ms):
+        h["x-tokengate-predicted-tpot-ms"] = f"{d.predicted_tpot_ms:.2f}"
+    if failover:
+        h["x-tokengate-failover"] = failover
+    h.update(quota.ratelimit_headers(adm.decision.states))
+    return h
+
+
+async def respond(request: web.Request, ctx: RequestContext, adm: quota.Admission,
+                  sent: Sent, failover: str | None) -> web.StreamResponse:
+    state = ctx.state
+    ep = sent.decision.endpoint.ep
+    state.metrics.series("in_flight", ep.url).inc()
+    state.metrics.overhead.observe(sent.sent_at - ctx.received_at)
+    result = RelayResult(status=sent.up.status)
+    current = [sent]  # the Sent being relayed (a migration replaces it)
+    try:
+        h = headers(ctx, adm, sent, failover)
+        if sent.lines is not None:
+            return await _stream(request, ctx, adm, current, result, h)
+        return await _body(ctx, adm, sent, result, h)
+    except asyncio.CancelledError:
+        result.client_gone = True
+        raise
+    finally:
+        s = current[0]
+        ep = s.decision.endpoint.ep
+        s.up.release()
+        s.pool.release(s.ticket)
+        state.metrics.series("in_flight", ep.url).dec()
+        if result.broken:
+            s.pool.failed(ep, transport=True)
+            state.fleet.suspect(ep)
+        elif result.status == 200 and not result.client_gone:
+            s.pool.succeeded(ep)
+        adm.settling = True
+        state.spawn(finish(ctx, adm, result, s))
+
+
+async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admission,
+                  current: list[Sent], result: RelayResult, h: dict[str, str]
+                  ) -> web.StreamResponse:
+    state = ctx.state
+    policy = ctx.view.policy
+    t = ctx.route.timeouts
+    sent = current[0]
+    assert sent.lines is not None
+    resp = web.StreamResponse(status=200, headers={
+        **h, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def progress(n: int) -> None:
+        await quota.charge_progress(state.store, adm, n)
+
+    shift = 0
+    while True:
+        sent = current[0]
+        assert sent.lines is not None
+        ep, pool = sent.decision.endpoint.ep, sent.pool
+
+        def first_token(s: Sent = sent) -> None:
+            s.pool.first_token(s.ticket)
+
+        # Streams of pools that scale may be moved off a draining endpoint.
+        live = Live(ep.url, sent.up.abort) if adm.model.scaling is not None else None
+        if live is not None:
+            state.live.add(live)
+        try:
+            await relay_stream(
+                sent.lines, resp, upstream_model=adm.model.upstream_name,
+                served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
+                on_tokens=progress, every=policy.settings.progressive_charge_tokens,
+                every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
+                on_first=first_token, gap_s=t.between_tokens_s,
+                deadline_s=t.total_s - (time.perf_counter() - sent.sent_at),
+                live=live, usage_shift=shift, tally=ep)
+        finally:
+            if live is not None:
+                state.live.remove(live)
+        if not result.migrated or live is None:
+            break
+        moved = await continue_stream(state, ctx, adm, sent, live, result.chunks)
+        if moved is None:
+            result.broken = True
+            await resp.write(_MIGRATION_FAILED)
+            break
+        # Hand over: the old endpoint's share goes back, the new one's is taken.
+        sent.up.release()
+        pool.release(sent.ticket)
+        state.metrics.series("in_flight", ep.url).dec()
+        current[0], shift = moved, result.chunks
+        state.metrics.series("in_flight", moved.decision.endpoint.ep.url).inc()
+        result.migrated = False
+    if not result.client_gone:
+        await resp.write_eof()
+    return resp
+
+
+async def _body(ctx: RequestContext, adm: quota.Admission, sent: Sent, result: RelayResult,
+                h: dict[str, str]) -> web.Response:
+    t = ctx.route.timeouts
+    try:
+        async with asyncio.timeout(max(t.total_s - (time.perf_counter() - sent.sent_at),
+                                       0.001)):
+            body, read = await relay_body(sent.up, upstream_model=adm.model.upstream_name,
+                                          served_model=adm.model.name)
+    except (TimeoutError, UpstreamError) as exc:
+        err = upstream_failure(exc, False).error
+        result.broken, result.status = True, err.status
+        raise err from None
+    result.usage, result.first_token_at, result.last_token_at = (
+        read.usage, read.first_token_at, read.last_token_at)
+    result.body = body
+    return web.Response(status=200, body=body, headers={
+        **h, "Content-Type": "application/json"})

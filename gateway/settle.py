@@ -1,0 +1,152 @@
+"""After the response: settle the quota with what was really served, count the request in the
+metrics, and feed the predictor what the request saw against what it was routed on. Runs in a
+background task, so a client that disconnected is settled too.
+
+What is charged (``served``):
+
+* a stream that ran to its ``[DONE]`` with the client there to the end: the upstream's
+  ``usage`` (prompt and completion tokens);
+* any other stream that wrote tokens to the client (it left, the upstream broke or stalled,
+  no usage came): the tokens the relay wrote, counted from the events themselves, plus the
+  prompt (the upstream's count when its usage arrived, else the gateway's);
+* a non-streamed answer relayed whole: its ``usage``, or without one the gateway's prompt
+  count and the tokens of the returned text (the model's own tokenizer);
+* anything else (no token reached the client): nothing -- the whole reservation, the request
+  included, is returned, exactly as if it had been refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import orjson
+
+from gateway import quota
+from gateway.attempt import Sent
+from gateway.context import RequestContext
+from gateway.limiter.store import StoreUnavailable
+from gateway.relay import RelayResult
+
+log = logging.getLogger("tokengate.gateway")
+
+
+# TPOT is learned and scored only over streams of at least this many tokens: over one or two
+# gaps it is a single step's time, decided by whether a prefill chunk shared that step, which
+# no feature of the endpoint can tell in advance.
+TPOT_MIN_TOKENS = 8
+
+
+def observe(ctx: RequestContext, r: RelayResult, sent: Sent) -> None:
+    """Feed the predictor what this request saw, against the features it was routed on."""
+    if not ctx.parsed.stream or r.first_token_at is None or r.broken:
+        return
+    state, d = ctx.state, sent.decision
+    ttft_ms = (r.first_token_at - sent.ttft_origin) * 1000.0
+    tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
+               if r.last_token_at is not None and r.chunks >= TPOT_MIN_TOKENS else None)
+    lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
+    lead.ep.observed(ttft_ms, None)
+    d.endpoint.ep.observed(None, tpot_ms)
+    if lead.row is not None:
+        state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
+                                predicted_ttft_ms=lead.ttft_ms, sent_at=sent.ttft_origin)
+        if state.sync is not None:
+            state.sync.queue_sample("ttft", lead.row, math.log(max(ttft_ms, 1e-3)))
+    if d.endpoint.row is not None and tpot_ms is not None:
+        state.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
+                                predicted_tpot_ms=d.endpoint.tpot_ms, sent_at=sent.ttft_origin)
+        if state.sync is not None:
+            state.sync.queue_sample("tpot", d.endpoint.row, math.log(max(tpot_ms, 1e-3)))
+
+
+def _count(u: dict[str, Any], key: str) -> int | None:
+    v = u.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+async def _text_tokens(ctx: RequestContext, adm: quota.Admission, body: bytes) -> int:
+    """Tokens of a non-streamed answer's text, for an upstream that sent no usage."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 0
+    parts: list[str] = []
+    for c in obj.get("choices") or () if isinstance(obj, dict) else ():
+        if not isinstance(c, dict):
+            continue
+        msg = c.get("message")
+        if isinstance(msg, dict):
+            for k in ("content", "reasoning_content"):
+                if isinstance(msg.get(k), str):
+                    parts.append(msg[k])
+            for call in msg.get("tool_calls") or ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    parts.append(fn["arguments"])
+        elif isinstance(c.get("text"), str):
+            parts.append(c["text"])
+    counter = ctx.view.counters.get(adm.model.name)
+    if counter is None or not parts:
+        return 0
+    return sum([len(await counter.text_ids(p)) for p in parts])
+
+
+async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult
+                 ) -> tuple[int, int] | None:
+    """(prompt, completion) tokens to charge, or None when nothing was served."""
+    usage = r.usage or {}
+    prompt, output = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    if ctx.parsed.stream:
+        complete = r.done and not r.broken and not r.client_gone
+        if complete and prompt is not None and output is not None:
+            return prompt, output
+        if r.chunks == 0:
+            return None
+        return (prompt if prompt is not None else adm.prompt_tokens), r.chunks
+    if r.status != 200 or r.body is None or r.client_gone or r.broken:
+        return None
+    if prompt is not None and output is not None:
+        return prompt, output
+    return adm.prompt_tokens, await _text_tokens(ctx, adm, r.body)
+
+
+def refund_later(ctx: RequestContext, adm: quota.Admission) -> None:
+    """Return ``adm``'s whole reservation in a background task (immune to the request's
+    cancellation); it is marked as being settled at once, so nothing settles it twice."""
+    adm.settling = True
+    ctx.state.spawn(_refund(ctx, adm))
+
+
+async def _refund(ctx: RequestContext, adm: quota.Admission) -> None:
+    try:
+        await quota.refund(ctx.state.store, adm)
+    except StoreUnavailable:
+        log.warning("refund of %s deferred: the rate store is unreachable", ctx.request_id)
+
+
+async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent: Sent) -> None:
+    """Settle quota and record metrics for a proxied request (runs even after a disconnect)."""
+    state = ctx.state
+    m = adm.model.name
+    used = await served(ctx, adm, r)
+    try:
+        if used is None:
+            await quota.refund(state.store, adm)
+        else:
+            await quota.settle(state.store, adm, output_tokens=used[1],
+                               prompt_tokens=used[0], failed_before_first_token=False)
+    except StoreUnavailable:
+        log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
+    status = ("client_gone" if r.client_gone else "broken" if r.broken else str(r.status))
+    state.metrics.series("requests", ctx.route.name, m, ctx.tenant, status).inc()
+    if used is not None and r.status == 200 and not r.broken:
+        observe(ctx, r, sent)
+        state.metrics.series("prompt_tokens", m, ctx.tenant).inc(used[0])
+        state.metrics.series("completion_tokens", m, ctx.tenant).inc(used[1])
+        if ctx.parsed.stream and r.first_token_at is not None:
+            state.metrics.series("ttft", m).observe(r.first_token_at - ctx.received_at)
+            if r.last_token_at is not None and r.chunks > 1:
+                state.metrics.series("tpot", m).observe(
+                    (r.last_token_at - r.first_token_at) / (r.chunks - 1))
