@@ -23,11 +23,17 @@ from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.errors import APIError
 from gateway.migrate import Live
+from gateway.relay import BadEvent, RelayResult, parse_event
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamBroken, UpstreamError, UpstreamResponse
+from gateway.upstream import (
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+)
 
 log = logging.getLogger("tokengate.gateway")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -52,6 +58,8 @@ class Sent:
     # elsewhere, else ``sent_at``; TTFT is observed from here, as the client sees it
     started_at: float | None = None
 
+    relayed: RelayResult | None = None  # a non-streamed answer, read whole and checked
+
     @property
     def ttft_origin(self) -> float:
         return self.started_at if self.started_at is not None else self.sent_at
@@ -63,37 +71,76 @@ def request_headers(ctx: RequestContext, pool: EndpointPool, ep: EndpointState
             **pool.auth_headers(ep)}
 
 
+@dataclass(slots=True)
+class Answer:
+    """An attempt's answer: its response, and a stream's events (the first already read) or
+    a whole non-streamed body (already read and checked to be a completion)."""
+
+    up: UpstreamResponse
+    lines: AsyncIterator[bytes] | None = None
+    body: bytes | None = None
+
+
 async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
-                  ep: EndpointState, url: str, body: bytes, t: Timeouts
-                  ) -> tuple[UpstreamResponse, AsyncIterator[bytes] | None]:
+                  ep: EndpointState, url: str, body: bytes, t: Timeouts) -> Answer:
     """Send one attempt; for a stream, also wait for its first event (within
-    ``first_token_s``), so that an upstream that stalls or breaks before producing anything
-    can still be retried elsewhere, invisibly to the client."""
+    ``first_token_s``), and for a non-streamed request read the whole answer (within
+    ``total_s``), so that an upstream that stalls, breaks or answers garbage before anything
+    reached the client can still be retried elsewhere, invisibly to the client."""
     headers = request_headers(ctx, pool, ep)
     if not ctx.parsed.stream:
         async with asyncio.timeout(t.total_s):
             up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s,
                                            ca_file=ep.ca_file)
-        return up, None
+            if up.status != 200:
+                return Answer(up)
+            try:
+                data = await up.read()
+            finally:
+                up.release()
+        return Answer(up, body=data)
     async with asyncio.timeout(t.first_token_s):
         up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s,
                                        ca_file=ep.ca_file)
         if up.status != 200:
-            return up, None
-        lines = up.lines()
+            return Answer(up)
         try:
-            first = await anext(lines)
-        except StopAsyncIteration:
-            up.release()
-            raise UpstreamBroken("the upstream ended the stream before any event") from None
+            if not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
+                raise UpstreamProtocolError("the upstream's answer to a stream is not "
+                                            "text/event-stream")
+            lines = up.lines()
+            first = await first_event(lines)
         except BaseException:
             up.release()
             raise
-    return up, _prepend(first, lines)
+    return Answer(up, lines=_prepend(first, lines))
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
+async def first_event(lines: AsyncIterator[bytes]) -> list[bytes]:
+    """The lines of a stream's first event, checked to be a JSON object that is not an
+    error (else ``UpstreamProtocolError``)."""
+    got: list[bytes] = []
+    data = b""
+    async for line in lines:
+        got.append(line)
+        if line not in (b"\n", b"\r\n"):
+            data += line
+            continue
+        if not data:
+            continue
+        payload = data[5:].strip() if data.startswith(b"data:") else b""
+        if payload:
+            try:
+                parse_event(payload)
+            except BadEvent as exc:
+                raise UpstreamProtocolError(str(exc)) from None
+        return got
+    raise UpstreamBroken("the upstream ended the stream before any event")
+
+
+async def _prepend(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for line in first:
+        yield line
     async for line in rest:
         yield line
 
@@ -209,10 +256,10 @@ async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.A
         tokens = (info.prompt_tokens if info else 0) + adm.expected_output
         ticket = pool.acquire(ep, tokens, tokens - adm.expected_output + generated)
         try:
-            up, lines = await attempt(state, ctx, pool, ep, ep.url + path, raw,
-                                      ctx.route.timeouts)
-            if up.status != 200 or lines is None:
-                raise await answer_failure(up, ep, pool)
+            ans = await attempt(state, ctx, pool, ep, ep.url + path, raw,
+                                ctx.route.timeouts)
+            if ans.up.status != 200 or ans.lines is None:
+                raise await answer_failure(ans.up, ep, pool)
         except (UpstreamError, TimeoutError, Failure) as exc:
             pool.release(ticket)
             f = exc if isinstance(exc, Failure) else upstream_failure(exc, True)
@@ -227,6 +274,7 @@ async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.A
         state.metrics.series("migrations", m.name, "moved").inc()
         log.info("moved stream %s from %s to %s after %d tokens", ctx.request_id, old.url,
                  ep.url, generated)
-        return Sent(up, decision, pool, ticket, time.perf_counter(), False, lines, info)
+        return Sent(ans.up, decision, pool, ticket, time.perf_counter(), False, ans.lines,
+                    info)
     state.metrics.series("migrations", m.name, "failed").inc()
     return None

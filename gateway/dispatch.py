@@ -21,6 +21,7 @@ from gateway.config.policy import Model
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointState
 from gateway.errors import APIError
+from gateway.relay import relay_body
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
@@ -126,12 +127,15 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         sent_at = time.perf_counter()
         try:
             try:
-                up, lines = await attempt(state, ctx, pool, ep, ep.url + path,
-                                          upstream_body(ctx, m, kv), t)
+                ans = await attempt(state, ctx, pool, ep, ep.url + path,
+                                    upstream_body(ctx, m, kv), t)
+                if ans.up.status != 200:
+                    raise await answer_failure(ans.up, ep, pool)
+                if ans.body is not None:
+                    relayed = relay_body(ans.body, upstream_model=m.upstream_name,
+                                         served_model=m.name)
             except (UpstreamError, TimeoutError) as exc:
                 raise upstream_failure(exc, g.stream) from exc
-            if up.status != 200:
-                raise await answer_failure(up, ep, pool)
         except Failure as f:
             pool.release(ticket)
             last, backoff = f.error, f.backoff
@@ -152,8 +156,9 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
             raise
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return Sent(up, decision, pool, ticket, sent_at, kv is not None, lines, info,
-                    started_at if kv is not None else None)
+        return Sent(ans.up, decision, pool, ticket, sent_at, kv is not None, ans.lines, info,
+                    started_at if kv is not None else None,
+                    relayed if ans.body is not None else None)
     return last
 
 

@@ -31,7 +31,6 @@ from gateway.upstream import (
     UpstreamBroken,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamResponse,
 )
 
 log = logging.getLogger("tokengate.gateway")
@@ -104,7 +103,7 @@ class BadEvent(Exception):
     """An upstream event that is not a JSON object, or is an error event."""
 
 
-def _parse(payload: bytes) -> dict[str, Any]:
+def parse_event(payload: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -202,7 +201,7 @@ async def relay_stream(
                 payload = data[5:].strip() if data.startswith(b"data:") else b""
                 forward = True
                 if payload and payload != b"[DONE]":
-                    obj = _parse(payload)
+                    obj = parse_event(payload)
                     if live is not None:
                         sid = obj.get("id")
                         sid = sid.encode() if isinstance(sid, str) else None
@@ -285,23 +284,21 @@ async def relay_stream(
     return res
 
 
-async def relay_body(upstream: UpstreamResponse, *, upstream_model: str,
-                     served_model: str) -> tuple[bytes, RelayResult]:
-    """Read a non-streamed response; pick up its usage and rename the model."""
-    body = await upstream.read()
-    res = RelayResult(status=upstream.status)
+def relay_body(body: bytes, *, upstream_model: str, served_model: str) -> RelayResult:
+    """A non-streamed answer as the client gets it: checked to be a completion (else
+    ``UpstreamProtocolError``), its usage picked up, its model renamed."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         obj = None
     if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-        log.warning("upstream answered 200 with a body that is not a completion")
-        raise UpstreamProtocolError("the upstream's answer is not a completion")
+        raise UpstreamProtocolError("the upstream's 200 answer is not a completion")
+    res = RelayResult(status=200)
     usage = obj.get("usage")
     res.usage = usage if isinstance(usage, dict) else None
-    now = time.perf_counter()
-    res.first_token_at = res.last_token_at = now
+    res.first_token_at = res.last_token_at = time.perf_counter()
     if upstream_model != served_model and obj.get("model") == upstream_model:
         obj["model"] = served_model
         body = orjson.dumps(obj)
-    return body, res
+    res.body = body
+    return res

@@ -12,12 +12,11 @@ import time
 from aiohttp import web
 
 from gateway import quota
-from gateway.attempt import Sent, continue_stream, upstream_failure
+from gateway.attempt import Sent, continue_stream
 from gateway.context import RequestContext
 from gateway.migrate import Live
-from gateway.relay import RelayResult, relay_body, relay_stream
+from gateway.relay import RelayResult, relay_stream
 from gateway.settle import finish
-from gateway.upstream import UpstreamError
 
 _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '
                      b'endpoint", "type": "server_error", "param": null, "code": '
@@ -53,7 +52,7 @@ async def respond(request: web.Request, ctx: RequestContext, adm: quota.Admissio
         h = headers(ctx, adm, sent, failover)
         if sent.lines is not None:
             return await _stream(request, ctx, adm, current, result, h)
-        return await _body(ctx, adm, sent, result, h)
+        return _body(sent, result, h)
     except asyncio.CancelledError:
         result.client_gone = True
         raise
@@ -131,20 +130,10 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
     return resp
 
 
-async def _body(ctx: RequestContext, adm: quota.Admission, sent: Sent, result: RelayResult,
-                h: dict[str, str]) -> web.Response:
-    t = ctx.route.timeouts
-    try:
-        async with asyncio.timeout(max(t.total_s - (time.perf_counter() - sent.sent_at),
-                                       0.001)):
-            body, read = await relay_body(sent.up, upstream_model=adm.model.upstream_name,
-                                          served_model=adm.model.name)
-    except (TimeoutError, UpstreamError) as exc:
-        err = upstream_failure(exc, False).error
-        result.broken, result.status = True, err.status
-        raise err from None
-    result.usage, result.first_token_at, result.last_token_at = (
-        read.usage, read.first_token_at, read.last_token_at)
-    result.body = body
-    return web.Response(status=200, body=body, headers={
+def _body(sent: Sent, result: RelayResult, h: dict[str, str]) -> web.Response:
+    read = sent.relayed
+    assert read is not None and read.body is not None
+    result.usage, result.body = read.usage, read.body
+    result.first_token_at, result.last_token_at = read.first_token_at, read.last_token_at
+    return web.Response(status=200, body=read.body, headers={
         **h, "Content-Type": "application/json"})

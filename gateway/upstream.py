@@ -81,7 +81,8 @@ class _Conn(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.head_bytes = 0
+        self.head_bytes = 0  # bytes received while the head is incomplete
+        self.header_bytes = 0  # the head's header lines
         self.head_done = False
         self.interim = False
         self.complete = False
@@ -126,8 +127,9 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
             return  # a trailer: parsed (and so checked) by llhttp, not used
-        if len(self.headers) >= MAX_HEADERS:
-            raise UpstreamProtocolError(f"more than {MAX_HEADERS} response headers")
+        self.header_bytes += len(name) + len(value) + 4
+        if len(self.headers) >= MAX_HEADERS or self.header_bytes > MAX_HEAD_BYTES:
+            raise UpstreamProtocolError("response head too large")
         key = name.decode("latin-1").lower()
         v = value.decode("latin-1").strip()
         self.headers[key] = f"{self.headers[key]}, {v}" if key in self.headers else v
@@ -153,7 +155,7 @@ class _Conn(asyncio.Protocol):
         if self.interim:
             self.interim = False
             self.headers = {}
-            self.head_bytes = 0
+            self.header_bytes = 0
             return
         self.complete = True
 
@@ -182,7 +184,8 @@ class _Conn(asyncio.Protocol):
         return piece
 
     async def more(self) -> None:
-        """Wait for the parser to make progress; raise if the connection cannot."""
+        """Wait for the parser to make progress; raise if the connection cannot make any
+        (what was parsed before an error or a close is still read first)."""
         if self.error is not None:
             raise self.error
         if self.closed:
@@ -192,8 +195,6 @@ class _Conn(asyncio.Protocol):
             await self._waiter
         finally:
             self._waiter = None
-        if self.error is not None:
-            raise self.error
 
 
 class Response:
