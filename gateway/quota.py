@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from gateway.config.policy import Limits, Model, Policy, Route
 from gateway.errors import APIError
 from gateway.limiter.store import (
+    SETTLE_MARGIN_S,
     BucketState,
     Charge,
     Decision,
@@ -86,7 +87,9 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
         cs = charges(policy, tenant, route, candidate, prompt, out)
         rid = uuid.uuid4().hex
         # No limits on any scope: nothing to reserve, no store round trip.
-        d = await store.reserve(cs, rid) if cs else Decision(True, Reservation(rid, ()))
+        life = reservation_life_s(route)
+        d = (await store.reserve(cs, rid, life_s=life) if cs else
+             Decision(True, Reservation(rid, (), life)))
         adm = Admission(candidate, prompt, out, d,
                         model.name if candidate is not model else None, refused=refused)
         if d.allowed:
@@ -99,6 +102,14 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
             continue  # too large for this model's burst: a fallback may still fit
     assert last is not None
     return last
+
+
+def reservation_life_s(route: Route) -> float:
+    """The longest a request admitted on ``route`` can take to be settled: held while a pool
+    wakes, queued for its SLO, then its whole timeout, plus a margin for the settlement
+    itself. Its idempotency markers live this long (``limiter.store.Reservation``)."""
+    return (route.hold_timeout_ms + route.queue_ms) / 1000.0 + route.timeouts.total_s + \
+        SETTLE_MARGIN_S
 
 
 def _duration(seconds: float) -> str:

@@ -123,3 +123,45 @@ def test_redis_killed_and_restarted_under_load(mode: str, backend_factory: Facto
         stop.set()
         gw.close()
         redis.stop()
+
+
+def test_no_tokengate_key_outlives_its_bound(backend_factory: Factory, tmp_path: Path) -> None:
+    """Idempotency markers live as long as a settlement can take (the route's hold + queue +
+    total timeouts + 60 s), one per request however many steps it settled in; a bucket lives
+    its own period plus tolerance."""
+    import redis as redis_py
+
+    from gateway.limiter.store import SETTLE_MARGIN_S
+
+    b = backend_factory(served_model_name="llama-3-8b", time_scale=0.01)
+    server = RedisServer(tmp_path / "redis")
+    doc = policy(f"{b.url}/v1", "fail_closed")
+    doc["settings"] = {"progressive_charge_tokens": 2}
+    doc["tenants"]["t"]["limits"] = {"rpm": 10_000, "tpm": 1_000_000}  # type: ignore[index]
+    doc["routes"]["r"]["timeouts"] = {"total_s": 30}  # type: ignore[index]
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc), redis_url=server.url)
+    n = 12
+    try:
+        for i in range(n):
+            r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer k"},
+                           json={"model": "m", "prompt": f"x {i}", "max_tokens": 300,
+                                 "stream": i % 2 == 0}, timeout=10)
+            assert r.status_code == 200
+        deadline = time.monotonic() + 5
+        while gw.state.background and time.monotonic() < deadline:
+            time.sleep(0.02)
+        route = gw.state.view.policy.routes["r"]
+        bound_ms = ((route.hold_timeout_ms + route.queue_ms) / 1000.0 + 30 + SETTLE_MARGIN_S
+                    ) * 1000
+        r = redis_py.Redis.from_url(server.url)
+        keys = [k.decode() for k in r.scan_iter("tg:*")]
+        markers = [k for k in keys if ":s:" in k]
+        assert 0 < len(markers) <= n  # at most one per request, however many steps
+        for k in markers:
+            assert 0 < r.pttl(k) <= bound_ms, k
+        for k in set(keys) - set(markers):  # buckets: period + tolerance (a minute each) + 1 s
+            assert 0 < r.pttl(k) <= 121_000, k
+        r.close()
+    finally:
+        gw.close()
+        server.stop()

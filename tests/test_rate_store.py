@@ -233,3 +233,28 @@ async def test_a_cluster_with_no_reachable_node_is_unavailable() -> None:
             await st.reserve([Charge("tenant:gone", tokens(10), 1)], "c1")
     finally:
         await st.close()
+
+
+async def test_memory_store_forgets_marks_after_their_reservation_life() -> None:
+    """Marks expire with their reservation's life, one heap pop each (not a scan of every
+    mark per settlement): a step retried within the life applies once; the marks held stay
+    bounded by the settlement rate times the life."""
+    from gateway.limiter.memory import MemoryStore
+
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    lim = tokens(1e12)
+    first = await store.reserve([Charge("tenant:m", lim, 10)], "r0", life_s=30)
+    assert first.reservation is not None
+    assert await store.adjust(first.reservation, {("tenant:m", "tokens"): -1}, "final")
+    now[0] += 29
+    assert not await store.adjust(first.reservation, {("tenant:m", "tokens"): -1}, "final")
+    held = []
+    for i in range(20_000):  # one settlement every 10 ms for 200 s
+        now[0] += 0.01
+        d = await store.reserve([Charge("tenant:m", lim, 10)], f"r{i + 1}", life_s=30)
+        assert d.reservation is not None
+        await store.adjust(d.reservation, {("tenant:m", "tokens"): -1}, "final")
+        held.append(len(store._applied))
+    assert max(held) <= 30 / 0.01 + 2
+    assert len(store._applied) == len(store._expiry)

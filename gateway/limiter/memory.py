@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.limiter import bucket
-from gateway.limiter.store import BucketState, Charge, Decision, Reservation, StoreStats
-
-_SETTLED_TTL_S = 3600.0
+from gateway.limiter.store import (
+    DEFAULT_LIFE_S,
+    BucketState,
+    Charge,
+    Decision,
+    Reservation,
+    StoreStats,
+)
 
 
 class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._tat: dict[tuple[str, str], float] = {}
-        self._applied: dict[tuple[str, str], float] = {}  # (reservation, step) -> expiry
+        self._applied: set[tuple[str, str]] = set()  # (reservation, step) applied
+        self._expiry: list[tuple[float, tuple[str, str]]] = []  # heap of (when, mark)
         self.stats = StoreStats()
 
-    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
-        return self.reserve_now(charges, reservation_id, self._clock())
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
+                      life_s: float = DEFAULT_LIFE_S) -> Decision:
+        return self.reserve_now(charges, reservation_id, self._clock(), life_s)
 
-    def reserve_now(self, charges: Sequence[Charge], reservation_id: str, now: float
-                    ) -> Decision:
+    def reserve_now(self, charges: Sequence[Charge], reservation_id: str, now: float,
+                    life_s: float = DEFAULT_LIFE_S) -> Decision:
         """The synchronous core (also the local fallback of the Redis store)."""
         self.stats.round_trips += 1
         pending: dict[tuple[str, str], float] = {}
@@ -37,7 +45,7 @@ class MemoryStore:
             pending[c.key] = r.new_tat
         self._tat.update(pending)
         states = tuple(self._state(c, now) for c in charges)
-        return Decision(True, Reservation(reservation_id, tuple(charges)), states)
+        return Decision(True, Reservation(reservation_id, tuple(charges), life_s), states)
 
     async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
                      step: str) -> bool:
@@ -50,7 +58,8 @@ class MemoryStore:
         mark = (reservation.id, step)
         if mark in self._applied:
             return False
-        self._applied[mark] = now + _SETTLED_TTL_S
+        self._applied.add(mark)
+        heapq.heappush(self._expiry, (now + reservation.life_s, mark))
         limits = {c.key: c.limit for c in reservation.charges}
         for key, delta in deltas.items():
             self._tat[key] = bucket.adjust(self._tat.get(key, 0.0), now, delta, limits[key])
@@ -62,8 +71,11 @@ class MemoryStore:
                            bucket.reset_after(tat, now), c.cost)
 
     def _expire(self, now: float) -> None:
-        if len(self._applied) > 10_000:
-            self._applied = {k: v for k, v in self._applied.items() if v > now}
+        """Forget the marks past their reservation's life: amortised O(log n) per mark (each
+        is pushed and popped once), never a scan of them all."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            self._applied.discard(heapq.heappop(heap)[1])
 
     async def close(self) -> None:
         return None

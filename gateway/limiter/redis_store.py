@@ -12,8 +12,11 @@ agree on ``now``.
   over-admitted; a concurrent request may be refused for a moment by a reservation that is
   then rolled back.
 
-Adjustments carry an idempotency marker key (``tg:{scope}:s:<reservation>:<step>``) set in the
-same script, so retried settlements apply once.
+Adjustments are made idempotent by a marker: one hash per reservation
+(``tg:{scope}:s:<reservation>``, a field per step: ``p1``, ``p2``, ..., ``final``) set in the same
+script, so a retried settlement step applies once. The hash expires with the reservation's
+life (``Reservation.life_s``: the route's hold + queue + total timeouts plus a minute), the
+longest its settlement can take, so Redis holds at most request rate × that many of them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from redis.asyncio.cluster import RedisCluster
 from gateway.limiter import bucket
 from gateway.limiter.resp import FastRedis, NoScript, RespError
 from gateway.limiter.store import (
+    DEFAULT_LIFE_S,
     BucketState,
     Charge,
     Decision,
@@ -108,26 +112,29 @@ class RedisStore:
         except _ERRORS as exc:
             raise StoreUnavailable(str(exc)) from exc
 
-    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
+                      life_s: float = DEFAULT_LIFE_S) -> Decision:
         if not self._cluster:
-            return await self._reserve_group(charges, reservation_id)
+            return await self._reserve_group(charges, reservation_id, life_s)
         groups: dict[str, list[Charge]] = defaultdict(list)
         for c in charges:
             groups[c.scope].append(c)
         done: list[Charge] = []
         states: list[BucketState] = []
         for group in groups.values():
-            d = await self._reserve_group(group, reservation_id)
+            d = await self._reserve_group(group, reservation_id, life_s)
             states.extend(d.states)
             if not d.allowed:
                 if done:
-                    partial = Reservation(reservation_id, tuple(done))
+                    partial = Reservation(reservation_id, tuple(done), life_s)
                     await self.adjust(partial, {c.key: -c.cost for c in done}, "rollback")
                 return Decision(False, None, tuple(states), d.denied)
             done.extend(group)
-        return Decision(True, Reservation(reservation_id, tuple(charges)), tuple(states))
+        return Decision(True, Reservation(reservation_id, tuple(charges), life_s),
+                        tuple(states))
 
-    async def _reserve_group(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+    async def _reserve_group(self, charges: Sequence[Charge], reservation_id: str,
+                             life_s: float) -> Decision:
         args: list[Any] = [len(charges)]
         for c in charges:
             lim = c.limit
@@ -141,7 +148,7 @@ class RedisStore:
                                    bucket.reset_after(t, now), c.cost)
                        for c, t in zip(charges, tats, strict=True))
         if allowed:
-            return Decision(True, Reservation(reservation_id, tuple(charges)), states)
+            return Decision(True, Reservation(reservation_id, tuple(charges), life_s), states)
         c = charges[index - 1]
         t = tats[index - 1]
         denied = BucketState(c.scope, c.limit, bucket.remaining(t, now, c.limit),
@@ -165,9 +172,9 @@ class RedisStore:
         for scope, items in groups.items():
             marker_scope = scope or (reservation.charges[0].scope if reservation.charges
                                      else "none")
-            keys = [f"{_key(marker_scope)}:s:{reservation.id}:{step}",
+            keys = [f"{_key(marker_scope)}:s:{reservation.id}",
                     *(_key(c.scope) for c, _ in items)]
-            args: list[Any] = [len(items)]
+            args: list[Any] = [len(items), step, max(1, math.ceil(reservation.life_s * 1000))]
             for c, d in items:
                 args += [c.limit.kind, repr(c.limit.interval), repr(d), _ttl_ms(c)]
             applied = bool(int(await self._eval(self._adjust_src, keys, args,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from gateway.limiter.memory import MemoryStore
 from gateway.limiter.store import (
+    DEFAULT_LIFE_S,
     Charge,
     Decision,
     RateStore,
@@ -58,10 +59,11 @@ class ResilientStore:
                         self.retry_s)
         self._down_until = self._clock() + self.retry_s
 
-    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision:
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
+                      life_s: float = DEFAULT_LIFE_S) -> Decision:
         if not self.degraded:
             try:
-                d = await self.primary.reserve(charges, reservation_id)
+                d = await self.primary.reserve(charges, reservation_id, life_s=life_s)
                 self.stats.round_trips += 1
                 return d
             except StoreUnavailable as exc:
@@ -69,7 +71,7 @@ class ResilientStore:
         if not self.fail_open:
             raise StoreUnavailable("rate store unreachable and the policy says fail_closed")
         self.stats.fallbacks += 1
-        d = await self.local.reserve(self._share(charges), reservation_id)
+        d = await self.local.reserve(self._share(charges), reservation_id, life_s=life_s)
         if d.allowed:
             self._local_ids.add(reservation_id)
         return d
@@ -77,7 +79,8 @@ class ResilientStore:
     async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
                      step: str) -> bool:
         if reservation.id in self._local_ids:
-            local = Reservation(reservation.id, tuple(self._share(reservation.charges)))
+            local = Reservation(reservation.id, tuple(self._share(reservation.charges)),
+                                reservation.life_s)
             if step == "final":
                 self._local_ids.discard(reservation.id)
             return await self.local.adjust(local, deltas, step)

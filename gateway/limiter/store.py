@@ -46,10 +46,20 @@ class BucketState:
         return max(0.0, self.limit.burst - self.remaining)
 
 
+# How long a reservation may stay unsettled when the caller does not say: the default route's
+# whole life (hold 60 s + queue 0.5 s + total 600 s) plus ``SETTLE_MARGIN_S``.
+SETTLE_MARGIN_S = 60.0
+DEFAULT_LIFE_S = 660.5 + SETTLE_MARGIN_S
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
     id: str
     charges: tuple[Charge, ...]
+    # The longest the request may take to be settled: its idempotency markers live this long
+    # (they only need to outlive the last settlement step), so their number in Redis is
+    # bounded by the request rate times this, not by a day of requests.
+    life_s: float = DEFAULT_LIFE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +79,8 @@ class StoreStats:
 class RateStore(Protocol):
     stats: StoreStats
 
-    async def reserve(self, charges: Sequence[Charge], reservation_id: str) -> Decision: ...
+    async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
+                      life_s: float = DEFAULT_LIFE_S) -> Decision: ...
 
     async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
                      step: str) -> bool:

@@ -1,13 +1,16 @@
 -- Apply after-the-fact deltas to GCRA buckets, once per (reservation, step).
--- KEYS[1]: the idempotency marker; KEYS[1 + i]: the i-th bucket's hash.
--- ARGV[1]: n; then, per delta, 4 values: field, interval (s/unit), delta (units), ttl (ms).
+-- KEYS[1]: the reservation's idempotency marker (a hash, one field per step applied);
+-- KEYS[1 + i]: the i-th bucket's hash.
+-- ARGV[1]: n; ARGV[2]: the step; ARGV[3]: the marker's life (ms, the reservation's);
+-- then, per delta, 4 values: field, interval (s/unit), delta (units), ttl (ms).
 -- Returns 1 if applied, 0 if this step was already applied.
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', 86400) then return 0 end
+if redis.call('HSETNX', KEYS[1], ARGV[2], '1') == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local n = tonumber(ARGV[1])
 for i = 1, n do
-  local b = 2 + (i - 1) * 4
+  local b = 4 + (i - 1) * 4
   local key = KEYS[1 + i]
   local tat = tonumber(redis.call('HGET', key, ARGV[b]) or '0')
   local delta = tonumber(ARGV[b + 2])
