@@ -7,15 +7,20 @@ command straight to a socket and matches replies to callers in order (Redis answ
 connection's commands in order), so many requests share a connection without waiting for each
 other. It speaks only what the limiter needs: commands in, integers, bulk strings, arrays and
 errors out. Redis Cluster still goes through redis-py (slot routing, redirections).
+
+URLs: ``redis://[[user]:password@]host[:port][/db]`` and ``rediss://…`` (TLS, verified against
+the system's CAs or ``?ssl_ca_certs=FILE``; ``?ssl_cert_reqs=none`` turns verification off).
+A username is sent as an ACL ``AUTH user password``. Any other scheme is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import ssl
 from collections import deque
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 
 class RespError(Exception):
@@ -36,7 +41,7 @@ def encode(args: tuple[Any, ...]) -> bytes:
         b"$%d\r\n%s\r\n" % (len(b), b) for b in parts)
 
 
-def _parse(buf: bytes, pos: int) -> tuple[Any, int]:
+def parse(buf: bytes | bytearray, pos: int) -> tuple[Any, int]:
     """One reply starting at ``pos``; raises _Incomplete when the buffer ends first."""
     end = buf.find(b"\r\n", pos)
     if end < 0:
@@ -51,11 +56,11 @@ def _parse(buf: bytes, pos: int) -> tuple[Any, int]:
             return None, pos
         if len(buf) < pos + n + 2:
             raise _Incomplete
-        return buf[pos:pos + n], pos + n + 2
+        return bytes(buf[pos:pos + n]), pos + n + 2
     if kind == b"+":
-        return line, pos
+        return bytes(line), pos
     if kind == b"-":
-        msg = line.decode(errors="replace")
+        msg = bytes(line).decode(errors="replace")
         return (NoScript(msg) if msg.startswith("NOSCRIPT") else RespError(msg)), pos
     if kind == b"*":
         n = int(line)
@@ -63,7 +68,7 @@ def _parse(buf: bytes, pos: int) -> tuple[Any, int]:
             return None, pos
         items = []
         for _ in range(n):
-            item, pos = _parse(buf, pos)
+            item, pos = parse(buf, pos)
             items.append(item)
         return items, pos
     raise RespError(f"unexpected reply type {kind!r}")
@@ -73,7 +78,7 @@ class _Conn(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.pending: deque[asyncio.Future[Any]] = deque()
-        self.buf = b""
+        self.buf = bytearray()  # received, not yet parsed: appended to, its head consumed
         self.closed = False
         self.out: list[bytes] = []  # commands queued, not yet written
         self._soon = False  # a write at the end of this loop iteration is scheduled
@@ -84,11 +89,15 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
+        if self.buf:
+            self.buf += data
+            buf: bytes | bytearray = self.buf
+        else:
+            buf = data  # the common case, a reply in one read: parsed in place, no copy
         pos = 0
         try:
-            while self.pending and pos < len(self.buf):
-                reply, pos = _parse(self.buf, pos)
+            while self.pending and pos < len(buf):
+                reply, pos = parse(buf, pos)
                 fut = self.pending.popleft()
                 if not fut.done():
                     if isinstance(reply, RespError):
@@ -97,7 +106,15 @@ class _Conn(asyncio.Protocol):
                         fut.set_result(reply)
         except _Incomplete:
             pass
-        self.buf = self.buf[pos:]
+        except (ValueError, RespError) as exc:  # not RESP: the connection cannot be trusted
+            if self.transport is not None:
+                self.transport.abort()
+            self.connection_lost(exc)
+            return
+        if buf is self.buf:
+            del self.buf[:pos]
+        elif pos < len(data):
+            self.buf += data[pos:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -150,15 +167,36 @@ def _expire(fut: asyncio.Future[Any], conn: _Conn) -> None:
             conn.transport.abort()
 
 
+def tls_context(query: str) -> ssl.SSLContext:
+    """The TLS context of a ``rediss://`` URL's query (redis-py's parameter names)."""
+    q = parse_qs(query)
+    cas = q.get("ssl_ca_certs")
+    ctx = ssl.create_default_context(cafile=cas[0] if cas else None)
+    if (q.get("ssl_cert_reqs") or ["required"])[0].lower() == "none":
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class FastRedis:
-    """``redis://host:port/db`` over ``connections`` pipelined sockets."""
+    """``redis://`` or ``rediss://`` (TLS) ``[user:password@]host:port/db`` over
+    ``connections`` pipelined sockets."""
 
     def __init__(self, url: str, *, connections: int = 2, timeout_s: float = 1.0) -> None:
         u = urlsplit(url)
+        if u.scheme not in ("redis", "rediss"):
+            raise ValueError(f"unsupported Redis URL scheme {u.scheme!r} (redis:// or "
+                             "rediss://; redis+cluster:// for a cluster)")
         self.host = u.hostname or "127.0.0.1"
         self.port = u.port or 6379
-        self.db = int((u.path or "/0").lstrip("/") or 0)
-        self.password = u.password
+        try:
+            self.db = int((u.path or "/0").lstrip("/") or 0)
+        except ValueError:
+            raise ValueError(f"the Redis URL's database must be a number, got {u.path!r}"
+                             ) from None
+        self.username = unquote(u.username) if u.username else None
+        self.password = unquote(u.password) if u.password is not None else None
+        self.tls = tls_context(u.query) if u.scheme == "rediss" else None
         self.timeout_s = timeout_s
         self._conns: list[_Conn | None] = [None] * connections
         self._locks = [asyncio.Lock() for _ in range(connections)]
@@ -174,9 +212,13 @@ class FastRedis:
                 return c
             loop = asyncio.get_running_loop()
             _, proto = await asyncio.wait_for(
-                loop.create_connection(_Conn, self.host, self.port), self.timeout_s)
-            if self.password:
-                await asyncio.wait_for(proto.send(("AUTH", self.password)), self.timeout_s)
+                loop.create_connection(_Conn, self.host, self.port, ssl=self.tls,
+                                       server_hostname=self.host if self.tls else None),
+                self.timeout_s)
+            if self.password is not None:
+                auth = (("AUTH", self.username, self.password) if self.username else
+                        ("AUTH", self.password))
+                await asyncio.wait_for(proto.send(auth), self.timeout_s)
             if self.db:
                 await asyncio.wait_for(proto.send(("SELECT", self.db)), self.timeout_s)
             self._conns[i] = proto
