@@ -18,7 +18,7 @@ from aiohttp import web
 
 from backend.config import ROLES, Role
 from backend.state import STATE, BackendState
-from gateway.errors import APIError, bad, json_object
+from protocol.errors import APIError, bad, json_object
 
 
 def _dumps(o: Any) -> str:

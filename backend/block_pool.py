@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from backend.kv_hash import BlockHash
+from protocol.kv_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

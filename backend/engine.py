@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from backend.block_pool import BlockPool, KVBlock
 from backend.events import KVEventLog
-from backend.kv_hash import root_hash
 from backend.kv_manager import KVCacheManager
 from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
@@ -33,7 +32,8 @@ from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
 from backend.stream import RequestStream
 from backend.textgen import WordSource
 from backend.timing import TimingModel
-from backend.tokenizer import Tokenizer
+from protocol.kv_hash import root_hash
+from protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("tokengate.backend")
 

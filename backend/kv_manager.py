@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backend.block_pool import BlockPool, KVBlock
-from backend.kv_hash import BlockHash, extend_block_hashes
 from backend.request import Request
+from protocol.kv_hash import BlockHash, extend_block_hashes
 
 
 @dataclass(slots=True)

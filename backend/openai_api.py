@@ -18,12 +18,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backend.protocol import GenerationRequest, Kind, parse
 from backend.request import RemotePrefill, Request, Status
 from backend.state import STATE, BackendState
 from backend.stream import Delta, RequestStream
 from backend.textgen import WordSource
-from gateway.errors import APIError, bad
+from protocol.errors import APIError, bad
+from protocol.validate import GenerationRequest, Kind, parse
 
 _LARGE_PROMPT_CHARS = 32_768  # tokenize longer prompts off the event loop
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from backend.request import Request
 from backend.state import STATE, BackendState
-from gateway.errors import APIError, bad, json_object
+from protocol.errors import APIError, bad, json_object
 
 log = logging.getLogger("tokengate.backend")
 _TIMEOUT = aiohttp.ClientTimeout(total=10)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.kv_hash import BlockHash
+from protocol.kv_hash import BlockHash
 
 
 class Status(enum.Enum):

@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backend import admin, openai_api, pd
 from backend.config import BackendConfig
 from backend.state import STATE, BackendState
-from backend.tokenizer import Tokenizer
-from gateway.errors import APIError, errors
+from protocol.errors import APIError, errors
+from protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("tokengate.backend")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

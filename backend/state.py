@@ -16,7 +16,7 @@ from backend.faults import Faults
 from backend.metrics import BackendMetrics
 from backend.profiles import HardwareProfile, ModelProfile, ProfileCatalog, load_profiles
 from backend.textgen import LengthDistribution
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("tokengate.backend")
 

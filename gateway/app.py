@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
 from gateway.coord import coordination_client
-from gateway.errors import APIError, errors, json_object
 from gateway.httpserver import guard
 from gateway.limiter.resilient import ResilientStore
 from gateway.reload import PolicyWatcher
@@ -27,6 +26,7 @@ from gateway.routing.share import PrefixShare
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
 from predictor.sync import ModelSync
+from protocol.errors import APIError, errors, json_object
 
 WATCHER: web.AppKey[PolicyWatcher] = web.AppKey("tokengate_policy_watcher", PolicyWatcher)
 

@@ -21,7 +21,6 @@ from gateway import migrate, quota
 from gateway.config.resilience import Timeouts
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
-from gateway.errors import APIError
 from gateway.migrate import Live
 from gateway.relay import BadEvent, RelayResult, parse_event
 from gateway.retry import Retrier
@@ -34,6 +33,7 @@ from gateway.upstream import (
     UpstreamProtocolError,
     UpstreamResponse,
 )
+from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backend.protocol import GenerationRequest, Kind
 from gateway.config.policy import Model, Route
 from gateway.state import GatewayState, PolicyView
+from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:
     from gateway.quota import Admission

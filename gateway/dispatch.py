@@ -20,7 +20,6 @@ from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_fai
 from gateway.config.policy import Model
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointState
-from gateway.errors import APIError
 from gateway.relay import relay_body
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
@@ -28,6 +27,7 @@ from gateway.routing.router import Decision, Router
 from gateway.settle import refund_later
 from gateway.state import GatewayState
 from gateway.upstream import UpstreamError
+from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
 

@@ -26,7 +26,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
-from gateway.errors import APIError
+from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
 

@@ -20,17 +20,17 @@ import uuid
 
 from aiohttp import web
 
-from backend.protocol import Kind, load_json, validate
 from gateway import quota, slo
 from gateway.config.policy import Policy
 from gateway.context import RequestContext
 from gateway.dispatch import open_request
-from gateway.errors import APIError, bad
 from gateway.httpserver import read_body
 from gateway.limiter.store import StoreUnavailable
 from gateway.respond import respond
 from gateway.settle import refund_later
 from gateway.state import GATEWAY, GatewayState
+from protocol.errors import APIError, bad
+from protocol.validate import Kind, load_json, validate
 
 log = logging.getLogger("tokengate.gateway")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces

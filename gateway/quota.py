@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.config.policy import Limits, Model, Policy, Route
-from gateway.errors import APIError
 from gateway.limiter.store import (
     SETTLE_MARGIN_S,
     BucketState,
@@ -32,6 +31,7 @@ from gateway.limiter.store import (
     Settlement,
     StoreUnavailable,
 )
+from protocol.errors import APIError
 
 
 def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_tokens: int,

@@ -18,10 +18,10 @@ import time
 from aiohttp import web
 
 from gateway.config.policy import Model, Route
-from gateway.errors import APIError, bad
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState
+from protocol.errors import APIError, bad
 
 FLEX_OVERLOAD_MS = 2000.0
 

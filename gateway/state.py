@@ -12,7 +12,6 @@ from typing import Any
 
 from aiohttp import web
 
-from backend.tokenizer import Tokenizer
 from gateway.config.policy import Endpoint, Model, Policy
 from gateway.endpoints import EndpointPool
 from gateway.limiter.store import RateStore
@@ -26,6 +25,7 @@ from gateway.tokenize import TokenCounter
 from gateway.upstream import UpstreamClient
 from predictor.online import OnlinePredictor
 from predictor.sync import ModelSync
+from protocol.tokenizer import Tokenizer
 
 
 def endpoint_key(e: Endpoint) -> str | None:

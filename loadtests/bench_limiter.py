@@ -25,8 +25,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.up import free_port
 from loadtests.client import wait_for
+from protocol.loopback import free_port
 
 KEY = "limiter-bench"
 
@@ -60,7 +60,7 @@ def start(a: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], int, in
     time.sleep(0.5)
     ports = [free_port() for _ in range(a.gateways)]
     for port in ports:
-        procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy",
+        procs.append(subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
                                        str(work / "p.yaml"), "--port", str(port), "--redis",
                                        f"redis://127.0.0.1:{rport}/0", "--log-level",
                                        "warning"]))

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import xgboost as xgb
 
-from backend.tokenizer import Tokenizer
 from gateway.config.policy import parse_policy
 from gateway.endpoints import EndpointPool
 from gateway.routing.fleet import Fleet
@@ -32,6 +31,7 @@ from gateway.routing.router import Router
 from gateway.tokenize import TokenCounter
 from predictor.features import FEATURES, F
 from predictor.online import OnlinePredictor
+from protocol.tokenizer import Tokenizer
 
 
 def _times(fn: Callable[[], Any], n: int) -> dict[str, float]:

@@ -47,12 +47,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from backend.tokenizer import Tokenizer
-from gateway.up import DEMO_KEY, free_port
 from loadtests import report, runner, workloads
 from loadtests.client import wait_for
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
+from protocol.loopback import DEMO_KEY, free_port
+from protocol.tokenizer import Tokenizer
 
 ADMIN = "bench-admin-key"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -82,7 +82,7 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
     env = dict(os.environ, TOKENGATE_ADMIN_KEY=ADMIN)
     if args.no_share:
         env["TOKENGATE_SHARE_PREFIX_HINTS"] = "0"
-    cmd = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--strategy",
+    cmd = [sys.executable, "-m", "tokengate", "up", "--port", str(port), "--strategy",
            strategy, "--model", args.model, "--hardware", args.hardware, "--no-quota",
            "--time-scale", str(getattr(args, "time_scale", 1.0)), "--log-dir", str(log_dir), *shape]
     if args.index:

@@ -45,13 +45,13 @@ from typing import Any
 import aiohttp
 import yaml
 
-from backend.tokenizer import Tokenizer
-from gateway.up import free_port
 from loadtests import metrics, report, runner, workloads
 from loadtests.client import wait_for
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
 from loadtests.traces import load_azure
+from protocol.loopback import free_port
+from protocol.tokenizer import Tokenizer
 
 KEY, ADMIN = "bench-key", "bench-admin"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -122,7 +122,7 @@ async def sample(url: str, stop: asyncio.Event, out: list[dict[str, Any]], t0: f
 
 def start_gateway(policy: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy",
+        return subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
                                  str(policy), "--port", str(port), "--log-level", "info"],
                                 stdout=log, stderr=log, env=dict(os.environ))
 

@@ -1,7 +1,7 @@
 """Prompts of exact token lengths, and Mooncake prompts whose blocks share exactly per hash id.
 
 Every prompt is made of *words*: tokens that decode to a space and lowercase letters and encode
-back to themselves (``backend.tokenizer.Tokenizer.output_words``). The tokenizer splits text
+back to themselves (``protocol.tokenizer.Tokenizer.output_words``). The tokenizer splits text
 before each such space, so a prompt of N words is exactly N tokens under that tokenizer, and a
 prompt's first k·512 words are identical exactly when its first k blocks are.
 
@@ -17,7 +17,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 MOONCAKE_BLOCK = 512
 

@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.tokenizer import Tokenizer
 from loadtests import report, runner, workloads
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
 from loadtests.runner import Progress, RunSettings, Target
+from protocol.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -39,11 +39,11 @@ import numpy as np
 import yaml
 
 from backend.textgen import LengthDistribution
-from backend.tokenizer import Tokenizer
-from gateway.up import free_port
 from loadtests import runner, workloads
 from loadtests.client import wait_for
 from loadtests.prompts import PromptMaker
+from protocol.loopback import free_port
+from protocol.tokenizer import Tokenizer
 
 KEY = "soak-key"
 
@@ -137,7 +137,7 @@ def start(args: argparse.Namespace, out: Path) -> tuple[list[subprocess.Popen[by
     ports = [free_port() for _ in range(2)]
     for port in ports:
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "backend", "--port", str(port),
+            [sys.executable, "-m", "tokengate", "backend", "--port", str(port),
              "--served-model-name", "m", "--model", "llama-3-8b", "--hardware", "h100-sxm",
              "--time-scale", str(args.time_scale)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -149,7 +149,7 @@ def start(args: argparse.Namespace, out: Path) -> tuple[list[subprocess.Popen[by
     path = out / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     gport = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--policy", str(path), "--port",
+    cmd = [sys.executable, "-m", "tokengate", "serve", "--policy", str(path), "--port",
            str(gport), "--log-level", "warning"]
     if args.redis:
         cmd += ["--redis", args.redis]

@@ -15,7 +15,7 @@ from backend.config import BackendConfig
 from backend.engine import EngineConfig
 from backend.server import serve
 from backend.state import BackendState
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

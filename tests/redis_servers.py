@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import random
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+from protocol import loopback
 
 
 def free_port() -> int:
-    """A free port whose +10000 cluster-bus port is free too (Redis Cluster needs <= 55535).
-
-    Both stay below Linux's ephemeral range (32768+): a client polling a port nobody listens
-    on yet can otherwise be handed that very port and connect to itself (TCP self-connect),
-    and an outgoing connection can take the port before the server binds it."""
-    for _ in range(1000):
-        port = random.randrange(12000, 22700)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for redis-server")
+    """A free port whose +10000 cluster-bus port is free too (``protocol.loopback``)."""
+    return loopback.free_port(bus=True)
 
 
 def _wait(port: int, timeout: float = 10.0) -> None:

@@ -14,7 +14,7 @@ import openai
 import pytest
 from conftest import RunningBackend
 
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 Factory = Callable[..., RunningBackend]
 

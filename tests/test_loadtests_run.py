@@ -12,11 +12,11 @@ import pytest
 from conftest import RunningBackend
 
 from backend.textgen import LengthDistribution
-from gateway.cli import main
 from loadtests import workloads
 from loadtests.metrics import SLO
 from loadtests.run import LoadtestConfig, run_all
 from loadtests.runner import Target
+from tokengate.cli import main
 
 Factory = Callable[..., RunningBackend]
 REQUIRED = {"requests", "completed", "failed", "duration_s", "request_throughput",

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from backend.textgen import LengthDistribution
-from backend.tokenizer import Tokenizer
 from loadtests import workloads
 from loadtests.client import RequestResult
 from loadtests.metrics import SLO, summarize, tpot
 from loadtests.prompts import PromptMaker
 from loadtests.traces import load_azure
+from protocol.tokenizer import Tokenizer
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 

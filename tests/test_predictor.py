@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,27 +139,45 @@ def test_the_first_fit_comes_at_min_samples_and_holds_out_only_the_surplus() -> 
 def test_swap_is_atomic_under_concurrent_predictions() -> None:
     p = trained()
     x, _, _ = world(16, seed=4)
-    v1 = p.predict(x)[0]
+    v1 = p.predict(x)
     x2, t2, tp2 = world(2000, seed=5)
     for i in range(len(t2)):  # a different world: the next model predicts differently
-        p.observe(x2[i], ttft_ms=float(t2[i]) * 3, tpot_ms=float(tp2[i]))
-    seen: list[np.ndarray] = []
+        p.observe(x2[i], ttft_ms=float(t2[i]) * 3, tpot_ms=float(tp2[i]) * 2)
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
     stop = threading.Event()
+    started = threading.Event()
 
     def reader() -> None:
         while not stop.is_set():
-            seen.append(p.predict(x)[0])
+            seen.append(p.predict(x))
+            started.set()
 
     t = threading.Thread(target=reader)
     t.start()
+    assert started.wait(10)  # the reader runs before, during and after the swap
     p.train_now()
+    v2 = p.predict(x)
+    deadline = time.monotonic() + 10
+    while not any(np.array_equal(s[0], v2[0]) for s in seen[-50:]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.001)
     stop.set()
     t.join()
-    v2 = p.predict(x)[0]
     assert p.models is not None and p.models.version == 2
-    assert not np.allclose(v1, v2)
-    # Every prediction made during the swap came wholly from one version or the other.
-    assert all(np.array_equal(s, v1) or np.array_equal(s, v2) for s in seen)
+    assert not np.allclose(v1[0], v2[0]) and not np.allclose(v1[1], v2[1])
+    # Every prediction made during the swap came wholly from one version or the other: both
+    # targets of one call from the same model.
+    def version(s: tuple[np.ndarray, np.ndarray]) -> int:
+        if np.array_equal(s[0], v1[0]) and np.array_equal(s[1], v1[1]):
+            return 1
+        if np.array_equal(s[0], v2[0]) and np.array_equal(s[1], v2[1]):
+            return 2
+        return 0
+
+    versions = [version(s) for s in seen]
+    assert 0 not in versions
+    assert versions[0] == 1 and versions[-1] == 2
+    assert versions == sorted(versions)  # never back to the old model once swapped
 
 
 def test_rolling_error_of_the_predictions_routed_on() -> None:

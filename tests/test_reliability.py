@@ -86,7 +86,7 @@ def stream_events(lines: Iterator[str]) -> tuple[int, list[dict[str, Any]], bool
 
 
 def spawn_backend(port: int, *flags: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "backend", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "backend", "--port",
                              str(port), "--served-model-name", "m", "--load-bandwidth", "1e6",
                              *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(f"http://127.0.0.1:{port}")
@@ -268,7 +268,7 @@ def test_client_disconnect_cancels_upstream_promptly(
 
 
 def _serve(policy_path: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy",
+    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
                              str(policy_path), "--port", str(port), "--drain-timeout", "10"],
                             stderr=subprocess.DEVNULL)
     wait_healthy(f"http://127.0.0.1:{port}")

@@ -4,7 +4,6 @@ and every split across reads, and its URLs against real Redis servers: an ACL us
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -76,8 +75,9 @@ def test_unknown_schemes_and_bad_databases_are_refused() -> None:
 async def test_an_acl_user_authenticates_with_its_username(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "acl")
     try:
-        subprocess.run(["redis-cli", "-p", str(server.port), "ACL", "SETUSER", "alice", "on",
-                        ">s3cret", "~*", "+@all"], check=True, capture_output=True)
+        admin = FastRedis(server.url)
+        await admin.execute("ACL", "SETUSER", "alice", "on", ">s3cret", "~*", "+@all")
+        await admin.aclose()
         good = FastRedis(f"redis://alice:s3cret@127.0.0.1:{server.port}/0")
         assert await good.execute("PING") == b"PONG"
         assert await good.execute("ACL", "WHOAMI") == b"alice"

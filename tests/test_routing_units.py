@@ -10,8 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backend.kv_hash import extend_block_hashes, root_hash
-from backend.tokenizer import Tokenizer
 from gateway.config.policy import parse_policy
 from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState
 from gateway.routing import plugins
@@ -22,6 +20,8 @@ from gateway.routing.router import Router
 from gateway.tokenize import TokenCounter
 from gateway.up import PoolShape
 from predictor.features import FEATURES, EndpointSnapshot, build_matrix
+from protocol.kv_hash import extend_block_hashes, root_hash
+from protocol.tokenizer import Tokenizer
 
 ROOT = root_hash("llama-3-8b")
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from backend.block_pool import BlockPool
-from backend.kv_hash import extend_block_hashes, root_hash
 from backend.kv_manager import KVCacheManager
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
+from protocol.kv_hash import extend_block_hashes, root_hash
 
 BS = 4
 

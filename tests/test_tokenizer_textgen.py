@@ -8,7 +8,7 @@ import pytest
 
 from backend.stream import RequestStream
 from backend.textgen import LengthDistribution, WordSource
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 
 def test_output_words_retokenize_to_the_same_ids(tokenizer: Tokenizer) -> None:

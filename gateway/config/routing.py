@@ -30,27 +30,34 @@ class Routing:
     seed: int = 0
 
 
+# The routing plugins a policy may name (``gateway.routing.plugins`` registers exactly these;
+# a test keeps the two in step). Names live here so the policy never imports the router.
+STRATEGIES = frozenset({"round_robin", "least_request", "prefix", "predicted"})
+FILTERS = frozenset({"bounded_load", "tpot_slo", "ttft_slo"})
+SCORERS = frozenset({"least_request", "least_tokens", "queue", "kv_free", "prefix",
+                     "predicted_ttft", "predicted_tpot"})
+PICKERS = frozenset({"max_score", "round_robin", "weighted_random"})
+
+
 def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
     """The ``routing:`` section of a model, decoded strictly with the policy's decoder."""
-    from gateway.routing import plugins
-
     m = d.mapping(raw, path, {"strategy", "filters", "scorers", "picker", "index", "block_size",
                               "hash_namespace", "load_factor", "remote_prefill_min_tokens",
                               "scrape_interval_ms", "seed"})
     kw: dict[str, Any] = {}
     if "strategy" in m:
-        kw["strategy"] = d.choice(m["strategy"], f"{path}.strategy", set(plugins.STRATEGIES))
+        kw["strategy"] = d.choice(m["strategy"], f"{path}.strategy", set(STRATEGIES))
     if "filters" in m:
         names = d.strings(m["filters"], f"{path}.filters")
         for i, n in enumerate(names):
-            d.choice(n, f"{path}.filters[{i}]", set(plugins.FILTERS))
+            d.choice(n, f"{path}.filters[{i}]", set(FILTERS))
         kw["filters"] = names
     if "scorers" in m:
-        sm = d.mapping(m["scorers"], f"{path}.scorers", set(plugins.SCORERS))
+        sm = d.mapping(m["scorers"], f"{path}.scorers", set(SCORERS))
         kw["scorers"] = {str(k): d.number(v, f"{path}.scorers.{k}", positive=False)
                          for k, v in sm.items()}
     if "picker" in m:
-        kw["picker"] = d.choice(m["picker"], f"{path}.picker", set(plugins.PICKERS))
+        kw["picker"] = d.choice(m["picker"], f"{path}.picker", set(PICKERS))
     if "index" in m:
         kw["index"] = d.choice(m["index"], f"{path}.index", {"approximate", "precise"})
     for k in ("block_size", "remote_prefill_min_tokens", "scrape_interval_ms"):

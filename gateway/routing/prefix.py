@@ -1,7 +1,7 @@
 """Prefix-cache affinity: the prompt's KV block hashes, and which endpoint probably holds them.
 
 *Hashing.* A prompt's full blocks are hashed with the reference backend's chained scheme
-(``backend.kv_hash``: block ``i`` names the whole prefix up to its end, the first block carries
+(``protocol.kv_hash``: block ``i`` names the whole prefix up to its end, the first block carries
 the cache salt, the root separates models), so in precise mode the gateway's hashes are the
 very hashes the backend reports in its KV events. Chat prompts are hashed incrementally: the
 hash state after a request's messages is cached under a key chained from the messages' keys,
@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from backend.kv_hash import BlockHash, hash_block, root_hash
 from gateway.tokenize import TokenCounter
+from protocol.kv_hash import BlockHash, hash_block, root_hash
 
 
 def extend_hashes(hashes: array[int], tail: array[int], tokens: Iterable[int], block_size: int,

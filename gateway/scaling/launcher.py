@@ -11,7 +11,6 @@ its weights "load", so a cold start takes as long as the model's weights take to
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,7 @@ import aiohttp
 
 from gateway.config.policy import Model
 from gateway.config.scaling import Launcher
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from protocol.loopback import free_port
 
 
 @dataclass(slots=True, eq=False)
@@ -55,7 +48,7 @@ class LocalLauncher:
         if self.spec.kind == "command":
             return [c.replace("{port}", str(port)) for c in self.spec.command]
         b = self.model.backend
-        cmd = [sys.executable, "-m", "gateway.cli", "backend", "--port", str(port),
+        cmd = [sys.executable, "-m", "tokengate", "backend", "--port", str(port),
                "--model", b.model, "--hardware", b.hardware, "--served-model-name",
                self.model.upstream_name, "--time-scale", str(self.spec.time_scale),
                "--role", role, "--log-level", "warning"]

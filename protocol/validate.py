@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.errors import bad
+from protocol.errors import bad
 
 Kind = Literal["chat", "completion"]
 MAX_TOKEN_ID = 2**31  # ids index a vocabulary; past this they cannot be one

@@ -1,0 +1,111 @@
+"""``tokengate backend``: the reference GPU backend's command line (argument parsing only; the
+one place its environment is read). ``python -m backend.cli`` runs it without the dispatcher."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from backend.config import KV_LINKS, ROLES, BackendConfig
+from backend.engine import EngineConfig
+from backend.faults import FaultConfig
+from protocol.runtime import run_loop
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("backend", help="run a reference GPU backend (OpenAI-compatible)",
+                       description="A simulated vLLM instance: continuous batching, paged KV "
+                       "cache with prefix caching, roofline step timing.")
+    a = p.add_argument
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--model", default="llama-3-8b", help="model profile (see --profiles)")
+    a("--hardware", default="h100-sxm", help="hardware profile: h100-sxm, h200, b200, a100-80g")
+    a("--profiles", help="YAML/JSON file of extra hardware and model profiles")
+    a("--role", choices=ROLES, default="both", help="prefill/decode disaggregation role")
+    a("--time-scale", type=float, default=1.0,
+      help="multiply every modelled duration (<1 runs faster)")
+    a("--seed", type=int, default=0)
+    a("--served-model-name", help="model name clients use (default: the profile name)")
+    a("--max-num-seqs", type=int, default=256)
+    a("--max-num-batched-tokens", type=int, default=8192)
+    a("--max-model-len", type=int, help="context limit (default: the profile's)")
+    a("--block-size", type=int, default=16)
+    a("--gpu-memory-utilization", type=float, default=0.9)
+    a("--num-gpu-blocks", type=int, help="override the memory-derived KV cache size")
+    a("--no-prefix-caching", action="store_true")
+    a("--output-len", default="lognormal:256:0.8",
+      help="length at which a request emits EOS: fixed:N | uniform:A:B | exponential:MEAN | "
+           "lognormal:MEAN:SIGMA (capped by max_tokens; ignore_eos runs to max_tokens)")
+    a("--jitter", type=float, default=0.03, help="log-normal sigma of step-time noise")
+    a("--kv-link", choices=sorted(KV_LINKS), default="rdma",
+      help="KV transfer link: rdma (400 Gb/s) or tcp (25 Gb/s)")
+    a("--kv-link-gbps", type=float, help="KV link bandwidth in Gb/s (overrides --kv-link)")
+    a("--kv-hold-timeout", type=float, default=480.0,
+      help="seconds a prefill instance keeps KV nobody pulled")
+    a("--load-bandwidth", type=float, default=3.6,
+      help="weight loading bandwidth in GB/s (cold start = weights / this)")
+    a("--api-key", default=os.environ.get("TOKENGATE_BACKEND_API_KEY"),
+      help="require this bearer key on /v1 and /admin (env TOKENGATE_BACKEND_API_KEY)")
+    a("--max-body-mb", type=float, default=64.0)
+    g = p.add_argument_group("fault injection (off by default)")
+    g.add_argument("--fault-error-rate", type=float, default=0.0)
+    g.add_argument("--fault-error-status", type=int, default=503)
+    g.add_argument("--fault-stall", type=float, default=0.0, help="seconds before first token")
+    g.add_argument("--fault-stall-rate", type=float, default=1.0)
+    g.add_argument("--fault-drop-rate", type=float, default=0.0)
+    g.add_argument("--fault-drop-after", type=int, default=4)
+    g.add_argument("--fault-slow-step", type=float, default=0.0, help="seconds added per step")
+    a("--log-level", default="info")
+
+
+def backend_config(ns: argparse.Namespace) -> BackendConfig:
+    engine = EngineConfig(
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
+        num_gpu_blocks=ns.num_gpu_blocks, enable_prefix_caching=not ns.no_prefix_caching,
+        time_scale=ns.time_scale, jitter=ns.jitter, seed=ns.seed,
+        kv_hold_timeout_s=ns.kv_hold_timeout)
+    faults = FaultConfig(
+        error_rate=ns.fault_error_rate, error_status=ns.fault_error_status,
+        stall_s=ns.fault_stall, stall_rate=ns.fault_stall_rate, drop_rate=ns.fault_drop_rate,
+        drop_after_tokens=ns.fault_drop_after, slow_step_s=ns.fault_slow_step)
+    link = ns.kv_link_gbps * 1e9 if ns.kv_link_gbps else KV_LINKS[ns.kv_link]
+    return BackendConfig(
+        host=ns.host, port=ns.port, model=ns.model, hardware=ns.hardware,
+        served_model_name=ns.served_model_name, role=ns.role, profiles_file=ns.profiles,
+        max_model_len=ns.max_model_len, output_len=ns.output_len, kv_link_bps=link,
+        load_bandwidth_bps=ns.load_bandwidth * 1e9, api_key=ns.api_key,
+        max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from backend.profiles import ProfileError
+    from backend.server import serve
+
+    try:
+        config = backend_config(ns)
+        config.faults.validate()
+        run_loop(serve(config, handle_signals=True))
+    except (ProfileError, ValueError) as exc:
+        print(f"tokengate backend: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokengate")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["backend", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The package boundaries, read from the source: ``protocol`` imports no other package of
+ours; ``backend`` never imports ``gateway`` (it is a separate program that knows no gateway);
+nothing imports ``tokengate`` (the dispatcher) or ``loadtests`` but the dispatcher and the
+tests; load tests that drive the gateway speak HTTP to it (only the component micro-benchmarks
+import gateway modules); and no two files import each other, directly or round a cycle --
+every import counted, including those inside functions and under ``TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests")
+# Micro-benchmarks of one component may import that component (the brief allows it).
+COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules a file imports (``from a.b import c`` counts a.b.c when that is
+    a module, else a.b)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for n in names:
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n:
+                found.add(n)
+    return found
+
+
+GRAPH = None
+
+
+def graph() -> dict[str, set[str]]:
+    global GRAPH
+    if GRAPH is None:
+        mods = _modules()
+        GRAPH = {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+    return GRAPH
+
+
+def _package(mod: str) -> str:
+    return mod.split(".")[0]
+
+
+def test_protocol_imports_no_other_package_of_ours() -> None:
+    bad = {m: sorted(i for i in deps if _package(i) != "protocol")
+           for m, deps in graph().items() if _package(m) == "protocol"}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_the_backend_knows_no_gateway() -> None:
+    bad = {m: sorted(i for i in deps if _package(i) in ("gateway", "loadtests", "tokengate"))
+           for m, deps in graph().items() if _package(m) == "backend"}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_only_the_dispatcher_imports_the_load_harness_and_itself() -> None:
+    for m, deps in graph().items():
+        pkg = _package(m)
+        if pkg != "tokengate":
+            assert not any(_package(i) == "tokengate" for i in deps), m
+        if pkg not in ("tokengate", "loadtests"):
+            assert not any(_package(i) == "loadtests" for i in deps), m
+
+
+def test_load_tests_drive_the_gateway_over_http() -> None:
+    for m, deps in graph().items():
+        if _package(m) == "loadtests" and m not in COMPONENT_BENCHMARKS:
+            assert not any(_package(i) == "gateway" for i in deps), (m, sorted(deps))
+
+
+def test_no_import_cycle_between_files() -> None:
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                cycle = [*stack[stack.index(d):], d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+
+
+def test_the_policy_names_exactly_the_registered_routing_plugins() -> None:
+    from gateway.config import routing as names
+    from gateway.routing import plugins
+
+    assert set(plugins.STRATEGIES) == names.STRATEGIES
+    assert set(plugins.FILTERS) == names.FILTERS
+    assert set(plugins.SCORERS) == names.SCORERS
+    assert set(plugins.PICKERS) == names.PICKERS

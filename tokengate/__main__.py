@@ -1,0 +1,5 @@
+import sys
+
+from tokengate.cli import main
+
+sys.exit(main())

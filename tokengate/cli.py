@@ -1,0 +1,29 @@
+"""``tokengate COMMAND``: one entry point for the project's programs, each of which keeps its
+command line in its own package -- ``serve``/``up`` in ``gateway.cli``, ``backend`` in
+``backend.cli``, ``loadtest`` in ``loadtests.cli``. Only the chosen program is imported."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from backend import cli as backend_cli
+from gateway import cli as gateway_cli
+from loadtests import cli as loadtests_cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokengate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    backend_cli.add_parser(sub)
+    loadtests_cli.add_parser(sub)
+    gateway_cli.add_parsers(sub)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.command == "backend":
+        return backend_cli.run(ns)
+    if ns.command == "loadtest":
+        return loadtests_cli.run(ns)
+    return gateway_cli.run(ns)
