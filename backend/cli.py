@@ -4,12 +4,13 @@ one place its environment is read). ``python -m backend.cli`` runs it without th
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from backend.config import KV_LINKS, ROLES, BackendConfig
+from backend.config import KV_LINKS, LOOPBACK_PEERS, ROLES, BackendConfig
 from backend.engine import EngineConfig
 from backend.faults import FaultConfig
 from protocol.runtime import run_loop
@@ -51,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--api-key", default=os.environ.get("TOKENGATE_BACKEND_API_KEY"),
       help="require this bearer key on /v1 and /admin (env TOKENGATE_BACKEND_API_KEY)")
     a("--max-body-mb", type=float, default=64.0)
+    a("--kv-peer", action="append", metavar="CIDR",
+      help="a network whose instances this one may pull KV from (repeatable; default "
+           "loopback only: 127.0.0.0/8 and ::1)")
     g = p.add_argument_group("fault injection (off by default)")
     g.add_argument("--fault-error-rate", type=float, default=0.0)
     g.add_argument("--fault-error-status", type=int, default=503)
@@ -74,11 +78,14 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         stall_s=ns.fault_stall, stall_rate=ns.fault_stall_rate, drop_rate=ns.fault_drop_rate,
         drop_after_tokens=ns.fault_drop_after, slow_step_s=ns.fault_slow_step)
     link = ns.kv_link_gbps * 1e9 if ns.kv_link_gbps else KV_LINKS[ns.kv_link]
+    for peer in ns.kv_peer or ():
+        ipaddress.ip_network(peer, strict=False)  # a ValueError names a bad --kv-peer
     return BackendConfig(
         host=ns.host, port=ns.port, model=ns.model, hardware=ns.hardware,
         served_model_name=ns.served_model_name, role=ns.role, profiles_file=ns.profiles,
         max_model_len=ns.max_model_len, output_len=ns.output_len, kv_link_bps=link,
         load_bandwidth_bps=ns.load_bandwidth * 1e9, api_key=ns.api_key,
+        kv_peers=tuple(ns.kv_peer) if ns.kv_peer else LOOPBACK_PEERS,
         max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,6 +14,21 @@ ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
 
 # Link bandwidths of the KV transfer between prefill and decode instances, in bits/s.
 KV_LINKS = {"rdma": 400e9, "tcp": 25e9}
+LOOPBACK_PEERS = ("127.0.0.0/8", "::1/128")
+
+
+def peer_allowed(host: object, port: object, peers: tuple[str, ...]) -> bool:
+    """Whether ``host:port`` (from a request's kv_transfer_params) is a trusted KV peer: an
+    IP address inside one of ``peers`` and a valid port; host names are never trusted (a
+    name's address is not ours to vouch for)."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return False
+    try:
+        addr = ipaddress.ip_address(host) if isinstance(host, str) else None
+    except ValueError:
+        return False
+    return addr is not None and any(addr in ipaddress.ip_network(p, strict=False)
+                                    for p in peers)
 
 
 @dataclass(slots=True)
@@ -30,6 +46,9 @@ class BackendConfig:
     kv_link_latency_s: float = 100e-6
     load_bandwidth_bps: float = 3.6e9  # bytes/s from storage to GPU (local NVMe safetensors)
     api_key: str | None = None
+    # The prefill peers this instance may pull KV from (networks, CIDR): a request's
+    # ``kv_transfer_params`` naming any other host is refused, never contacted.
+    kv_peers: tuple[str, ...] = LOOPBACK_PEERS
     max_body_bytes: int = 64 * 1024 * 1024
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)

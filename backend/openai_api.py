@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from backend.config import peer_allowed
 from backend.request import RemotePrefill, Request, Status
 from backend.state import STATE, BackendState
 from backend.stream import Delta, RequestStream
@@ -69,6 +70,11 @@ def _check_role(state: BackendState, g: GenerationRequest) -> tuple[bool, Remote
         if missing:
             raise bad(f"kv_transfer_params is missing {', '.join(missing)}",
                       "kv_transfer_params")
+        if not peer_allowed(kvp["remote_host"], kvp["remote_port"], state.config.kv_peers):
+            state.metrics.kv_transfer_failures.inc()
+            raise APIError(400, "kv_transfer_params names a prefill peer this instance does "
+                           "not trust (see --kv-peer)", param="kv_transfer_params",
+                           code="kv_peer_not_allowed")
         return False, RemotePrefill(dict(kvp))
     return False, None
 

@@ -65,15 +65,18 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[GATEWAY].metrics.registry)
+    state = request.app[GATEWAY]
+    if not state.view.policy.settings.public_metrics and state.view.admin_digest is not None:
+        _admin(request)
+    body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def _admin(request: web.Request) -> GatewayState:
     state = request.app[GATEWAY]
     digest = state.view.admin_digest
-    auth = request.headers.get("Authorization", "")
-    got = hashlib.sha256(auth[7:].encode()).hexdigest() if auth.startswith("Bearer ") else ""
+    token = pipeline.bearer(request)
+    got = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest() if token else ""
     if digest is None or not hmac.compare_digest(got, digest):
         raise APIError(401, "admin endpoints need the admin key", code="invalid_api_key")
     return state
@@ -208,9 +211,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.executor.shutdown(wait=False, cancel_futures=True)
 
 
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """No ``Server: Python/… aiohttp/…``: what the gateway runs on is nobody's business."""
+    response.headers["Server"] = "tokengate"
+
+
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.Application:
     app = web.Application(middlewares=[guard, errors],
                           client_max_size=state.view.policy.settings.max_body_bytes)
+    app.on_response_prepare.append(_server_header)
     app[GATEWAY] = state
     if watcher is not None:
         app[WATCHER] = watcher

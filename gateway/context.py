@@ -31,6 +31,11 @@ class RequestContext:
     text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
 
+    @property
+    def tenant_label(self) -> str:
+        """The tenant as metrics name it: "*" when the policy keeps tenants out of them."""
+        return self.tenant if self.view.policy.settings.metrics_tenant_label else "*"
+
     async def count_prompt(self, m: Model) -> int:
         """The prompt's tokens as model ``m`` counts them (tokenized once per model)."""
         counter = self.view.counters[m.name]

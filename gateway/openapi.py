@@ -117,7 +117,9 @@ def document(max_messages: int = 4096) -> dict[str, Any]:
             "/ready": {"get": {"summary": "Readiness (503 while draining)", "responses": {
                 "200": {"description": "ready"}, "503": {"description": "draining"},
                 **_errors(400)}}},
-            "/metrics": _plain("Prometheus metrics", 400),
+            "/metrics": {"get": {**_plain("Prometheus metrics", 400, 401)["get"],
+                                 "description": "Behind the admin key when one is set, unless "
+                                 "settings.public_metrics.", "security": [{"bearer": []}]}},
             "/admin/policy": _admin("The policy in force"),
             "/admin/endpoints": _admin("Endpoints and their live state"),
             "/admin/limiter": _admin("The rate store"),

@@ -94,7 +94,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         opened = await open_request(state, ctx, adm)
         if isinstance(opened, APIError):
-            state.metrics.series("requests", route.name, adm.model.name, tenant,
+            state.metrics.series("requests", route.name, adm.model.name, ctx.tenant_label,
                                  str(opened.status)).inc()
             raise opened
         served, sent, failover = opened
@@ -120,7 +120,8 @@ async def _admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
         if refused.denied is not None:
             state.metrics.series("limiter", refused.denied.scope.split(":")[0], "denied").inc()
     if not adm.decision.allowed:
-        state.metrics.series("requests", route.name, ctx.parsed.model, tenant, "429").inc()
+        state.metrics.series("requests", route.name, ctx.parsed.model, ctx.tenant_label,
+                             "429").inc()
         raise quota.rate_limit_error(adm.decision)
     ctx.admissions.append(adm)
     state.metrics.series("limiter", "all", "admitted").inc()

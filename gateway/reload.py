@@ -9,7 +9,6 @@ is logged with the loader's message (file, path, reason) and counted in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -54,8 +53,15 @@ class PolicyWatcher:
         return True
 
     async def run(self) -> None:
+        """Poll the file; a reload that fails unexpectedly (not a refused policy: a bug, or
+        the tokenizer failing to load) is logged with its traceback, counted as ``error``,
+        and the watcher keeps polling with the old policy in force."""
         while True:
             await asyncio.sleep(self.interval_s)
             if self._stat() != self._mtime:
-                with contextlib.suppress(Exception):
+                try:
                     self.reload()
+                except Exception as exc:
+                    log.exception("policy reload failed, keeping the current policy")
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    self.state.metrics.policy_reloads.labels("error").inc()

@@ -140,11 +140,11 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
     except StoreUnavailable:
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
     status = ("client_gone" if r.client_gone else "broken" if r.broken else str(r.status))
-    state.metrics.series("requests", ctx.route.name, m, ctx.tenant, status).inc()
+    state.metrics.series("requests", ctx.route.name, m, ctx.tenant_label, status).inc()
     if used is not None and r.status == 200 and not r.broken:
         observe(ctx, r, sent)
-        state.metrics.series("prompt_tokens", m, ctx.tenant).inc(used[0])
-        state.metrics.series("completion_tokens", m, ctx.tenant).inc(used[1])
+        state.metrics.series("prompt_tokens", m, ctx.tenant_label).inc(used[0])
+        state.metrics.series("completion_tokens", m, ctx.tenant_label).inc(used[1])
         if ctx.parsed.stream and r.first_token_at is not None:
             state.metrics.series("ttft", m).observe(r.first_token_at - ctx.received_at)
             if r.last_token_at is not None and r.chunks > 1:

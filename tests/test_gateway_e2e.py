@@ -18,6 +18,7 @@ from gateway_stack import RunningGateway, start_gateway, write_policy
 from redis_servers import free_port
 
 Factory = Callable[..., RunningBackend]
+ADMIN = {"Authorization": "Bearer admin-key"}
 
 
 def sha(key: str) -> str:
@@ -140,7 +141,7 @@ def assert_quota_failover(c: openai.OpenAI, max_tokens: int) -> None:
 def test_quota_breach_is_served_by_the_fallback(stack: tuple[RunningGateway, Path]) -> None:
     gw, _ = stack
     assert_quota_failover(client(gw), 300)
-    metrics = httpx.get(f"{gw.url}/metrics").text
+    metrics = httpx.get(f"{gw.url}/metrics", headers=ADMIN).text
     assert ('tokengate_failovers_total{from_model="big",reason="quota",to_model="small"} 1.0'
             in metrics)
 
@@ -234,7 +235,7 @@ def test_policy_hot_reload(stack: tuple[RunningGateway, Path],
     refusals = [r.getMessage() for r in caplog.records if "policy reload refused" in
                 r.getMessage()]
     assert refusals and str(path) in refusals[0] and "nonsense" in refusals[0]
-    metrics = httpx.get(f"{gw.url}/metrics").text
+    metrics = httpx.get(f"{gw.url}/metrics", headers=ADMIN).text
     assert 'tokengate_policy_reloads_total{outcome="rejected"}' in metrics
     client(gw, "key-b").completions.create(model="small", prompt="x", max_tokens=1)
 

@@ -81,7 +81,7 @@ def test_prefill_decode_pool_end_to_end(backend_factory: Factory, tmp_path: Path
         assert pe.head_done_at > 0 and not pe.pending and pe.prefill_tokens == 0
         assert pe.recent_ttft_ms / 1e3 >= metric(p, "vllm:e2e_request_latency_seconds_sum")
         # Both steps count in quota once, as one request.
-        gm = httpx.get(f"{gw.url}/metrics").text
+        gm = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
         assert 'tokengate_prompt_tokens_total{model="big",tenant="a"} ' \
             f'{float(usage.prompt_tokens)}' in gm
         assert 'tokengate_requests_total{model="big",route="r",status="200",tenant="a"} 1.0' in gm
@@ -164,7 +164,7 @@ def test_slo_fallback_flex_shedding_and_bad_headers(backend_factory: Factory,
                 json={"model": "big", "prompt": "hi", "max_tokens": 2})
             assert r.status_code == 400, (name, r.text)
             assert r.json()["error"]["param"] == name
-        gm = httpx.get(f"{gw.url}/metrics").text
+        gm = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
         assert 'tokengate_failovers_total{from_model="big",reason="slo",to_model="small"}' in gm
         assert 'action="shed"' in gm
     finally:
@@ -188,7 +188,7 @@ def test_predictor_learns_online_and_reports_its_error(backend_factory: Factory,
         stream(c, "after training " + LONG, max_tokens=8)
         with pytest.raises(openai.BadRequestError):  # over the context: upstream says 400
             stream(c, LONG * 16, max_tokens=4)
-        gm = httpx.get(f"{gw.url}/metrics").text
+        gm = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
         assert 'tokengate_predictor_mape{target="ttft"}' in gm
         assert 'tokengate_predictor_mape{target="tpot"}' in gm
         summary = httpx.get(f"{gw.url}/admin/predictor",

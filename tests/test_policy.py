@@ -109,3 +109,43 @@ def test_header_and_error_formatting() -> None:
     assert err.status == 429 and err.code == "rate_limit_exceeded" and err.type == "tokens"
     assert err.headers["retry-after"] == "13" and err.headers["retry-after-ms"] == "12300"
     assert "limit 1000, used 900, requested 300" in err.message
+
+
+def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_survived(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    import time
+
+    from gateway_stack import start_gateway, write_policy
+
+    from gateway import reload
+
+    doc = {"version": 1, "models": {"m": {"endpoints": [{"url": "http://127.0.0.1:9/v1"}]}},
+           "tenants": {"t": {"keys": [{"sha256": "0" * 64}]}},
+           "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    path = write_policy(tmp_path / "p.yaml", doc)
+    gw = start_gateway(path)
+    try:
+        def boom(_: object) -> None:
+            raise RuntimeError("tokenizer exploded")
+
+        monkeypatch.setattr(reload, "load_policy", boom)
+        time.sleep(0.05)
+        path.write_text(path.read_text() + "\n")
+        counter = gw.state.metrics.policy_reloads.labels("error")
+        deadline = time.monotonic() + 5
+        while counter._value.get() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counter._value.get() == 1
+        assert gw.watcher.last_error == "RuntimeError: tokenizer exploded"
+        assert any("policy reload failed" in r.getMessage() for r in caplog.records)
+        monkeypatch.undo()  # the watcher still runs: the next change is applied
+        doc["models"]["m"]["default_max_tokens"] = 7  # type: ignore[index]
+        time.sleep(0.05)
+        write_policy(path, doc)
+        while gw.state.view.policy.models["m"].default_max_tokens != 7 and \
+                time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        assert gw.state.view.policy.models["m"].default_max_tokens == 7
+    finally:
+        gw.close()

@@ -280,7 +280,7 @@ def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
             assert fresh.headers["x-tokengate-endpoint"] == other
             httpx.post(f"{gw.url}/admin/drain", json={"url": first, "undrain": True},
                        headers={"Authorization": "Bearer adm"})
-        metrics = httpx.get(f"{gw.url}/metrics").text
+        metrics = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer adm"}).text
         assert 'tokengate_migrations_total{outcome="moved",pool="m"} 2.0' in metrics
     finally:
         gw.close()

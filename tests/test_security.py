@@ -184,7 +184,7 @@ def test_the_gateway_honours_its_openapi_document(case: Any, gw: RunningGateway)
     framing = {"content-length", "transfer-encoding", "host", "connection", "expect"}
     case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() not in framing}
     case.headers["Authorization"] = "Bearer k1"
-    if case.path.startswith("/admin/"):
+    if case.path.startswith("/admin/") or case.path == "/metrics":
         case.headers["Authorization"] = "Bearer admin"
     r = case.call(base_url=gw.url, timeout=10)
     assert r.status_code < 500, r.text[:300]
@@ -215,3 +215,103 @@ def test_policy_settings_are_strict(tmp_path: Path) -> None:
                                        "timeouts": {"between_tokens_s": 2}}}})
     t = p.routes["r"].timeouts
     assert (t.first_token_s, t.between_tokens_s, t.total_s) == (9, 2, 600)
+
+
+def test_a_clients_kv_transfer_params_never_reach_the_upstream(
+        gw: RunningGateway, upstream: RecordingUpstream) -> None:
+    """Only the gateway may set kv_transfer_params: a client's would make a decode engine
+    pull KV from an address the client names (SSRF)."""
+    evil = {"do_remote_prefill": True, "remote_host": "10.9.8.7", "remote_port": 6379,
+            "remote_engine_id": "x", "remote_request_id": "y", "remote_block_ids": [1]}
+    for stream in (False, True):
+        before = len(upstream.requests)
+        r = httpx.post(f"{gw.url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
+                       json={**CHAT, "stream": stream, "kv_transfer_params": evil})
+        assert r.status_code == 200, r.text
+        body = upstream.requests[before].body
+        assert "kv_transfer_params" not in body and body["messages"] == CHAT["messages"]
+
+
+def test_the_backend_pulls_kv_only_from_peers_it_trusts(backend_factory: Any) -> None:
+    """A request naming a prefill peer outside the backend's --kv-peer networks (loopback by
+    default) is refused with 400, and the peer is never contacted."""
+    contacted: list[bool] = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    b = backend_factory(served_model_name="m", time_scale=0.01, kv_peers=("10.0.0.0/8",))
+    try:
+        for host in ("127.0.0.1", "169.254.169.254", "example.com"):
+            kv = {"do_remote_prefill": True, "remote_host": host, "remote_port": port,
+                  "remote_engine_id": "e", "remote_request_id": "r", "remote_block_ids": [0]}
+            r = httpx.post(f"{b.url}/v1/completions", json={
+                "model": "m", "prompt": "hello " * 40, "max_tokens": 2,
+                "kv_transfer_params": kv})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "kv_peer_not_allowed"
+        try:
+            listener.accept()
+            contacted.append(True)
+        except TimeoutError:
+            pass
+        assert not contacted
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(gw: RunningGateway, scheme: str) -> None:
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT,
+                   headers={"Authorization": f"{scheme} k1"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_that_is_not_what_its_encoding_says_is_a_400(gw: RunningGateway) -> None:
+    import json
+
+    for enc in ("gzip", "deflate", "br", "x-nonsense"):
+        r = httpx.post(f"{gw.url}/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                       headers={"Authorization": "Bearer k1", "Content-Encoding": enc,
+                                "Content-Type": "application/json"})
+        assert r.status_code in (400, 415) and is_openai_error(r), (enc, r.status_code, r.text)
+
+
+def test_responses_do_not_say_what_the_gateway_runs_on(gw: RunningGateway) -> None:
+    responses = [httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT,
+                            headers={"Authorization": "Bearer k1"}),
+                 httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT),
+                 httpx.get(f"{gw.url}/nowhere"), httpx.get(f"{gw.url}/health")]
+    for r in responses:
+        server = r.headers.get("server", "")
+        assert "aiohttp" not in server.lower() and "python" not in server.lower(), server
+
+
+def test_metrics_are_behind_the_admin_key_and_may_name_no_tenant(
+        tmp_path: Path, upstream: RecordingUpstream) -> None:
+    doc: dict[str, Any] = {
+        "version": 1, "settings": {"admin_key_sha256": sha("admin")},
+        "models": {"m": {"endpoints": [{"url": upstream.url}]}},
+        "tenants": {"acme-secret-customer": {"keys": [{"sha256": sha("k1")}]}},
+        "routes": {"r": {"tenants": ["acme-secret-customer"], "models": ["m"]}}}
+    g = start_gateway(write_policy(tmp_path / "p.yaml", doc))
+    try:
+        assert httpx.post(f"{g.url}/v1/chat/completions", json=CHAT,
+                          headers={"Authorization": "Bearer k1"}).status_code == 200
+        anonymous = httpx.get(f"{g.url}/metrics")
+        assert anonymous.status_code == 401 and is_openai_error(anonymous)
+        assert "acme-secret-customer" not in anonymous.text
+        admin = httpx.get(f"{g.url}/metrics", headers={"Authorization": "Bearer admin"})
+        assert admin.status_code == 200 and 'tenant="acme-secret-customer"' in admin.text
+    finally:
+        g.close()
+    doc["settings"] = {"public_metrics": True, "metrics_tenant_label": False}
+    g = start_gateway(write_policy(tmp_path / "q.yaml", doc))
+    try:
+        assert httpx.post(f"{g.url}/v1/chat/completions", json=CHAT,
+                          headers={"Authorization": "Bearer k1"}).status_code == 200
+        time.sleep(0.2)
+        text = httpx.get(f"{g.url}/metrics").text
+        assert 'tenant="*"' in text and "acme-secret-customer" not in text
+    finally:
+        g.close()

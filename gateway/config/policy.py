@@ -155,6 +155,11 @@ class Settings:
     client: ClientLimits = field(default_factory=ClientLimits)
     admin_key_sha256: str | None = None
     admin_key_env: str | None = None
+    # ``/metrics``: behind the admin key when one is configured (Prometheus sends it as a
+    # bearer token), unless ``public_metrics``; ``metrics_tenant_label: false`` writes "*"
+    # for every tenant, so the series name no customer.
+    public_metrics: bool = False
+    metrics_tenant_label: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +279,8 @@ def _settings(d: Decoder, raw: Any) -> Settings:
     m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
                                     "progressive_charge_ms", "max_body_bytes",
                                     "max_messages", "timeouts", "retries", "client",
-                                    "admin_key_sha256", "admin_key_env"})
+                                    "admin_key_sha256", "admin_key_env", "public_metrics",
+                                    "metrics_tenant_label"})
     kw: dict[str, Any] = {}
     if "redis_failure" in m:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
@@ -294,6 +300,11 @@ def _settings(d: Decoder, raw: Any) -> Settings:
         kw["admin_key_sha256"] = digest
     if "admin_key_env" in m:
         kw["admin_key_env"] = d.string(m["admin_key_env"], "settings.admin_key_env")
+    for k in ("public_metrics", "metrics_tenant_label"):
+        if k in m:
+            if not isinstance(m[k], bool):
+                raise d.fail(f"settings.{k}", "expected true or false")
+            kw[k] = m[k]
     return Settings(**kw)
 
 
