@@ -84,6 +84,7 @@ class _Conn(asyncio.Protocol):
         self.head_bytes = 0  # bytes received while the head is incomplete
         self.header_bytes = 0  # the head's header lines
         self.head_done = False
+        self.keep_alive = False
         self.interim = False
         self.complete = False
         self.pieces: deque[bytes] = deque()
@@ -143,6 +144,8 @@ class _Conn(asyncio.Protocol):
             raise UpstreamProtocolError(f"invalid status {status}")
         self.status = status
         self.head_done = True
+        # Asked now: llhttp resets its flags once the message completes.
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.pieces.append(body)
@@ -265,7 +268,7 @@ class Response:
         self._released = True
         c = self._conn
         keep = (c.complete and not c.closed and c.error is None and not c.pieces
-                and not self._until_close and c.parser.should_keep_alive())
+                and not self._until_close and c.keep_alive)
         if keep:
             c.busy = False
             self._pool.append(c)

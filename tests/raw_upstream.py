@@ -53,6 +53,7 @@ class RawUpstream:
     server: ServerThread | None = None
     _gate: asyncio.Event | None = None
     released: threading.Event = field(default_factory=threading.Event)
+    connections: int = 0  # connections that carried a POST (the gateway's scrapes aside)
 
     @property
     def url(self) -> str:
@@ -81,6 +82,7 @@ class RawUpstream:
             self.server.close()
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        posted = False
         try:
             while True:
                 try:
@@ -94,6 +96,9 @@ class RawUpstream:
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     continue
                 self.requests.append(req)
+                if not posted:
+                    posted = True
+                    self.connections += 1
                 if not await self._play(self.script(req), reader, writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):

@@ -185,8 +185,27 @@ def test_an_interim_100_continue_is_skipped_and_trailers_are_parsed(
     stream = client.chat.completions.create(model="m", stream=True, max_tokens=4,
                                             messages=[{"role": "user", "content": "hello"}])
     assert len([c for c in stream if c.choices]) == 2
-    assert len(u.requests) == 2
+    assert len(u.requests) == 2 and u.connections == 1
     assert gw.state.fleet.endpoints[u.url].failed == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_kept_alive_connections_are_reused(
+        stream: bool, upstreams: Callable[..., RawUpstream],
+        gateways: Callable[..., RunningGateway]) -> None:
+    u = upstreams(good)
+    gw = gateways([u.url])
+    for _ in range(5):
+        assert chat(gw, stream=stream).status_code == 200
+    assert len(u.requests) == 5 and u.connections == 1
+    # "Connection: close" from the upstream is honoured: the next request opens a new one.
+    closing = upstreams(lambda req: [json_response(200, completion("chat", "hi", 5, 2))
+                                     .replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n",
+                                              1)])
+    gw2 = gateways([closing.url])
+    for _ in range(3):
+        assert chat(gw2).status_code == 200
+    assert closing.connections == 3
 
 
 @pytest.mark.parametrize(("status", "want"), [(400, 400), (422, 400), (401, 502), (403, 502),
