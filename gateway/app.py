@@ -106,13 +106,14 @@ async def admin_endpoints(request: web.Request) -> web.Response:
                   "index": view.policy.models[name].routing.index,
                   "endpoints": [
                       {"url": e.url, "role": e.role, "hardware": e.hardware,
-                       "in_flight": e.in_flight, "prefill_tokens": e.prefill_tokens,
-                       "decoding": e.decoding, "tokens_outstanding": e.tokens_outstanding,
-                       "step_ms": e.current_step_ms(time.monotonic()),
-                       "routed": e.routed, "served": e.served, "failed": e.failed,
-                       "healthy": e.healthy(time.monotonic()), "waiting": e.waiting,
-                       "running": e.running, "kv_usage": e.kv_usage,
-                       "block_size": e.block_size, "num_gpu_blocks": e.num_gpu_blocks,
+                       "in_flight": e.live.in_flight, "prefill_tokens": e.live.prefill_tokens,
+                       "decoding": e.live.decoding, "tokens_outstanding": e.live.tokens_outstanding,
+                       "step_ms": e.live.current_step_ms(time.monotonic()),
+                       "routed": e.live.routed, "served": e.health.served,
+                       "failed": e.health.failed,
+                       "healthy": e.healthy(time.monotonic()), "waiting": e.engine.waiting,
+                       "running": e.engine.running, "kv_usage": e.engine.kv_usage,
+                       "block_size": e.engine.block_size, "num_gpu_blocks": e.engine.num_gpu_blocks,
                        "index_blocks": (state.fleet.precise if view.routers[name].precise
                                         else state.fleet.approx).size(e.url)}
                       for e in pool.endpoints]}
@@ -144,12 +145,12 @@ async def admin_drain(request: web.Request) -> web.Response:
     if e is None:
         raise APIError(404, f"no endpoint {url!r}", param="url", code="endpoint_not_found")
     if body.get("undrain") is True:
-        e.draining = False
+        e.health.draining = False
         return web.json_response({"url": e.url, "draining": False})
-    e.draining = True
+    e.health.draining = True
     moved = state.live.migrate_from(e.url)
     return web.json_response({"url": e.url, "draining": True, "streams_moved": moved,
-                              "in_flight": e.in_flight})
+                              "in_flight": e.live.in_flight})
 
 
 async def admin_limiter(request: web.Request) -> web.Response:

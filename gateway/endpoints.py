@@ -31,17 +31,16 @@ from predictor.features import DEFAULT_PREFILL_RATE  # tokens/ms before any obse
 
 
 @dataclass(slots=True, eq=False)
-class EndpointState:
-    url: str
-    api_key: str | None = None
-    role: str = "both"
-    hardware: str | None = None
-    ca_file: str | None = None  # the CA bundle that verifies an https endpoint
-    # live counters
+class LiveLoad:
+    """The gateway's own live view of the load it put on an endpoint, exact at every decision.
+    Written by the request path only: ``EndpointPool``'s tickets (sent, first token,
+    released), the relay's token tally (``streamed``) and ``observed`` when a stream ends."""
+
     in_flight: int = 0
     tokens_outstanding: int = 0
     prefill_tokens: int = 0
     decoding: int = 0
+    routed: int = 0
     # ticket -> (sent, prefill tokens) of requests awaiting their first token, in send order
     pending: dict[int, tuple[float, int]] = field(default_factory=dict)
     prefill_rate: float = 0.0  # tokens/ms computed, from head-of-queue prefills observed
@@ -53,52 +52,13 @@ class EndpointState:
     recent_tpot_ms: float = 0.0
     head_done_at: float = 0.0  # when the last head-of-queue request got its first token
     # the current decode step: tokens relayed from here, against sequence-seconds decoding
-    streamed: int = 0  # content chunks relayed from this endpoint (the relay counts them)
+    streamed: int = 0  # content tokens relayed from this endpoint (the relay counts them)
     seq_s: float = 0.0  # integral of ``decoding`` over time, seconds
     seq_at: float = 0.0
     step_mark: tuple[float, int, float] = (0.0, 0, 0.0)  # (when, streamed, seq_s)
     step_seq_s: float = 0.0  # decayed sums of sequence-seconds and tokens
     step_tokens: float = 0.0
     step_ms: float = 0.0  # per-sequence time between tokens here, lately (0 before any)
-    # scraped
-    kv_usage: float = 0.0
-    running: float = 0.0
-    waiting: float = 0.0
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
-    prefix_queries: float = 0.0
-    prefix_hits: float = 0.0
-    scraped_at: float = 0.0
-    # health
-    consecutive_failures: int = 0
-    down_until: float = 0.0
-    backoff_until: float = 0.0  # it asked for a pause (retry-after on 429/503)
-    draining: bool = False  # taken out of rotation (POST /admin/drain, scale-in)
-    answer_failures: int = 0  # of the consecutive failures, those that were 5xx answers
-    served: int = 0
-    failed: int = 0
-    routed: int = 0
-
-    def healthy(self, now: float) -> bool:
-        return now >= self.down_until and now >= self.backoff_until
-
-    def count_failure(self, now: float, trip_after: int, cooldown_s: float, *,
-                      transport: bool = True) -> None:
-        """One more failure in a row; ``trip_after`` of them take the endpoint out for
-        ``cooldown_s``. Transport failures (refused or broken connections, failed scrapes)
-        end with the next successful scrape; answer failures (5xx) only with a successful
-        request: after the cooldown one request is let through (half-open), and if it fails
-        too the count is still past ``trip_after`` and the endpoint trips again at once."""
-        self.consecutive_failures += 1
-        if not transport:
-            self.answer_failures += 1
-        if self.consecutive_failures >= trip_after:
-            self.down_until = now + cooldown_s
-
-    def reset_health(self) -> None:
-        self.consecutive_failures = 0
-        self.answer_failures = 0
-        self.down_until = 0.0
 
     def oldest_pending_ms(self, now: float) -> float:
         """How long the oldest request still waiting for its first token has waited."""
@@ -192,6 +152,74 @@ class EndpointState:
             self.head_done_at = now
 
 
+@dataclass(slots=True, eq=False)
+class EngineView:
+    """The engine's own view of itself, scraped from its metrics every ~200 ms. Written by
+    ``Fleet``'s scrape only."""
+
+    kv_usage: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    scraped_at: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Health:
+    """Whether an endpoint is in rotation: its circuit breaker, a pause it asked for, a
+    drain, and its outcome counts. Written by ``EndpointPool`` (outcomes), ``Fleet``'s probes
+    and the drains (admin, scale-in)."""
+
+    consecutive_failures: int = 0
+    down_until: float = 0.0
+    backoff_until: float = 0.0  # it asked for a pause (retry-after on 429/503)
+    draining: bool = False  # taken out of rotation (POST /admin/drain, scale-in)
+    answer_failures: int = 0  # of the consecutive failures, those that were 5xx answers
+    served: int = 0
+    failed: int = 0
+
+    def healthy(self, now: float) -> bool:
+        return now >= self.down_until and now >= self.backoff_until
+
+    def count_failure(self, now: float, trip_after: int, cooldown_s: float, *,
+                      transport: bool = True) -> None:
+        """One more failure in a row; ``trip_after`` of them take the endpoint out for
+        ``cooldown_s``. Transport failures (refused or broken connections, failed scrapes)
+        end with the next successful scrape; answer failures (5xx) only with a successful
+        request: after the cooldown one request is let through (half-open), and if it fails
+        too the count is still past ``trip_after`` and the endpoint trips again at once."""
+        self.consecutive_failures += 1
+        if not transport:
+            self.answer_failures += 1
+        if self.consecutive_failures >= trip_after:
+            self.down_until = now + cooldown_s
+
+    def reset_health(self) -> None:
+        self.consecutive_failures = 0
+        self.answer_failures = 0
+        self.down_until = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class EndpointState:
+    """One upstream base URL: its identity, and three parts with one writer each."""
+
+    url: str
+    api_key: str | None = None
+    role: str = "both"
+    hardware: str | None = None
+    ca_file: str | None = None  # the CA bundle that verifies an https endpoint
+    live: LiveLoad = field(default_factory=LiveLoad)
+    engine: EngineView = field(default_factory=EngineView)
+    health: Health = field(default_factory=Health)
+
+    def healthy(self, now: float) -> bool:
+        return self.health.healthy(now)
+
+
 RATE_MIN_TOKENS = 512  # shorter prefills are dominated by step granularity
 RATE_ALPHA = 0.2
 ARRIVAL_TAU_S = 5.0
@@ -250,7 +278,7 @@ class EndpointPool:
                    ) -> list[EndpointState]:
         now = self._clock()
         left = [e for e in self.endpoints
-                if e not in exclude and e.role in roles and not e.draining]
+                if e not in exclude and e.role in roles and not e.health.draining]
         healthy = [e for e in left if e.healthy(now)]
         return healthy or left
 
@@ -258,13 +286,13 @@ class EndpointPool:
     def acquire(e: EndpointState, tokens: int, prefill_tokens: int) -> Ticket:
         """A request is sent to ``e``: ``tokens`` reserved, ``prefill_tokens`` to compute."""
         t = Ticket(e, tokens, prefill_tokens, next(_tickets))
-        e.in_flight += 1
-        e.routed += 1
-        e.tokens_outstanding += tokens
-        e.prefill_tokens += prefill_tokens
+        e.live.in_flight += 1
+        e.live.routed += 1
+        e.live.tokens_outstanding += tokens
+        e.live.prefill_tokens += prefill_tokens
         now = time.monotonic()
-        e.pending[t.key] = (now, prefill_tokens)
-        e.add_arrival(prefill_tokens, now)
+        e.live.pending[t.key] = (now, prefill_tokens)
+        e.live.add_arrival(prefill_tokens, now)
         return t
 
     @staticmethod
@@ -275,10 +303,10 @@ class EndpointPool:
         t.decoding = True
         e = t.ep
         now = time.monotonic()
-        e.integrate(now)
-        e.prefill_tokens -= t.prefill_tokens
-        e.decoding += 1
-        e.prefill_done(t.key, t.prefill_tokens, now)
+        e.live.integrate(now)
+        e.live.prefill_tokens -= t.prefill_tokens
+        e.live.decoding += 1
+        e.live.prefill_done(t.key, t.prefill_tokens, now)
 
     @staticmethod
     def release(t: Ticket) -> None:
@@ -286,22 +314,22 @@ class EndpointPool:
             return
         t.released = True
         e = t.ep
-        e.in_flight -= 1
-        e.tokens_outstanding -= t.tokens
+        e.live.in_flight -= 1
+        e.live.tokens_outstanding -= t.tokens
         if t.decoding:
-            e.integrate(time.monotonic())
-            e.decoding -= 1
+            e.live.integrate(time.monotonic())
+            e.live.decoding -= 1
         else:
-            e.prefill_tokens -= t.prefill_tokens
-            e.pending.pop(t.key, None)
+            e.live.prefill_tokens -= t.prefill_tokens
+            e.live.pending.pop(t.key, None)
 
     def succeeded(self, e: EndpointState) -> None:
-        e.reset_health()
-        e.served += 1
+        e.health.reset_health()
+        e.health.served += 1
 
     def failed(self, e: EndpointState, *, transport: bool = False) -> None:
-        e.failed += 1
-        e.count_failure(self._clock(), self.trip_after, self.cooldown_s, transport=transport)
+        e.health.failed += 1
+        e.health.count_failure(self._clock(), self.trip_after, self.cooldown_s, transport=transport)
 
     def overloaded(self, e: EndpointState, retry_after: str) -> None:
         """The endpoint answered 429/503 with ``retry-after``: leave it alone that long (up
@@ -311,4 +339,4 @@ class EndpointPool:
         except ValueError:
             return
         if pause > 0:
-            e.backoff_until = max(e.backoff_until, self._clock() + pause)
+            e.health.backoff_until = max(e.health.backoff_until, self._clock() + pause)

@@ -107,7 +107,7 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
                 every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
                 on_first=first_token, gap_s=t.between_tokens_s,
                 deadline_s=t.total_s - (time.perf_counter() - sent.sent_at),
-                live=live, usage_shift=shift, tally=ep)
+                live=live, usage_shift=shift, tally=ep.live)
         finally:
             if live is not None:
                 state.live.remove(live)

@@ -86,7 +86,7 @@ def _mape(metrics: GatewayMetrics, predictor: OnlinePredictor, target: str) -> N
 
 
 def in_flight(state: GatewayState) -> int:
-    return sum(e.in_flight for p in state.view.pools.values() for e in p.endpoints)
+    return sum(e.live.in_flight for p in state.view.pools.values() for e in p.endpoints)
 
 
 async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,

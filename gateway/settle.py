@@ -47,8 +47,8 @@ def observe(ctx: RequestContext, r: RelayResult, sent: Sent) -> None:
     tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
                if r.last_token_at is not None and r.chunks >= TPOT_MIN_TOKENS else None)
     lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
-    lead.ep.observed(ttft_ms, None)
-    d.endpoint.ep.observed(None, tpot_ms)
+    lead.ep.live.observed(ttft_ms, None)
+    d.endpoint.ep.live.observed(None, tpot_ms)
     if lead.row is not None:
         state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
                                 predicted_ttft_ms=lead.ttft_ms, sent_at=sent.ttft_origin)

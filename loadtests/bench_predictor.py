@@ -99,7 +99,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     hashes = block_hashes(list(rng.integers(0, 100_000, 12_000)), 16, router.hasher().root)
     for i, e in enumerate(eps):
-        e.in_flight, e.decoding, e.prefill_tokens = i % 5, i % 7, 1000 * (i % 3)
+        e.live.in_flight, e.live.decoding, e.live.prefill_tokens = i % 5, i % 7, 1000 * (i % 3)
         fleet.approx.record(e.url, hashes[: 50 * (i % 4)])
     req = RequestInfo(12_000, 256, hashes, 16)
     out["router_decide_predicted"] = _times(lambda: router.decide(req), args.repeat // 5)

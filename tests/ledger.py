@@ -46,7 +46,8 @@ def settled(gw: RunningGateway, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     quiet = 0
     while quiet < 3 and time.monotonic() < deadline:
-        busy = gw.state.background or any(e.in_flight for e in gw.state.fleet.endpoints.values())
+        busy = gw.state.background or any(e.live.in_flight
+                                          for e in gw.state.fleet.endpoints.values())
         quiet = 0 if busy else quiet + 1
         time.sleep(0.02)
 

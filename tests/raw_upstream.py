@@ -54,6 +54,7 @@ class RawUpstream:
     _gate: asyncio.Event | None = None
     released: threading.Event = field(default_factory=threading.Event)
     connections: int = 0  # connections that carried a POST (the gateway's scrapes aside)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -68,6 +69,12 @@ class RawUpstream:
             await stop.wait()
             srv.close()
             self._gate.set()
+            for w in list(self._writers):  # parked answers end now, their sockets closed
+                w.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(srv.wait_closed(), 5)
+            while self._writers:  # the handlers finish (each closes its writer)
+                await asyncio.sleep(0.01)
 
         self.server = start_server_thread(serve, "raw-upstream")
         return self
@@ -83,6 +90,7 @@ class RawUpstream:
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         posted = False
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -106,6 +114,8 @@ class RawUpstream:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+                await writer.wait_closed()
+            self._writers.discard(writer)
 
     async def _play(self, answer: Answer, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> bool:
@@ -118,10 +128,13 @@ class RawUpstream:
                 gone = asyncio.ensure_future(reader.read(1))  # the client closing ends it
                 gate = asyncio.ensure_future(self._gate.wait())
                 await asyncio.wait([gone, gate], return_when=asyncio.FIRST_COMPLETED)
-                gate.cancel()
-                if gone.done():
+                ended = gone.done()
+                for t in (gone, gate):
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                        await t
+                if ended:
                     return False
-                gone.cancel()
                 continue
             if isinstance(step, float):
                 await asyncio.sleep(step)

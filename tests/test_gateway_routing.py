@@ -76,10 +76,10 @@ def test_prefill_decode_pool_end_to_end(backend_factory: Factory, tmp_path: Path
         # the predictor learns from runs from the prefill's start, as the client sees it.
         pe = gw.state.fleet.endpoints[f"{p.url}/v1"]
         deadline = time.monotonic() + 5
-        while not pe.recent_ttft_ms and time.monotonic() < deadline:
+        while not pe.live.recent_ttft_ms and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert pe.head_done_at > 0 and not pe.pending and pe.prefill_tokens == 0
-        assert pe.recent_ttft_ms / 1e3 >= metric(p, "vllm:e2e_request_latency_seconds_sum")
+        assert pe.live.head_done_at > 0 and not pe.live.pending and pe.live.prefill_tokens == 0
+        assert pe.live.recent_ttft_ms / 1e3 >= metric(p, "vllm:e2e_request_latency_seconds_sum")
         # Both steps count in quota once, as one request.
         gm = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
         assert 'tokengate_prompt_tokens_total{model="big",tenant="a"} ' \

@@ -60,7 +60,8 @@ def charged(gw: RunningGateway) -> float:
     deadline = time.monotonic() + 5
     quiet = 0
     while quiet < 3 and time.monotonic() < deadline:  # nothing in flight or settling, thrice
-        busy = gw.state.background or any(e.in_flight for e in gw.state.fleet.endpoints.values())
+        busy = gw.state.background or any(e.live.in_flight
+                                          for e in gw.state.fleet.endpoints.values())
         quiet = 0 if busy else quiet + 1
         time.sleep(0.02)
     store = gw.state.store

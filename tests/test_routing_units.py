@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gateway.config.policy import parse_policy
-from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState
+from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
 from gateway.routing import plugins
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
 from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
@@ -124,8 +124,9 @@ def test_precise_index_follows_kv_events() -> None:
 def cands(*spec: dict[str, Any]) -> list[Candidate]:
     out = []
     for i, s in enumerate(spec):
-        ep = EndpointState(f"http://e{i}", in_flight=s.get("in_flight", 0),
-                           kv_usage=s.get("kv", 0.0), waiting=s.get("waiting", 0.0))
+        ep = EndpointState(f"http://e{i}", live=LiveLoad(in_flight=s.get("in_flight", 0)),
+                           engine=EngineView(kv_usage=s.get("kv", 0.0),
+                                             waiting=s.get("waiting", 0.0)))
         out.append(Candidate(ep, s.get("cached", 0), 100 - s.get("cached", 0),
                              s.get("ttft", math.nan), s.get("tpot", math.nan)))
     return out
@@ -214,66 +215,67 @@ def test_virtual_prefill_queue_learns_the_rate_and_discounts_the_head() -> None:
     b = EndpointPool.acquire(e, 2000, 1000)
     now = _time.monotonic()
     # Nothing observed yet: the default rate; the head has had ~0 ms to progress.
-    assert e.prefill_queue_ms(now) == pytest.approx(4000 / 30.0, rel=0.01)
+    assert e.live.prefill_queue_ms(now) == pytest.approx(4000 / 30.0, rel=0.01)
     # The head's first token arrives 100 ms after it was sent: 30 tokens/ms observed.
-    sent_a = e.pending[a.key][0]
-    e.prefill_done(a.key, 3000, sent_a + 0.1)
-    assert e.prefill_rate == pytest.approx(30.0)
-    e.prefill_tokens -= 3000
+    sent_a = e.live.pending[a.key][0]
+    e.live.prefill_done(a.key, 3000, sent_a + 0.1)
+    assert e.live.prefill_rate == pytest.approx(30.0)
+    e.live.prefill_tokens -= 3000
     # b is the head now, started when a finished: 10 ms later a third of it is done.
-    assert e.prefill_queue_ms(sent_a + 0.11) == pytest.approx((1000 - 300) / 30.0)
-    assert e.prefill_queue_ms(sent_a + 1.0) == 0.0
+    assert e.live.prefill_queue_ms(sent_a + 0.11) == pytest.approx((1000 - 300) / 30.0)
+    assert e.live.prefill_queue_ms(sent_a + 1.0) == 0.0
     # A request finishing out of order teaches nothing about the head's rate.
     c = EndpointPool.acquire(e, 600, 600)
-    e.prefill_done(c.key, 600, sent_a + 0.2)
-    assert e.prefill_rate == pytest.approx(30.0) and b.key in e.pending
+    e.live.prefill_done(c.key, 600, sent_a + 0.2)
+    assert e.live.prefill_rate == pytest.approx(30.0) and b.key in e.live.pending
 
 
 def test_prefill_rate_is_tokens_over_time_when_heads_finish_in_one_step() -> None:
     e = EndpointState("http://e")
     a = EndpointPool.acquire(e, 3000, 3000)
     b = EndpointPool.acquire(e, 1000, 1000)
-    t0 = e.pending[a.key][0]
+    t0 = e.live.pending[a.key][0]
     # 4,000 tokens in 400 ms: a's first token at 300 ms, b's (its prefill ended in the same
     # step) 1 ms later. Averaging per-request rates would say (10 + 1000) / 2 tokens/ms.
-    e.prefill_done(a.key, 3000, t0 + 0.3)
-    e.prefill_done(b.key, 1000, t0 + 0.301)
-    assert e.prefill_rate == pytest.approx((3000 * 0.8 + 1000) / (300 * 0.8 + 1), rel=1e-6)
-    assert 10 < e.prefill_rate < 15
+    e.live.prefill_done(a.key, 3000, t0 + 0.3)
+    e.live.prefill_done(b.key, 1000, t0 + 0.301)
+    assert e.live.prefill_rate == pytest.approx((3000 * 0.8 + 1000) / (300 * 0.8 + 1), rel=1e-6)
+    assert 10 < e.live.prefill_rate < 15
 
 
 def test_recent_latencies_are_moving_averages() -> None:
     e = EndpointState("http://e")
-    e.observed(100.0, None)
-    e.observed(None, 10.0)
-    assert (e.recent_ttft_ms, e.recent_tpot_ms) == (100.0, 10.0)
-    e.observed(200.0, 20.0)
-    assert e.recent_ttft_ms == pytest.approx(130.0) and e.recent_tpot_ms == pytest.approx(13.0)
+    e.live.observed(100.0, None)
+    e.live.observed(None, 10.0)
+    assert (e.live.recent_ttft_ms, e.live.recent_tpot_ms) == (100.0, 10.0)
+    e.live.observed(200.0, 20.0)
+    assert e.live.recent_ttft_ms == pytest.approx(130.0)
+    assert e.live.recent_tpot_ms == pytest.approx(13.0)
 
 
 def test_arrival_rate_decays() -> None:
     e = EndpointState("http://e")
-    e.add_arrival(5000, 100.0)
-    assert e.arrival_rate(100.0) == pytest.approx(1000.0)  # 5000 tokens over tau = 5 s
-    assert e.arrival_rate(105.0) == pytest.approx(1000.0 / math.e)
-    e.add_arrival(5000, 105.0)
-    assert e.arrival_rate(105.0) == pytest.approx(1000.0 / math.e + 1000.0)
+    e.live.add_arrival(5000, 100.0)
+    assert e.live.arrival_rate(100.0) == pytest.approx(1000.0)  # 5000 tokens over tau = 5 s
+    assert e.live.arrival_rate(105.0) == pytest.approx(1000.0 / math.e)
+    e.live.add_arrival(5000, 105.0)
+    assert e.live.arrival_rate(105.0) == pytest.approx(1000.0 / math.e + 1000.0)
 
 
 def test_current_step_is_sequence_time_over_tokens_relayed() -> None:
     e = EndpointState("http://x")
-    assert e.current_step_ms(10.0) == 0.0  # nothing decoded yet: unknown
-    e.decoding = 4  # four streams decode for 0.5 s and 100 tokens arrive: 20 ms a token each
-    e.streamed += 100
-    assert e.current_step_ms(10.5) == pytest.approx(20.0)
-    e.decoding = 2  # then two streams for 0.5 s and 20 tokens (50 ms each): the sums are
-    e.streamed += 20  # decayed and added, a ratio of sums, not a mean of the two ratios
+    assert e.live.current_step_ms(10.0) == 0.0  # nothing decoded yet: unknown
+    e.live.decoding = 4  # four streams decode for 0.5 s and 100 tokens arrive: 20 ms a token each
+    e.live.streamed += 100
+    assert e.live.current_step_ms(10.5) == pytest.approx(20.0)
+    e.live.decoding = 2  # then two streams for 0.5 s and 20 tokens (50 ms each): the sums are
+    e.live.streamed += 20  # decayed and added, a ratio of sums, not a mean of the two ratios
     keep = math.exp(-0.5 / STEP_TAU_S)
     want = (2.0 * keep + 1.0) / (100 * keep + 20) * 1e3
-    assert e.current_step_ms(11.0) == pytest.approx(want)
+    assert e.live.current_step_ms(11.0) == pytest.approx(want)
     assert 20.0 < want < 35.0
-    e.streamed += 3
-    assert e.current_step_ms(11.1) == pytest.approx(want)  # within a window: unchanged
+    e.live.streamed += 3
+    assert e.live.current_step_ms(11.1) == pytest.approx(want)  # within a window: unchanged
 
 
 def test_feature_matrix_columns() -> None:
@@ -301,7 +303,7 @@ def test_router_builds_features_from_live_and_scraped_state() -> None:
     from predictor.online import OnlinePredictor
 
     pool, fleet = pool_policy(["both", "both"])
-    pool.endpoints[0].waiting, pool.endpoints[0].kv_usage = 2.0, 0.4
+    pool.endpoints[0].engine.waiting, pool.endpoints[0].engine.kv_usage = 2.0, 0.4
     EndpointPool.acquire(pool.endpoints[0], 500, 300)
     router = Router(pool, fleet, OnlinePredictor())
     hashes = block_hashes(list(range(64)), 16, router.hasher().root)
@@ -413,7 +415,7 @@ def test_parse_vllm_metrics(backend_factory: Any) -> None:
             await fleet.close()
 
     assert asyncio.run(scrape())
-    assert ep.block_size == 16 and ep.num_gpu_blocks == m["num_gpu_blocks"]
+    assert ep.engine.block_size == 16 and ep.engine.num_gpu_blocks == m["num_gpu_blocks"]
 
 
 def test_scrape_failures_trip_and_recovery_restores(backend_factory: Any) -> None:
@@ -425,9 +427,9 @@ def test_scrape_failures_trip_and_recovery_restores(backend_factory: Any) -> Non
     async def go() -> None:
         try:
             assert not await fleet.scrape(dead)
-            assert dead.down_until == 0.0
+            assert dead.health.down_until == 0.0
             assert not await fleet.scrape(dead)
-            assert dead.down_until > 0.0  # tripped: skipped by the pools until it answers
+            assert dead.health.down_until > 0.0  # tripped: skipped by the pools until it answers
         finally:
             await fleet.close()
 

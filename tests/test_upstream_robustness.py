@@ -116,7 +116,7 @@ def test_a_malformed_answer_before_the_first_byte_is_retried_elsewhere(
         # a 200 whose body is not a completion: nothing to retry once the body was read
         pass
     ep = gw.state.fleet.endpoints[bad.url]
-    assert ep.failed >= 1, case
+    assert ep.health.failed >= 1, case
     # Alone, the same answer is a 502 in OpenAI's shape, and the reservation is returned.
     gw2 = gateways([bad.url])
     assert_openai_error(chat(gw2), {502})
@@ -149,7 +149,7 @@ def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event_and
     assert events[-1] == "[DONE]"
     assert '"code":"upstream_error"' in events[-2] or '"code": "upstream_error"' in events[-2]
     assert sum('"content":' in e for e in events) == 2
-    assert gw.state.fleet.endpoints[bad.url].failed == 1
+    assert gw.state.fleet.endpoints[bad.url].health.failed == 1
     # Two tokens reached the client: they and the prompt are charged, nothing more.
     prompt = gw.state.view.counters["m"]
     tokens, requests = charged(gw)
@@ -186,7 +186,7 @@ def test_an_interim_100_continue_is_skipped_and_trailers_are_parsed(
                                             messages=[{"role": "user", "content": "hello"}])
     assert len([c for c in stream if c.choices]) == 2
     assert len(u.requests) == 2 and u.connections == 1
-    assert gw.state.fleet.endpoints[u.url].failed == 0
+    assert gw.state.fleet.endpoints[u.url].health.failed == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -223,7 +223,7 @@ def test_an_upstream_error_body_never_reaches_the_client(
             assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
             assert err["type"] == "invalid_request_error"
     # A 400 is the request's fault (not retried, the endpoint stays healthy); others count.
-    failed = gw.state.fleet.endpoints[u.url].failed
+    failed = gw.state.fleet.endpoints[u.url].health.failed
     assert (failed == 0) if want == 400 else failed >= 2
     assert charged(gw) == (0.0, 0.0)
 

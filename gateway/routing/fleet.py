@@ -116,22 +116,23 @@ class Fleet:
                     raise aiohttp.ClientError(f"/metrics answered {r.status}")
                 text = await r.text()
         except (aiohttp.ClientError, OSError, TimeoutError):
-            e.count_failure(time.monotonic(), self.trip_after, self.cooldown_s)
+            e.health.count_failure(time.monotonic(), self.trip_after, self.cooldown_s)
             return False
         m = parse_vllm_metrics(text)
-        e.running = m.get("vllm:num_requests_running", 0.0)
-        e.waiting = m.get("vllm:num_requests_waiting", 0.0)
-        e.kv_usage = m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc", 0.0))
-        e.prefix_queries = m.get("vllm:prefix_cache_queries", e.prefix_queries)
-        e.prefix_hits = m.get("vllm:prefix_cache_hits", e.prefix_hits)
+        e.engine.running = m.get("vllm:num_requests_running", 0.0)
+        e.engine.waiting = m.get("vllm:num_requests_waiting", 0.0)
+        e.engine.kv_usage = m.get("vllm:kv_cache_usage_perc",
+                                  m.get("vllm:gpu_cache_usage_perc", 0.0))
+        e.engine.prefix_queries = m.get("vllm:prefix_cache_queries", e.engine.prefix_queries)
+        e.engine.prefix_hits = m.get("vllm:prefix_cache_hits", e.engine.prefix_hits)
         if "block_size" in m:
-            e.block_size = int(m["block_size"])
-        if "num_gpu_blocks" in m and int(m["num_gpu_blocks"]) != e.num_gpu_blocks:
-            e.num_gpu_blocks = int(m["num_gpu_blocks"])
-            self.approx.set_capacity(e.url, e.num_gpu_blocks)
-        e.scraped_at = time.monotonic()
-        if e.down_until and e.consecutive_failures and not e.answer_failures:
-            e.reset_health()  # it was out for transport failures: reachable again
+            e.engine.block_size = int(m["block_size"])
+        if "num_gpu_blocks" in m and int(m["num_gpu_blocks"]) != e.engine.num_gpu_blocks:
+            e.engine.num_gpu_blocks = int(m["num_gpu_blocks"])
+            self.approx.set_capacity(e.url, e.engine.num_gpu_blocks)
+        e.engine.scraped_at = time.monotonic()
+        if e.health.down_until and e.health.consecutive_failures and not e.health.answer_failures:
+            e.health.reset_health()  # it was out for transport failures: reachable again
         self.scrapes += 1
         return True
 
@@ -157,8 +158,8 @@ class Fleet:
         except (aiohttp.ClientError, OSError, TimeoutError):
             pass
         self.probe_trips += 1
-        e.consecutive_failures = max(e.consecutive_failures, self.trip_after)
-        e.down_until = max(e.down_until, time.monotonic() + self.cooldown_s)
+        e.health.consecutive_failures = max(e.health.consecutive_failures, self.trip_after)
+        e.health.down_until = max(e.health.down_until, time.monotonic() + self.cooldown_s)
         log.warning("endpoint %s failed its health probe: out for %.0f s (back sooner if a "
                     "scrape succeeds)", e.url, self.cooldown_s)
 

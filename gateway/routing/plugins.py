@@ -73,9 +73,9 @@ def bounded_load(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig
                  ) -> list[Candidate]:
     """Consistent hashing with bounded loads (Mirrokni et al.): no endpoint may take a request
     that puts it above ``load_factor`` × the mean in-flight (plus this request)."""
-    total = sum(c.ep.in_flight for c in cands) + 1
+    total = sum(c.ep.live.in_flight for c in cands) + 1
     cap = math.ceil(cfg.load_factor * total / len(cands))
-    return [c for c in cands if c.ep.in_flight + 1 <= cap]
+    return [c for c in cands if c.ep.live.in_flight + 1 <= cap]
 
 
 def tpot_slo(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig) -> list[Candidate]:
@@ -107,21 +107,22 @@ def _lower_is_better(x: Scores) -> Scores:
 
 
 def least_request(req: RequestInfo, cands: list[Candidate]) -> Scores:
-    return _lower_is_better(np.array([c.ep.in_flight for c in cands], dtype=np.float64))
+    return _lower_is_better(np.array([c.ep.live.in_flight for c in cands], dtype=np.float64))
 
 
 def least_tokens(req: RequestInfo, cands: list[Candidate]) -> Scores:
-    return _lower_is_better(np.array([c.ep.tokens_outstanding for c in cands],
+    return _lower_is_better(np.array([c.ep.live.tokens_outstanding for c in cands],
                                      dtype=np.float64))
 
 
 def queue(req: RequestInfo, cands: list[Candidate]) -> Scores:
     """Shortest engine queue (scraped ``num_requests_waiting``)."""
-    return _lower_is_better(np.array([c.ep.waiting for c in cands], dtype=np.float64))
+    return _lower_is_better(np.array([c.ep.engine.waiting for c in cands], dtype=np.float64))
 
 
 def kv_free(req: RequestInfo, cands: list[Candidate]) -> Scores:
-    return np.clip(1.0 - np.array([c.ep.kv_usage for c in cands], dtype=np.float64), 0.0, 1.0)
+    usage = np.array([c.ep.engine.kv_usage for c in cands], dtype=np.float64)
+    return np.clip(1.0 - usage, 0.0, 1.0)
 
 
 def prefix(req: RequestInfo, cands: list[Candidate]) -> Scores:

@@ -88,8 +88,8 @@ class Router:
         if self.model.routing.block_size:
             return self.model.routing.block_size
         for e in self.pool.endpoints:
-            if e.block_size:
-                return e.block_size
+            if e.engine.block_size:
+                return e.engine.block_size
         return 16
 
     def hasher(self) -> PromptHasher:
@@ -138,12 +138,13 @@ class Router:
             e = c.ep
             bw, tf = _hw(e.hardware)
             snaps.append(EndpointSnapshot(
-                kv_usage=e.kv_usage, running=e.running, waiting=e.waiting,
-                in_flight=e.in_flight, prefill_tokens=e.prefill_tokens, decoding=e.decoding,
-                oldest_pending_ms=e.oldest_pending_ms(now),
-                prefill_queue_ms=e.prefill_queue_ms(now), prefill_rate=e.prefill_rate,
-                prefill_arrivals=e.arrival_rate(now), step_ms=e.current_step_ms(now),
-                recent_ttft_ms=e.recent_ttft_ms, recent_tpot_ms=e.recent_tpot_ms,
+                kv_usage=e.engine.kv_usage, running=e.engine.running, waiting=e.engine.waiting,
+                in_flight=e.live.in_flight, prefill_tokens=e.live.prefill_tokens,
+                decoding=e.live.decoding,
+                oldest_pending_ms=e.live.oldest_pending_ms(now),
+                prefill_queue_ms=e.live.prefill_queue_ms(now), prefill_rate=e.live.prefill_rate,
+                prefill_arrivals=e.live.arrival_rate(now), step_ms=e.live.current_step_ms(now),
+                recent_ttft_ms=e.live.recent_ttft_ms, recent_tpot_ms=e.live.recent_tpot_ms,
                 role=role or e.role, hw_bandwidth_tbs=bw, hw_tflops=tf))
         x = build_matrix(req.prompt_tokens, req.expected_output,
                          [c.uncached_tokens for c in cands], snaps)
@@ -185,8 +186,8 @@ class Router:
             if prefill is not None and dec.ep.role == "both":
                 # A decoder that also prefills computes the prompt itself when that is sooner.
                 now = time.monotonic()
-                if dec.ep.prefill_finish_ms(now, dec.uncached_tokens) <= \
-                        prefill.ep.prefill_finish_ms(now, prefill.uncached_tokens):
+                if dec.ep.live.prefill_finish_ms(now, dec.uncached_tokens) <= \
+                        prefill.ep.live.prefill_finish_ms(now, prefill.uncached_tokens):
                     prefill = None
         return Decision(dec, prefill, self.strategy)
 

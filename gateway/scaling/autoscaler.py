@@ -145,10 +145,10 @@ class PoolScaler:
     def desired(self) -> dict[str, int]:
         eps = self.endpoint_states()
         if self.s.policy == "concurrency":
-            load = sum(e.in_flight for e in eps) + self.held
+            load = sum(e.live.in_flight for e in eps) + self.held
             n = math.ceil(load / self.s.target_concurrency - 1e-9)
             return {"both": n} if not self.disaggregated else {"prefill": n, "decode": n}
-        observed = [e.prefill_rate * 1e3 for e in eps if e.prefill_rate]
+        observed = [e.live.prefill_rate * 1e3 for e in eps if e.live.prefill_rate]
         cap = sum(observed) / len(observed) if observed else None
         return self.velocity.desired(self.s.target_utilization, prefill_capacity=cap,
                                      convertible=self.disaggregated and self.s.convertible)
@@ -291,7 +291,7 @@ class PoolScaler:
 
     def _in_flight(self, url: str) -> int:
         e = self.fleet.endpoints.get(url)
-        return e.in_flight if e is not None else 0
+        return e.live.in_flight if e is not None else 0
 
     async def _retire(self, inst: Instance, drain_timeout_s: float = 120.0) -> None:
         assert self.launcher is not None
@@ -309,8 +309,8 @@ class PoolScaler:
         eps = self.endpoint_states()
         prefill = [e for e in eps if e.role in ("prefill", "both")]
         decoders = [e for e in eps if e.role == "decode"]
-        rate = sum((e.prefill_rate or self.capacity.prefill / 1e3) for e in prefill) or 1e-9
-        backlog_ms = sum(e.prefill_tokens for e in prefill) / rate
+        rate = sum((e.live.prefill_rate or self.capacity.prefill / 1e3) for e in prefill) or 1e-9
+        backlog_ms = sum(e.live.prefill_tokens for e in prefill) / rate
         # Prefill capacity already starting that is ready before the backlog breaks the SLO
         # makes a conversion needless; anything later (or a launch not yet made) does not.
         eta_ms = starting_prefill_eta_ms(self.instances, self.cold_start_s, now)
@@ -318,7 +318,7 @@ class PoolScaler:
         action = self.conversions.decide(backlog_ms, now, self.s, decoders=len(decoders),
                                          warm_soon=warm_soon)
         if action == "convert":
-            ep = min(decoders, key=lambda e: (e.decoding, e.in_flight))
+            ep = min(decoders, key=lambda e: (e.live.decoding, e.live.in_flight))
             if await self._set_role(ep, "both"):  # it keeps decoding, and prefills too
                 self.conversions.converted.append(ep.url)
         elif action == "revert":
