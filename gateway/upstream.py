@@ -351,8 +351,10 @@ class UpstreamClient:
             raise
 
     async def close(self) -> None:
+        """Drop every pooled connection at once (abort: a TLS close would wait for the
+        peer's close_notify after the loop that serves it has gone)."""
         for pool in self._pools.values():
             while pool:
                 c = pool.pop()
                 if c.transport is not None:
-                    c.transport.close()
+                    c.transport.abort()

@@ -73,7 +73,7 @@ class RawUpstream:
                 w.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(srv.wait_closed(), 5)
-            while self._writers:  # the handlers finish (each closes its writer)
+            while self._writers:  # noqa: ASYNC110 - the handlers finish (each closes its writer)
                 await asyncio.sleep(0.01)
 
         self.server = start_server_thread(serve, "raw-upstream")
