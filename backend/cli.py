@@ -90,8 +90,8 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from backend.process import serve
     from backend.profiles import ProfileError
-    from backend.server import serve
 
     try:
         config = backend_config(ns)

@@ -55,7 +55,7 @@ def _serve_workers(ns: argparse.Namespace) -> int:
     """Run ``serve``; with --workers N, N-1 more processes share the port (SO_REUSEPORT)."""
     import subprocess
 
-    from gateway.server import ServeConfig, serve
+    from gateway.process import ServeConfig, serve
 
     children = []
     reuse = ns.reuse_port or ns.workers > 1

@@ -24,7 +24,7 @@ from gateway import quota, slo
 from gateway.config.policy import Policy
 from gateway.context import RequestContext
 from gateway.dispatch import open_request
-from gateway.httpserver import read_body
+from gateway.http_guard import read_body
 from gateway.limiter.store import StoreUnavailable
 from gateway.respond import respond
 from gateway.settle import refund_later

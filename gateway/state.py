@@ -18,8 +18,8 @@ from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
 from gateway.migrate import LiveStreams
 from gateway.routing.fleet import Fleet
+from gateway.routing.prefix_hints import PrefixShare
 from gateway.routing.router import Router
-from gateway.routing.share import PrefixShare
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.tokenize import TokenCounter
 from gateway.upstream import UpstreamClient

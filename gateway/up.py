@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from gateway.config.policy import Policy, load_policy
-from gateway.server import ServeConfig, serve
+from gateway.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
 
 

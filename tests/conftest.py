@@ -13,7 +13,7 @@ from threaded import ServerThread, start_server_thread
 
 from backend.config import BackendConfig
 from backend.engine import EngineConfig
-from backend.server import serve
+from backend.process import serve
 from backend.state import BackendState
 from protocol.tokenizer import Tokenizer
 

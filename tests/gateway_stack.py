@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 from threaded import ServerThread, start_server_thread
 
+from gateway.process import ServeConfig, make_state, serve
 from gateway.reload import PolicyWatcher
-from gateway.server import ServeConfig, make_state, serve
 from gateway.state import GatewayState
 
 

@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from gateway.limiter import bucket
-from gateway.limiter.resp import FastRedis, NoScript, RespError
+from gateway.limiter.redis_client import FastRedis, NoScript, RespError
 from gateway.limiter.store import (
     DEFAULT_LIFE_S,
     BucketState,

@@ -180,7 +180,7 @@ class ApproxIndex:
             self.on_record(endpoint, hashes[start:])
 
     def record_remote(self, endpoint: str, hashes: Sequence[int]) -> None:
-        """Another gateway replica sent these blocks to ``endpoint`` (``routing.share``)."""
+        """Another gateway replica sent these blocks to ``endpoint`` (``routing.prefix_hints``)."""
         if hashes:
             self._tick += 1
             self._store(self._seen.setdefault(endpoint, {}), endpoint, hashes)

@@ -1,5 +1,6 @@
-"""The limiter's RESP client (``gateway.limiter.resp``): its reply parser on every reply type
-and every split across reads, and its URLs against real Redis servers: an ACL user, TLS."""
+"""The limiter's RESP client (``gateway.limiter.redis_client``): its reply parser on every
+reply type and every split across reads, and its URLs against real Redis servers: an ACL
+user, TLS."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import trustme
 from redis_servers import RedisServer, free_port
 
-from gateway.limiter.resp import FastRedis, NoScript, RespError, _Conn, _Incomplete, parse
+from gateway.limiter.redis_client import FastRedis, NoScript, RespError, _Conn, _Incomplete, parse
 
 REPLIES: list[tuple[bytes, object]] = [
     (b":42\r\n", 42),

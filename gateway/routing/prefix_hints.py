@@ -24,7 +24,7 @@ import uuid
 from array import array
 from collections.abc import Sequence
 
-from gateway.coord import Executor
+from gateway.redis_clients import Executor
 from gateway.routing.prefix import ApproxIndex
 
 log = logging.getLogger("tokengate.routing")

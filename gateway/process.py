@@ -19,15 +19,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.app import build_app
 from gateway.config.policy import load_policy
-from gateway.httpserver import GatewayRunner, GuardedHandler
+from gateway.http_guard import GatewayRunner, GuardedHandler
 from gateway.limiter.memory import MemoryStore
 from gateway.limiter.redis_store import RedisStore
 from gateway.limiter.resilient import ResilientStore
 from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
 from gateway.reload import PolicyWatcher
+from gateway.routes import build_app
 from gateway.routing.fleet import Fleet
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.scaling.launcher import LocalLauncher

@@ -18,11 +18,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
-from gateway.coord import coordination_client
-from gateway.httpserver import guard
+from gateway.http_guard import guard
 from gateway.limiter.resilient import ResilientStore
+from gateway.redis_clients import coordination_client
 from gateway.reload import PolicyWatcher
-from gateway.routing.share import PrefixShare
+from gateway.routing.prefix_hints import PrefixShare
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
 from predictor.sync import ModelSync
