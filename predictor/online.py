@@ -16,8 +16,8 @@
   (TPOT on an aggregated endpoint, set by prefill work that arrives after the decision, see
   ``loadtests.predictability``) a tree fitted to noise would do worse than the median, and
   the shrinkage stops it.
-* ``save``/``load`` write and read both models as XGBoost JSON; ``predictor.sync`` shares them
-  across gateway replicas through Redis.
+* ``save``/``load`` write and read both models (``predictor.models``) as XGBoost JSON;
+  ``predictor.sync`` shares them across gateway replicas through Redis.
 """
 
 from __future__ import annotations
@@ -40,68 +40,11 @@ import numpy.typing as npt
 from predictor import analytic
 from predictor.buffer import SampleBuffer
 from predictor.features import FEATURES
+from predictor.models import TARGETS, Models
 from predictor.trees import CompiledTrees
 
 log = logging.getLogger("tokengate.predictor")
-TARGETS = ("ttft", "tpot")
 SHRINK_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Learned:
-    """One target's model, in log milliseconds: the trees' margin shrunk towards a constant,
-    ``weight × trees + (1 − weight) × center``."""
-
-    trees: CompiledTrees
-    weight: float = 1.0
-    center: float = 0.0
-
-    def predict(self, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        m = self.trees.predict(x)
-        if self.weight == 1.0:
-            return m
-        out: npt.NDArray[np.float64] = self.weight * m + (1.0 - self.weight) * self.center
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Models:
-    """One version of the learned models; a target without enough samples yet has none and
-    keeps the analytic estimate."""
-
-    version: int
-    ttft: Learned | None
-    tpot: Learned | None
-    raw: dict[str, str]  # target -> XGBoost model JSON
-    samples: int
-    shrink: dict[str, tuple[float, float]]  # target -> (weight, center)
-
-    @classmethod
-    def from_raw(cls, version: int, raw: dict[str, str], samples: int = 0,
-                 shrink: dict[str, tuple[float, float]] | None = None) -> Models:
-        shrink = shrink or {}
-
-        def learned(t: str) -> Learned | None:
-            if t not in raw:
-                return None
-            w, c = shrink.get(t, (1.0, 0.0))
-            return Learned(CompiledTrees(raw[t]), w, c)
-
-        return cls(version, learned("ttft"), learned("tpot"), raw, samples, shrink)
-
-    def to_json(self) -> bytes:
-        return json.dumps({"version": self.version, "features": list(FEATURES),
-                           "samples": self.samples, "models": self.raw,
-                           "shrink": {t: list(v) for t, v in self.shrink.items()}}).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> Models:
-        doc = json.loads(data)
-        if list(doc.get("features", [])) != list(FEATURES):
-            raise ValueError("the saved model was trained on a different feature list")
-        shrink = {t: (float(v[0]), float(v[1])) for t, v in doc.get("shrink", {}).items()}
-        return cls.from_raw(int(doc["version"]), doc["models"], int(doc.get("samples", 0)),
-                            shrink)
 
 
 @dataclass(slots=True)

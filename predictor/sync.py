@@ -21,7 +21,8 @@ import numpy as np
 import orjson
 
 from predictor.features import FEATURES
-from predictor.online import Models, OnlinePredictor
+from predictor.models import Models
+from predictor.online import OnlinePredictor
 
 log = logging.getLogger("tokengate.predictor")
 _P = "{tokengate:predictor}"

@@ -19,7 +19,8 @@ from gateway.limiter.redis_client import FastRedis
 from predictor import analytic
 from predictor.buffer import SampleBuffer, stratum
 from predictor.features import FEATURES, F
-from predictor.online import Models, OnlinePredictor, TrainConfig
+from predictor.models import Models
+from predictor.online import OnlinePredictor, TrainConfig
 from predictor.sync import ModelSync
 from predictor.trees import CompiledTrees
 

@@ -41,6 +41,7 @@ from gateway.endpoints import EndpointPool, EndpointState
 from gateway.metrics import GatewayMetrics
 from gateway.routing.fleet import Fleet
 from gateway.scaling.conversions import Conversions, starting_prefill_eta_ms
+from gateway.scaling.hold import HoldGate
 from gateway.scaling.launcher import Instance, LocalLauncher
 from gateway.scaling.velocity import Capacity, Velocity, profile_capacity
 
@@ -78,8 +79,8 @@ class PoolScaler:
         self.disaggregated = bool(roles - {"both"}) or self.s.disaggregated
         self.velocity = Velocity(self.capacity, disaggregated=self.disaggregated, clock=clock)
         self.instances: list[Instance] = []
-        self.ready_event = asyncio.Event()
-        self.held = 0
+        self.gate = HoldGate(self.s.max_held, lambda n: self.metrics.series(
+            "held_requests", self.model.name).set(n))
         self.below_since: float | None = None
         self.conversions = Conversions()
         self.pool: EndpointPool | None = None
@@ -108,10 +109,7 @@ class PoolScaler:
             pool.api_keys.setdefault(e.url, None)
         # A request can be served once something can decode it (a disaggregated pool's
         # decoder computes the prompt itself while no prefill instance is ready).
-        if any(e.role in ("both", "decode") for e in pool.endpoints):
-            self.ready_event.set()
-        else:
-            self.ready_event.clear()
+        self.gate.open(any(e.role in ("both", "decode") for e in pool.endpoints))
 
     def _launched_urls(self) -> set[str]:
         return {i.url for i in self.instances}
@@ -124,22 +122,12 @@ class PoolScaler:
         self.velocity.admitted(prompt_tokens, output_tokens)
 
     async def hold(self, timeout_s: float) -> bool:
-        """Wait for a ready endpoint (waking the pool); False if the queue is full or the
-        wait times out."""
-        if self.ready_event.is_set():
-            return True
-        if self.held >= self.s.max_held:
-            return False
-        self.held += 1
-        self.metrics.series("held_requests", self.model.name).set(self.held)
-        try:
-            await asyncio.wait_for(self.ready_event.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self.held -= 1
-            self.metrics.series("held_requests", self.model.name).set(self.held)
+        """Wait for a ready endpoint (waking the pool; ``gateway.scaling.hold``)."""
+        return await self.gate.wait(timeout_s)
+
+    @property
+    def held(self) -> int:
+        return self.gate.held
 
     # -- the control loop ------------------------------------------------------------------
     def desired(self) -> dict[str, int]:
