@@ -87,24 +87,15 @@ async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
     ``first_token_s``), and for a non-streamed request read the whole answer (within
     ``total_s``), so that an upstream that stalls, breaks or answers garbage before anything
     reached the client can still be retried elsewhere, invisibly to the client."""
-    headers = request_headers(ctx, pool, ep)
-    if not ctx.parsed.stream:
-        async with asyncio.timeout(t.total_s):
-            up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s,
-                                           ca_file=ep.ca_file)
-            if up.status != 200:
-                return Answer(up)
-            try:
-                data = await up.read()
-            finally:
-                up.release()
-        return Answer(up, body=data)
-    async with asyncio.timeout(t.first_token_s):
-        up = await state.upstream.post(url, body, headers, connect_timeout_s=t.connect_s,
-                                       ca_file=ep.ca_file)
+    stream = ctx.parsed.stream
+    async with asyncio.timeout(t.first_token_s if stream else t.total_s):
+        up = await state.upstream.post(url, body, request_headers(ctx, pool, ep),
+                                       connect_timeout_s=t.connect_s, ca_file=ep.ca_file)
         if up.status != 200:
             return Answer(up)
         try:
+            if not stream:
+                return Answer(up, body=await up.read())
             if not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
                 raise UpstreamProtocolError("the upstream's answer to a stream is not "
                                             "text/event-stream")
@@ -113,6 +104,9 @@ async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
         except BaseException:
             up.release()
             raise
+        finally:
+            if not stream:
+                up.release()  # read to its end: back to the pool
     return Answer(up, lines=_prepend(first, lines))
 
 
