@@ -1,0 +1,28 @@
+"""Ports the programs choose (``protocol.loopback``): below Linux's ephemeral range, where an
+outgoing connection cannot take one before its server binds it (nor connect to itself)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from protocol.loopback import HIGH, free_port
+from protocol.loopback import _bindable as bindable
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert HIGH <= low
+    for _ in range(50):
+        port = free_port()
+        assert port < low and bindable(port)
+        bus = free_port(bus=True)
+        assert bus + 10000 < 65536 and bindable(bus + 10000)
+
+
+def test_a_port_in_use_is_not_offered() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        taken = s.getsockname()[1]
+        assert not bindable(taken)
