@@ -30,6 +30,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -280,14 +281,26 @@ UpstreamResponse = Response
 
 
 def _header_value(v: str) -> str:
-    """A header value safe to write: no CR/LF (no header injection), latin-1 encodable."""
-    return v.replace("\r", " ").replace("\n", " ").encode("latin-1", "replace").decode(
-        "latin-1")
+    """A header value safe to write: no CR/LF (no header injection); the head is encoded as
+    latin-1 with replacement, so it is always encodable."""
+    if "\r" in v or "\n" in v:
+        return v.replace("\r", " ").replace("\n", " ")
+    return v
+
+
+@dataclass(slots=True)
+class _Target:
+    host: str
+    port: int
+    tls: bool
+    pool: deque[_Conn]
+    head: str  # the request line and Host header
 
 
 class UpstreamClient:
     def __init__(self) -> None:
         self._pools: dict[tuple[str, str, int, str | None], deque[_Conn]] = {}
+        self._targets: dict[tuple[str, str | None], _Target] = {}
         self._tls: dict[str | None, ssl.SSLContext] = {}
 
     def _context(self, ca_file: str | None) -> ssl.SSLContext:
@@ -296,23 +309,34 @@ class UpstreamClient:
             ctx = self._tls[ca_file] = ssl.create_default_context(cafile=ca_file)
         return ctx
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
-                   connect_timeout_s: float, ca_file: str | None = None) -> Response:
+    def _target(self, url: str, ca_file: str | None) -> _Target:
+        """What a URL resolves to (parsed once per URL and CA, then cached)."""
+        t = self._targets.get((url, ca_file))
+        if t is not None:
+            return t
         u = urlsplit(url)
         if u.scheme not in ("http", "https"):
             raise UpstreamConnectError(f"unsupported upstream scheme {u.scheme!r}")
         tls = u.scheme == "https"
         host = u.hostname or "127.0.0.1"
         port = u.port or (443 if tls else 80)
-        key = (u.scheme, host, port, ca_file if tls else None)
-        pool = self._pools.setdefault(key, deque())
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         authority = f"[{host}]" if ":" in host else host
         if u.port is not None:
             authority += f":{port}"
-        head = [f"POST {path} HTTP/1.1", f"Host: {authority}", f"Content-Length: {len(body)}",
-                *(f"{k}: {_header_value(v)}" for k, v in headers.items()), "", ""]
-        payload = "\r\n".join(head).encode("latin-1") + body
+        pool = self._pools.setdefault((u.scheme, host, port, ca_file if tls else None), deque())
+        t = _Target(host, port, tls, pool, f"POST {path} HTTP/1.1\r\nHost: {authority}\r\n")
+        if len(self._targets) < 4096:
+            self._targets[(url, ca_file)] = t
+        return t
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
+                   connect_timeout_s: float, ca_file: str | None = None) -> Response:
+        target = self._target(url, ca_file)
+        host, port, tls, pool = target.host, target.port, target.tls, target.pool
+        head = "".join([target.head, f"Content-Length: {len(body)}\r\n",
+                        *(f"{k}: {_header_value(v)}\r\n" for k, v in headers.items()), "\r\n"])
+        payload = head.encode("latin-1", "replace") + body
         while pool:
             conn = pool.pop()
             if conn.closed or conn.transport is None or conn.transport.is_closing():
@@ -331,7 +355,7 @@ class UpstreamClient:
         except TimeoutError:
             raise
         except (OSError, ssl.SSLError) as exc:
-            raise UpstreamConnectError(f"could not connect to {authority}: {exc}") from exc
+            raise UpstreamConnectError(f"could not connect to {host}:{port}: {exc}") from exc
         return await self._exchange(conn, pool, payload)
 
     async def _exchange(self, conn: _Conn, pool: deque[_Conn], payload: bytes) -> Response:
