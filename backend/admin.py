@@ -18,7 +18,8 @@ from aiohttp import web
 
 from backend.config import ROLES, Role
 from backend.state import STATE, BackendState
-from protocol.errors import APIError, bad, json_object
+from protocol.bodies import json_object
+from protocol.errors import APIError, bad
 
 
 def _dumps(o: Any) -> str:

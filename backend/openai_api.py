@@ -23,6 +23,7 @@ from backend.request import RemotePrefill, Request, Status
 from backend.state import STATE, BackendState
 from backend.stream import Delta, RequestStream
 from backend.textgen import WordSource
+from protocol.bodies import read_body
 from protocol.errors import APIError, bad
 from protocol.validate import GenerationRequest, Kind, parse
 
@@ -180,7 +181,7 @@ async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     if status is not None:
         raise APIError(status, "injected fault", type="rate_limit_exceeded" if status == 429
                        else "server_error", code="injected_fault")
-    g = parse(kind, await request.read())
+    g = parse(kind, await read_body(request))
     if g.model != state.config.name:
         raise APIError(404, f"The model `{g.model}` does not exist.", param="model",
                        code="model_not_found")

@@ -27,7 +27,8 @@ from aiohttp import web
 
 from backend.request import Request
 from backend.state import STATE, BackendState
-from protocol.errors import APIError, bad, json_object
+from protocol.bodies import json_object
+from protocol.errors import APIError, bad
 
 log = logging.getLogger("tokengate.backend")
 _TIMEOUT = aiohttp.ClientTimeout(total=10)

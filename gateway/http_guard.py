@@ -21,12 +21,12 @@ import logging
 from typing import Any
 
 import orjson
-from aiohttp import ClientPayloadError, web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from protocol import bodies
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
@@ -137,27 +137,12 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     return await handler(request)  # type: ignore[no-any-return]
 
 
-DECODED_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
-
-
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
-    """The request body, or a 408 when the client sends it slower than ``timeout_s``; a 415
-    for a ``Content-Encoding`` the server does not decode, a 400 for a body that is not what
-    its encoding says (aiohttp's decoding errors are the client's fault, not our 500)."""
-    encodings = [e.strip().lower() for e in
-                 request.headers.get("Content-Encoding", "").split(",") if e.strip()]
-    unknown = [e for e in encodings if e not in DECODED_ENCODINGS]
-    if unknown:
-        raise APIError(415, f"unsupported Content-Encoding {unknown[0]!r} (use gzip, deflate "
-                       "or none)", code="unsupported_content_encoding",
-                       headers={"Connection": "close"})
+    """The request body (``protocol.bodies``), or a 408 when the client sends it slower than
+    ``timeout_s``."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await request.read()
+            return await bodies.read_body(request)
     except TimeoutError:
         raise APIError(408, f"the request body was not received within {timeout_s:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
-    except (HttpProcessingError, ClientPayloadError, RequestPayloadError):
-        raise APIError(400, "the request body could not be read as its Content-Encoding "
-                       "says", code="bad_content_encoding",
-                       headers={"Connection": "close"}) from None

@@ -26,7 +26,8 @@ from gateway.routing.prefix_hints import PrefixShare
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
 from predictor.sync import ModelSync
-from protocol.errors import APIError, errors, json_object
+from protocol.bodies import json_object
+from protocol.errors import APIError, errors
 
 WATCHER: web.AppKey[PolicyWatcher] = web.AppKey("tokengate_policy_watcher", PolicyWatcher)
 

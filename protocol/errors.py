@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -40,17 +39,6 @@ class APIError(Exception):
     def body(self) -> bytes:
         return orjson.dumps({"error": {"message": self.message, "type": self.type,
                                        "param": self.param, "code": self.code}})
-
-
-async def json_object(request: web.Request) -> dict[str, Any]:
-    """The body of an admin or KV call as a JSON object (400 otherwise)."""
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise bad("body must be JSON") from None
-    if not isinstance(body, dict):
-        raise bad("body must be a JSON object")
-    return body
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

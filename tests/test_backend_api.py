@@ -266,3 +266,15 @@ def test_an_engine_failure_fails_requests_instead_of_hanging(backend_factory: Fa
     assert httpx.get(f"{b.url}/health").status_code == 503
     r2 = post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": "x"})
     assert r2.status_code == 503 and r2.json()["error"]["code"] == "engine_failed"
+
+
+def test_a_body_that_is_not_what_its_encoding_says_is_a_400_not_a_500(
+        backend_factory: Factory) -> None:
+    b = backend_factory(served_model_name="m", time_scale=0.01)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    for enc, status in (("gzip", 400), ("deflate", 400), ("x-nonsense", 415)):
+        for path in ("/v1/completions", "/admin/faults"):
+            r = httpx.post(f"{b.url}{path}", content=body,
+                           headers={"Content-Encoding": enc, "Content-Type": "application/json"})
+            assert r.status_code == status, (enc, path, r.text)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
