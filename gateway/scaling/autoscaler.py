@@ -40,6 +40,7 @@ from gateway.config.scaling import Scaling
 from gateway.endpoints import EndpointPool, EndpointState
 from gateway.metrics import GatewayMetrics
 from gateway.routing.fleet import Fleet
+from gateway.scaling import roles
 from gateway.scaling.conversions import Conversions, starting_prefill_eta_ms
 from gateway.scaling.hold import HoldGate
 from gateway.scaling.launcher import Instance, LocalLauncher
@@ -234,52 +235,18 @@ class PoolScaler:
             self.below_since = None
 
     def _role_of(self, inst: Instance) -> str:
-        """An instance's role now, as its endpoint has it (a converted decoder's is
-        ``both``), else the role it was launched with."""
-        e = self.fleet.endpoints.get(inst.url)
-        return e.role if e is not None else inst.role
-
-    def _roles(self, live: list[Instance]) -> dict[str, int]:
-        have = {"prefill": 0, "decode": 0}
-        for e in self.model.endpoints:
-            if e.role in have:
-                have[e.role] += 1
-        for i in live:
-            r = self._role_of(i)
-            r = "decode" if r == "both" else r  # a converted decoder still decodes
-            if r in have:
-                have[r] += 1
-        return have
+        return roles.role_of(inst, self.fleet.endpoints)
 
     def _role_to_add(self, d: dict[str, int]) -> str:
-        """The role of the next launch: a missing role first, then the larger deficit.
-        Instances still starting count, so one tick's launches are split between roles."""
-        if not self.disaggregated:
-            return "both"
-        have = self._roles([i for i in self.instances if i.draining_since is None])
-        for r in ("prefill", "decode"):
-            if have[r] == 0:
-                return r
-        return "prefill" if d.get("prefill", 0) - have["prefill"] >= \
-            d.get("decode", 0) - have["decode"] else "decode"
+        return roles.role_to_add(self.model, self.fleet.endpoints, self.instances, d,
+                                 disaggregated=self.disaggregated)
 
     def _victim(self, live: list[Instance], d: dict[str, int], target: int) -> Instance:
-        """The instance to remove: one not yet ready first, then the least busy; in a
-        disaggregated pool, from the role with the largest surplus, never a role's last
-        instance unless the pool goes to zero."""
-        def cost(i: Instance) -> tuple[bool, int]:
-            return i.ready_at is not None, self._in_flight(i.url)
-
-        if not self.disaggregated or target == 0:
-            return min(live, key=cost)
-        have = self._roles(live)
-        surplus = {r: have[r] - max(d.get(r, 0), 1) for r in have}
-        pool = [i for i in live if have.get(self._role_of(i), 0) > 1] or live
-        return min(pool, key=lambda i: (-surplus.get(self._role_of(i), 0), *cost(i)))
+        return roles.victim(self.model, self.fleet.endpoints, live, d, target,
+                            disaggregated=self.disaggregated)
 
     def _in_flight(self, url: str) -> int:
-        e = self.fleet.endpoints.get(url)
-        return e.live.in_flight if e is not None else 0
+        return roles.in_flight(self.fleet.endpoints, url)
 
     async def _retire(self, inst: Instance, drain_timeout_s: float = 120.0) -> None:
         assert self.launcher is not None
