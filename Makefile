@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-limiter bench-routing bench-predictor bench-accuracy calibration soak clean
+.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ bench-backend: install
 
 bench-gateway: install
 	$(BIN)/python -m loadtests.bench_gateway $(ARGS)
+
+bench-relay: install
+	$(BIN)/python -m loadtests.bench_relay $(ARGS)
 
 bench-limiter: install
 	$(BIN)/python -m loadtests.bench_limiter $(ARGS)
