@@ -22,7 +22,7 @@ from gateway.config.resilience import Timeouts
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.migrate import Live
-from gateway.relay import BadEvent, RelayResult, parse_event
+from gateway.relay import BadEvent, RelayResult, event_payload, parse_event
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision
@@ -122,7 +122,7 @@ async def first_event(lines: AsyncIterator[bytes]) -> list[bytes]:
             continue
         if not data:
             continue
-        payload = data[5:].strip() if data.startswith(b"data:") else b""
+        payload = event_payload(data)
         if payload:
             try:
                 parse_event(payload)
@@ -141,14 +141,15 @@ async def _prepend(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncItera
 
 class Failure(Exception):
     """One attempt failed in a way another endpoint may not: retry (``backoff`` says whether
-    to pause first: overload answers and stalls, not refused connections). ``retry`` is False
-    for answers another endpoint would give too (the request itself was refused)."""
+    to pause first: overload answers and stalls, not refused connections).
+    ``endpoint_fault`` is False for answers another endpoint would give too (the request
+    itself was refused): those are not retried and leave the endpoint healthy."""
 
-    def __init__(self, error: APIError, kind: str, backoff: bool, *, retry: bool = True,
+    def __init__(self, error: APIError, kind: str, backoff: bool, *,
                  endpoint_fault: bool = True) -> None:
         super().__init__(error.message)
         self.error, self.kind, self.backoff = error, kind, backoff
-        self.retry, self.endpoint_fault = retry, endpoint_fault
+        self.endpoint_fault = endpoint_fault
 
 
 def upstream_failure(exc: BaseException, stream: bool) -> Failure:
@@ -203,7 +204,7 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
         return Failure(APIError(400, f"the model server rejected the request ({status}"
                                 f"{': ' + code if code else ''})", param=param,
                                 code=code or "upstream_rejected"),
-                       str(status), False, retry=False, endpoint_fault=False)
+                       str(status), False, endpoint_fault=False)
     return Failure(APIError(502, f"the model server answered {status}", type="server_error",
                             code="upstream_error"), str(status), True)
 

@@ -131,9 +131,8 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
                                     upstream_body(ctx, m, kv), t)
                 if ans.up.status != 200:
                     raise await answer_failure(ans.up, ep, pool)
-                if ans.body is not None:
-                    relayed = relay_body(ans.body, upstream_model=m.upstream_name,
-                                         served_model=m.name)
+                relayed = None if ans.body is None else relay_body(
+                    ans.body, upstream_model=m.upstream_name, served_model=m.name)
             except (UpstreamError, TimeoutError) as exc:
                 raise upstream_failure(exc, g.stream) from exc
         except Failure as f:
@@ -157,8 +156,7 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
         return Sent(ans.up, decision, pool, ticket, sent_at, kv is not None, ans.lines, info,
-                    started_at if kv is not None else None,
-                    relayed if ans.body is not None else None)
+                    started_at if kv is not None else None, relayed)
     return last
 
 
@@ -180,8 +178,7 @@ async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admi
             continue
         fb = policy.models[name]
         nxt = await quota.admit(state.store, policy, ctx.tenant, ctx.route, fb,
-                                lambda mm: ctx.count_prompt(mm),
-                                lambda mm: ctx.expected_output(mm))
+                                ctx.count_prompt, ctx.expected_output)
         ctx.admissions.append(nxt)
         if not nxt.decision.allowed or nxt.model is not fb:
             refund_later(ctx, nxt)

@@ -16,14 +16,11 @@ that may migrate), and the drain sets ``migrating`` and cuts the upstream connec
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-
-_ID = re.compile(rb'"id":\s*"([^"]*)"')
 
 
 @dataclass(slots=True, eq=False)
@@ -60,11 +57,6 @@ class LiveStreams:
         for live in lives:
             live.migrate()
         return len(lives)
-
-
-def stream_id(payload: bytes) -> bytes | None:
-    m = _ID.search(payload)
-    return m.group(1) if m else None
 
 
 def generated_text(payloads: list[bytes], kind: str) -> str:

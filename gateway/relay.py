@@ -99,6 +99,11 @@ def _renamed(data: bytes, obj: dict[str, Any], upstream: str, served: str) -> by
     return b"data: " + orjson.dumps(obj) + b"\n"
 
 
+def event_payload(data: bytes) -> bytes:
+    """An SSE event's ``data:`` payload (empty for an event without one)."""
+    return data[5:].strip() if data.startswith(b"data:") else b""
+
+
 class BadEvent(Exception):
     """An upstream event that is not a JSON object, or is an error event."""
 
@@ -198,7 +203,7 @@ async def relay_stream(
                     continue
                 data = b"".join(event)
                 event.clear()
-                payload = data[5:].strip() if data.startswith(b"data:") else b""
+                payload = event_payload(data)
                 forward = True
                 if payload and payload != b"[DONE]":
                     obj = parse_event(payload)
