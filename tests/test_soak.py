@@ -16,7 +16,11 @@ from loadtests import soak
 MINUTES = float(os.environ.get("TOKENGATE_SOAK", "0") or 0)
 
 
-@pytest.mark.skipif(not MINUTES, reason="the soak runs only with TOKENGATE_SOAK=<minutes>")
+# Skipped in `make test`: it is a 10-minute load run (its leak thresholds need that long to
+# rise above warm-up; a 1-minute run reads +8 MiB/min of start-up growth), which the CI budget
+# cannot hold beside the suite. The gateway-soak issue asked for it behind this flag.
+@pytest.mark.skipif(not MINUTES, reason="a 10-minute soak: run it with TOKENGATE_SOAK=10 "
+                    "(minutes) or `make soak`")
 def test_soak(tmp_path: Path) -> None:
     assert soak.main(["--minutes", str(MINUTES), "--out", str(tmp_path)]) == 0
     rep = json.loads((tmp_path / "soak.json").read_text())
