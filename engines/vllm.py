@@ -1,0 +1,175 @@
+"""Real vLLM instances as child processes: where the install lives, the command, readiness, stop.
+
+The install (``make vllm``: ``engines/install_vllm.sh``) is a virtual environment of its own,
+``.venv-vllm`` beside the project's ``.venv`` (``TOKENGATE_VLLM_VENV`` overrides it), and the
+tiny random-weight model is built into ``.models/tiny-llama`` (``TOKENGATE_VLLM_MODEL``) by
+``engines/in_venv/model.py`` running in that environment. ``VllmSpec`` describes one instance;
+``command`` and ``environment`` are the exact ``vllm serve`` invocation:
+
+* CPU: ``--dtype float32 --enforce-eager``, a fixed KV size (``--kv-cache-memory-bytes``,
+  without which vLLM claims 92 % of RAM), prefix caching on, OpenMP threads bound to the
+  instance's own core (``VLLM_CPU_OMP_THREADS_BIND``);
+* KV events over ZMQ (``--kv-events-config``): the publisher address ``tcp://127.0.0.1:P``
+  makes vLLM *connect* (the gateway binds there, on loopback only); its replay ROUTER binds
+  ``tcp://127.0.0.1:P+1``;
+* prefill/decode over the real NixlConnector (``kv_both``, CPU buffers, UCX over TCP on lo and
+  a side-channel port of its own);
+* OTLP traces (``--otlp-traces-endpoint``) when asked.
+
+Nothing here talks to anything but loopback, and nothing is downloaded at run time
+(``HF_HUB_OFFLINE``, ``VLLM_NO_USAGE_STATS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALL_HINT = "run 'make vllm' (installs real vLLM into .venv-vllm and builds the tiny model)"
+
+
+class VllmUnavailable(RuntimeError):
+    pass
+
+
+def venv() -> Path:
+    return Path(os.environ.get("TOKENGATE_VLLM_VENV") or ROOT / ".venv-vllm")
+
+
+def python() -> Path:
+    py = venv() / "bin" / "python"
+    if not (venv() / ".tokengate-vllm-ok").is_file() or not py.exists():
+        raise VllmUnavailable(f"real vLLM is not installed in {venv()}: {INSTALL_HINT}")
+    return py
+
+
+def model_dir() -> Path:
+    return Path(os.environ.get("TOKENGATE_VLLM_MODEL") or ROOT / ".models" / "tiny-llama")
+
+
+def ensure_model() -> Path:
+    """Build the tiny model if it is not there yet (a few seconds); its directory."""
+    out = model_dir()
+    subprocess.run([str(python()), str(ROOT / "engines" / "in_venv" / "model.py"), str(out)], check=True,
+                   cwd=str(out.parent) if out.parent.exists() else None,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
+@dataclass(slots=True)
+class VllmSpec:
+    port: int
+    served_name: str = "tiny"
+    core: int | None = None  # the CPU this instance's OpenMP threads are bound to
+    kv_events_port: int | None = None  # publisher P (gateway binds), replay on P+1
+    nixl_port: int | None = None  # NixlConnector side channel: enables prefill/decode
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events(self) -> dict[str, str] | None:
+        if self.kv_events_port is None:
+            return None
+        return {"endpoint": f"tcp://127.0.0.1:{self.kv_events_port}",
+                "replay": f"tcp://127.0.0.1:{self.kv_events_port + 1}", "topic": "kv"}
+
+    def command(self, model: Path) -> list[str]:
+        cmd = [str(python()), str(ROOT / "engines" / "in_venv" / "launch.py"), "serve", str(model),
+               "--served-model-name", self.served_name, "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+               "--enable-prefix-caching", "--max-model-len", str(self.max_model_len),
+               "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+               "--disable-uvicorn-access-log"]
+        ev = self.kv_events
+        if ev is not None:
+            cmd += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": ev["endpoint"], "replay_endpoint": ev["replay"],
+                "topic": ev["topic"]})]
+        if self.nixl_port is not None:
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "NixlConnector", "kv_role": "kv_both",
+                "kv_buffer_device": "cpu"})]
+        if self.otlp_endpoint:
+            cmd += ["--otlp-traces-endpoint", self.otlp_endpoint]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "OTEL_"))}
+        env.update({
+            "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core) if self.core is not None else "auto",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+            "TOKENIZERS_PARALLELISM": "false",
+        })
+        if self.nixl_port is not None:
+            env.update({"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
+                        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port)})
+        if self.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+            env["OTEL_SERVICE_NAME"] = f"vllm-{self.port}"
+        return env
+
+
+def start(spec: VllmSpec, log: Path, model: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start one instance (its own process group, so a stop reaches vLLM's engine core too)."""
+    model = model or ensure_model()
+    with open(log, "ab") as out:
+        return subprocess.Popen(spec.command(model), stdout=out, stderr=subprocess.STDOUT,
+                                env=spec.environment(), start_new_session=True,
+                                stdin=subprocess.DEVNULL)
+
+
+def wait_ready(spec: VllmSpec, proc: subprocess.Popen[bytes], log: Path,
+               timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            raise VllmUnavailable(f"vLLM on port {spec.port} exited with {proc.returncode}:\n"
+                                  f"{tail}")
+        try:
+            with urllib.request.urlopen(spec.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise VllmUnavailable(f"vLLM on port {spec.port} was not ready in {timeout_s:.0f}s "
+                          f"(log: {log})")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM to the instance's process group (API server, engine core, workers), then KILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group (engine core)
+
