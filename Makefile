@@ -30,7 +30,7 @@ lint: install
 	$(BIN)/ruff check .
 
 typecheck: install
-	$(BIN)/mypy tokengate protocol gateway backend predictor loadtests
+	$(BIN)/mypy tokengate protocol gateway backend predictor loadtests engines
 
 # Redis-backed tests start their own redis-server processes: make sure the program exists.
 redis-server:

@@ -1,4 +1,4 @@
-"""Operator endpoints: state, convertible roles (TokenScale), fault injection, KV events.
+"""Operator endpoints: state, convertible roles (TokenScale), fault injection.
 
 ``POST /admin/role {"role": "prefill"|"decode"|"both", "wait": true, "timeout_s": 30}`` flips
 the role at once for new requests (a converted decoder takes prefill work within milliseconds)
@@ -19,7 +19,7 @@ from aiohttp import web
 from backend.config import ROLES, Role
 from backend.state import STATE, BackendState
 from protocol.bodies import json_object
-from protocol.errors import APIError, bad
+from protocol.errors import bad
 
 
 def _dumps(o: Any) -> str:
@@ -110,42 +110,3 @@ async def set_faults(request: web.Request) -> web.Response:
     state.engine.extra_step_s = state.faults.config.slow_step_s
     return web.json_response(asdict(state.faults.config), dumps=_dumps)
 
-
-async def kv_events(request: web.Request) -> web.StreamResponse:
-    """Server-sent KV events from ``?since=SEQ`` (or ``Last-Event-ID``) on."""
-    state = request.app[STATE]
-    raw = request.query.get("since") or request.headers.get("Last-Event-ID") or "0"
-    try:
-        since = int(raw)
-    except ValueError:
-        raise APIError(400, "'since' must be an integer", param="since") from None
-    log = state.engine.kv_events
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    bs = state.engine.config.block_size
-    while True:
-        batches, missed = log.since(since)
-        if missed:
-            await resp.write(f"event: reset\ndata: {{\"seq\": {log.last_seq}}}\n\n".encode())
-        for b in batches:
-            await resp.write(b"id: %d\nevent: kv\ndata: " % b.seq
-                             + orjson.dumps(b.to_json(bs)) + b"\n\n")
-            since = b.seq
-        if missed and not batches:
-            since = log.last_seq
-        await log.wait(since, 15.0)
-        if log.last_seq <= since:
-            await resp.write(b": keep-alive\n\n")
-
-
-async def kv_blocks(request: web.Request) -> web.Response:
-    """Every prefix hash this instance caches now, with the event sequence it corresponds to."""
-    state = request.app[STATE]
-    pool = state.engine.pool
-    if pool.events:  # publish what changed since the loop last did, so seq matches the set
-        state.engine.kv_events.publish(pool.drain_events())
-    hashes = [b.block_hash for b in pool.blocks if b.block_hash is not None]
-    return web.json_response({"seq": state.engine.kv_events.last_seq,
-                              "block_size": state.engine.config.block_size,
-                              "block_hashes": hashes}, dumps=_dumps)

@@ -36,6 +36,7 @@ class KVEvent:
     block_hashes: tuple[int, ...] = ()
     parent_block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    salt: str | None = None  # the request's cache salt, on a first block (vLLM's extra_keys)
 
 
 class OutOfBlocks(RuntimeError):
@@ -115,6 +116,7 @@ class BlockPool:
         block_hash: BlockHash,
         parent: BlockHash | None,
         token_ids: Sequence[int],
+        salt: str | None = None,
     ) -> None:
         """Register a full, computed block under its prefix hash."""
         if not self.enable_caching or block.block_hash is not None:
@@ -123,7 +125,8 @@ class BlockPool:
             return  # another block already holds this prefix; this one stays anonymous
         block.block_hash = block_hash
         self._cached[block_hash] = block
-        self.events.append(KVEvent("BlockStored", (block_hash,), parent, tuple(token_ids)))
+        self.events.append(KVEvent("BlockStored", (block_hash,), parent, tuple(token_ids),
+                                   salt))
 
     def reset_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is referenced."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 from backend.config import KV_LINKS, LOOPBACK_PEERS, ROLES, BackendConfig
 from backend.engine import EngineConfig
+from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
 from protocol.runtime import run_loop
 
@@ -52,6 +54,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--api-key", default=os.environ.get("TOKENGATE_BACKEND_API_KEY"),
       help="require this bearer key on /v1 and /admin (env TOKENGATE_BACKEND_API_KEY)")
     a("--max-body-mb", type=float, default=64.0)
+    a("--kv-events-config", metavar="JSON",
+      help="publish KV-cache events over ZMQ, in vLLM's format and with vLLM's keys, e.g. "
+           "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":"
+           "\"tcp://127.0.0.1:5557\",\"replay_endpoint\":\"tcp://127.0.0.1:5558\"}'")
+    a("--tokenizer", help="the served model's tokenizer: a model directory (tokenizer.json "
+      "with its chat template), a tokenizer.json, or a tiktoken encoding")
     a("--kv-peer", action="append", metavar="CIDR",
       help="a network whose instances this one may pull KV from (repeatable; default "
            "loopback only: 127.0.0.0/8 and ::1)")
@@ -86,7 +94,20 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         max_model_len=ns.max_model_len, output_len=ns.output_len, kv_link_bps=link,
         load_bandwidth_bps=ns.load_bandwidth * 1e9, api_key=ns.api_key,
         kv_peers=tuple(ns.kv_peer) if ns.kv_peer else LOOPBACK_PEERS,
-        max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults)
+        max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults,
+        kv_events=_kv_events(ns.kv_events_config), tokenizer=ns.tokenizer)
+
+
+def _kv_events(raw: str | None) -> KVEventsConfig | None:
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError("--kv-events-config must be a JSON object")
+    return KVEventsConfig.from_json(doc)
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from backend.engine import EngineConfig
+from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
 
 Role = Literal["both", "prefill", "decode"]
@@ -50,6 +51,8 @@ class BackendConfig:
     # ``kv_transfer_params`` naming any other host is refused, never contacted.
     kv_peers: tuple[str, ...] = LOOPBACK_PEERS
     max_body_bytes: int = 64 * 1024 * 1024
+    kv_events: KVEventsConfig | None = None  # publish KV events over ZMQ (vLLM's format)
+    tokenizer: str | None = None  # a tokenizer (model directory, tokenizer.json, tiktoken)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 

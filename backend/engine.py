@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from backend.block_pool import BlockPool, KVBlock
-from backend.events import KVEventLog
+from backend.events import KVEventPublisher
 from backend.kv_manager import KVCacheManager
 from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
@@ -137,7 +137,7 @@ class Engine:
         self.extra_step_s = 0.0  # fault injection: a slow GPU
         self.lag = LagStats()
         self.held: dict[str, HeldKV] = {}
-        self.kv_events = KVEventLog()
+        self.kv_events = KVEventPublisher(config.block_size)
         self._entries: dict[str, _Entry] = {}
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()

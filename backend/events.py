@@ -1,72 +1,155 @@
-"""The KV event stream: which prefix blocks this instance stores and evicts, in order.
+"""The KV event stream over ZMQ, in vLLM's own wire format, so one subscriber serves both.
 
-Every batch of block-pool events gets a sequence number and is kept in a bounded ring, so a
-router can follow the cache exactly (``GET /kv/events`` as server-sent events, resuming with
-``?since=SEQ`` or ``Last-Event-ID``). A subscriber that fell out of the ring is told to resync
-(``event: reset``) and can fetch the full set of cached hashes from ``GET /kv/blocks``.
+vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``, 0.32): each batch of block-pool
+events goes out on a PUB socket as ``[topic, seq (8 bytes, big-endian), payload]`` where the
+payload is msgpack ``[ts, [event, ...], data_parallel_rank]`` and each event a map tagged by
+``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
+``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``extra_keys``: the cache salt of a
+first block), ``BlockRemoved`` (``block_hashes``, ``medium``) and ``AllBlocksCleared``. The last
+``buffer_steps`` batches are kept for a ROUTER *replay* socket: a request ``[start_seq]``
+is answered with every kept batch from that sequence on, then ``[b"", END_SEQ, b""]``.
+
+Addresses follow vLLM's rule: ``tcp://*:P``, ``tcp://[::…]:P`` and ``ipc://`` bind; any other
+``tcp://host:P`` connects (the subscriber binds there). The replay socket always binds. This is
+``--kv-events-config`` of the reference backend, with vLLM's JSON keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+import zmq
+import zmq.asyncio
+
 from backend.block_pool import KVEvent
+
+log = logging.getLogger("tokengate.backend.kv_events")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 @dataclass(frozen=True, slots=True)
-class EventBatch:
-    seq: int
-    ts: float
-    events: tuple[KVEvent, ...]
+class KVEventsConfig:
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
 
-    def to_json(self, block_size: int) -> dict[str, Any]:
-        out: list[dict[str, Any]] = []
-        for e in self.events:
-            item: dict[str, Any] = {"type": e.kind, "block_hashes": list(e.block_hashes)}
-            if e.kind == "BlockStored":
-                item["parent_block_hash"] = e.parent_block_hash
-                item["token_ids"] = list(e.token_ids)
-                item["block_size"] = block_size
-            out.append(item)
-        return {"seq": self.seq, "ts": self.ts, "events": out}
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> KVEventsConfig | None:
+        """vLLM's ``--kv-events-config`` object; None when events are not enabled."""
+        if not raw.get("enable_kv_cache_events", False):
+            return None
+        publisher = raw.get("publisher", "zmq")
+        if publisher != "zmq":
+            raise ValueError(f"kv events publisher {publisher!r}: only 'zmq' is supported")
+        return cls(str(raw.get("endpoint", "tcp://*:5557")),
+                   raw.get("replay_endpoint") or None, str(raw.get("topic", "")),
+                   int(raw.get("buffer_steps", 10_000)), int(raw.get("hwm", 100_000)))
 
 
-class KVEventLog:
-    def __init__(self, capacity: int = 4096) -> None:
-        self._ring: deque[EventBatch] = deque(maxlen=capacity)
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: wildcard and IPv6 addresses and ipc/inproc bind; the rest connect."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def encode_event(e: KVEvent, block_size: int) -> dict[str, Any]:
+    if e.kind == "BlockStored":
+        return {"type": "BlockStored", "block_hashes": list(e.block_hashes),
+                "parent_block_hash": e.parent_block_hash, "token_ids": list(e.token_ids),
+                "block_size": block_size, "lora_id": None, "medium": "GPU",
+                "lora_name": None,
+                "extra_keys": [[e.salt] if e.salt else None] * len(e.block_hashes)}
+    if e.kind == "BlockRemoved":
+        return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": "GPU"}
+    return {"type": "AllBlocksCleared"}
+
+
+def _socket(ctx: zmq.asyncio.Context, kind: int, endpoint: str, bind: bool) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    if "[" in endpoint or "::" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+class KVEventPublisher:
+    """Publishes block-pool events; a no-op until ``start`` is given a configuration."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.config: KVEventsConfig | None = None
         self._seq = 0
-        self._changed = asyncio.Event()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=1)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        self.dropped = 0
 
     @property
-    def last_seq(self) -> int:
+    def next_seq(self) -> int:
         return self._seq
 
+    def start(self, config: KVEventsConfig) -> None:
+        self.config = config
+        self._buffer = deque(maxlen=config.buffer_steps)
+        self._ctx = zmq.asyncio.Context()
+        self._pub = _socket(self._ctx, zmq.PUB, config.endpoint, binds(config.endpoint))
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        if config.replay_endpoint:
+            router = _socket(self._ctx, zmq.ROUTER, config.replay_endpoint, True)
+            self._replay_task = asyncio.ensure_future(self._serve_replay(router))
+
     def publish(self, events: Iterable[KVEvent]) -> None:
-        batch = tuple(events)
-        if not batch:
+        batch = [encode_event(e, self.block_size) for e in events]
+        if not batch or self._pub is None or self.config is None:
             return
+        payload = msgpack.packb([time.time(), batch, 0])
+        seq = self._seq
         self._seq += 1
-        self._ring.append(EventBatch(self._seq, time.time(), batch))
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        self._buffer.append((seq, payload))
+        frames = [self.config.topic.encode(), seq.to_bytes(8, "big"), payload]
+        try:
+            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1  # no subscriber keeps up: it will ask the replay socket
 
-    def since(self, seq: int) -> tuple[list[EventBatch], bool]:
-        """Batches after ``seq``, and whether the caller missed some (must resync)."""
-        if not self._ring:
-            return [], seq < self._seq
-        first = self._ring[0].seq
-        missed = seq < first - 1
-        return [b for b in self._ring if b.seq > seq], missed
+    async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
+        topic = (self.config.topic if self.config else "").encode()
+        try:
+            while True:
+                frame = await router.recv_multipart()
+                if len(frame) != 3:
+                    log.warning("invalid replay request (%d frames)", len(frame))
+                    continue
+                client, _, start = frame
+                first = int.from_bytes(start, "big")
+                for seq, payload in list(self._buffer):
+                    if seq >= first:
+                        await router.send_multipart([client, b"", topic, seq.to_bytes(8, "big"),
+                                                     payload])
+                await router.send_multipart([client, b"", b"", END_SEQ, b""])
+        finally:
+            router.close(0)
 
-    async def wait(self, seq: int, max_wait_s: float) -> None:
-        """Wait until a batch newer than ``seq`` exists (or ``max_wait_s`` passes)."""
-        if self._seq > seq:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), max_wait_s)
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        if self._pub is not None:
+            self._pub.close(0)
+        if self._ctx is not None:
+            self._ctx.term()

@@ -104,7 +104,8 @@ class KVCacheManager:
         for i in range(start, end):
             parent = req.block_hashes[i - 1] if i else None
             self.pool.cache(table[i], req.block_hashes[i], parent,
-                            req.token_ids[i * bs:(i + 1) * bs])
+                            req.token_ids[i * bs:(i + 1) * bs],
+                            req.cache_salt if i == 0 else None)
         if end > start:
             self._num_cached[req.request_id] = end
 

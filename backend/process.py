@@ -63,6 +63,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
     state.engine.kv_puller = pd.KVPuller(state)
+    if state.config.kv_events is not None:
+        state.engine.kv_events.start(state.config.kv_events)
     loop_task = asyncio.ensure_future(state.engine.run())
 
     async def load() -> None:
@@ -79,6 +81,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     await state.http.close()
+    await state.engine.kv_events.close()
     state.executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -95,8 +98,6 @@ def build_app(state: BackendState) -> web.Application:
     r.add_get("/v1/models", openai_api.models)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
-    r.add_get("/kv/events", admin.kv_events)
-    r.add_get("/kv/blocks", admin.kv_blocks)
     r.add_post("/kv/pull", pd.pull)
     r.add_post("/kv/release", pd.release)
     r.add_get("/admin/state", admin.get_state)

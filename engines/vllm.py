@@ -58,8 +58,8 @@ def model_dir() -> Path:
 def ensure_model() -> Path:
     """Build the tiny model if it is not there yet (a few seconds); its directory."""
     out = model_dir()
-    subprocess.run([str(python()), str(ROOT / "engines" / "in_venv" / "model.py"), str(out)], check=True,
-                   cwd=str(out.parent) if out.parent.exists() else None,
+    builder = ROOT / "engines" / "in_venv" / "model.py"
+    subprocess.run([str(python()), str(builder), str(out)], check=True,
                    stdout=subprocess.DEVNULL)
     return out
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
 from gateway.state import GatewayState, PolicyView
+from gateway.tokenize import ChatPrompt
 from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class RequestContext:
     slo: tuple[float | None, float | None] = (None, None)
     priority: str = "standard"
     text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
+    chat_prompts: dict[str, ChatPrompt] = field(default_factory=dict)  # model -> rendered
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
 
     @property
@@ -41,7 +43,18 @@ class RequestContext:
         counter = self.view.counters[m.name]
         g = self.parsed
         if g.kind == "chat":
-            return await counter.chat(g.messages)
+            prompt = self.chat_prompts.get(m.name)
+            if prompt is None:
+                b = self.body
+                tools = b.get("tools") if isinstance(b.get("tools"), list) else None
+                kw = b.get("chat_template_kwargs")
+                gen = b.get("add_generation_prompt", True) is not False
+                messages = b["messages"] if counter.template is not None else g.messages
+                prompt = await counter.chat_prompt(
+                    messages, add_generation_prompt=gen, continue_final=g.continue_final,
+                    tools=tools, kwargs=kw if isinstance(kw, dict) else None)
+                self.chat_prompts[m.name] = prompt  # routing hashes the same ids
+            return prompt.tokens
         if g.prompt_ids is not None:
             return len(g.prompt_ids)
         ids = await counter.text_ids(g.prompt_text or "")

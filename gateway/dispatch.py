@@ -72,7 +72,7 @@ async def _route(state: GatewayState, ctx: RequestContext, m: Model, prompt_toke
     t0 = time.perf_counter()
     g = ctx.parsed
     info = await router.prepare(
-        ctx.view.counters[m.name], messages=g.messages if g.kind == "chat" else None,
+        ctx.view.counters[m.name], chat=ctx.chat_prompts.get(m.name),
         prompt_ids=g.prompt_ids if g.prompt_ids is not None else ctx.text_ids.get(m.name),
         prompt_text=g.prompt_text, salt=g.cache_salt,
         prompt_tokens=prompt_tokens, expected_output=reserved,

@@ -164,6 +164,13 @@ class EngineView:
     num_gpu_blocks: int | None = None
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    prompt_tokens_cached: float = 0.0
+    external_prefix_queries: float = 0.0  # a KV connector's tier (LMCache, NIXL…)
+    external_prefix_hits: float = 0.0
+    preemptions: float = 0.0
+    waiting_by_reason: dict[str, float] = field(default_factory=dict)
+    max_model_len: int | None = None  # from /v1/models (vLLM and the reference backend say)
+    started_at: float | None = None  # process_start_time_seconds: a change is a restart
     scraped_at: float = 0.0
 
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
+from gateway.endpoints import EndpointState
 from gateway.http_guard import guard
 from gateway.limiter.resilient import ResilientStore
 from gateway.redis_clients import coordination_client
@@ -116,10 +117,28 @@ async def admin_endpoints(request: web.Request) -> web.Response:
                        "running": e.engine.running, "kv_usage": e.engine.kv_usage,
                        "block_size": e.engine.block_size, "num_gpu_blocks": e.engine.num_gpu_blocks,
                        "index_blocks": (state.fleet.precise if view.routers[name].precise
-                                        else state.fleet.approx).size(e.url)}
+                                        else state.fleet.approx).size(e.url),
+                       **_engine_fields(state, e)}
                       for e in pool.endpoints]}
            for name, pool in view.pools.items()}
     return web.json_response(out, dumps=_dumps)
+
+
+def _engine_fields(state: GatewayState, e: EndpointState) -> dict[str, Any]:
+    """What the engine says of itself (its /metrics and /v1/models), and its KV event stream."""
+    v = e.engine
+    sub = state.fleet.kv_events.subscribers.get(e.url)
+    return {"engine": {
+        "prefix_cache_queries": v.prefix_queries, "prefix_cache_hits": v.prefix_hits,
+        "prompt_tokens_cached": v.prompt_tokens_cached,
+        "external_prefix_cache_queries": v.external_prefix_queries,
+        "external_prefix_cache_hits": v.external_prefix_hits,
+        "preemptions": v.preemptions, "waiting_by_reason": v.waiting_by_reason,
+        "max_model_len": v.max_model_len,
+        "scraped_ago_s": round(time.monotonic() - v.scraped_at, 3) if v.scraped_at else None},
+        "kv_events": None if sub is None else {
+            "endpoint": sub.config.endpoint, "replay": sub.config.replay,
+            **asdict(sub.stats)}}
 
 
 async def admin_predictor(request: web.Request) -> web.Response:

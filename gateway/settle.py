@@ -90,7 +90,7 @@ async def _text_tokens(ctx: RequestContext, adm: quota.Admission, body: bytes) -
     counter = ctx.view.counters.get(adm.model.name)
     if counter is None or not parts:
         return 0
-    return sum([len(await counter.text_ids(p)) for p in parts])
+    return sum([await counter.generated(p) for p in parts])
 
 
 async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult

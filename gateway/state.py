@@ -127,12 +127,15 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
 
 
 def _same_counting(a: Model, b: Model) -> bool:
-    return (a.tokenizer, a.tokens_per_message, a.tokens_per_name, a.reply_priming_tokens) == (
-        b.tokenizer, b.tokens_per_message, b.tokens_per_name, b.reply_priming_tokens)
+    def key(m: Model) -> tuple[object, ...]:
+        return (m.tokenizer, m.chat_template, m.tokens_per_message, m.tokens_per_name,
+                m.reply_priming_tokens)
+    return key(a) == key(b)
 
 
 def _counter(m: Model, tokenizers: Tokenizers, executor: ThreadPoolExecutor) -> TokenCounter:
-    return TokenCounter(tokenizers.get(m.tokenizer), tokens_per_message=m.tokens_per_message,
+    return TokenCounter(tokenizers.get(m.tokenizer), template=m.chat_template,
+                        tokens_per_message=m.tokens_per_message,
                         tokens_per_name=m.tokens_per_name, reply_priming=m.reply_priming_tokens,
                         executor=executor)
 

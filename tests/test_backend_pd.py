@@ -9,9 +9,14 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import msgpack
 import openai
+import zmq
 from conftest import RunningBackend
 from test_backend_api import assert_idle, get_json, post
+
+from backend.events import KVEventsConfig
+from protocol.loopback import free_port
 
 Factory = Callable[..., RunningBackend]
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # 300 tokens
@@ -148,37 +153,75 @@ def test_role_switch_drains_work_in_flight(backend_factory: Factory) -> None:
     assert post(f"{d.url}/admin/role", {"role": "gpu"}).status_code == 400
 
 
-def test_kv_events_follow_the_cache(backend_factory: Factory) -> None:
-    b = backend_factory(num_gpu_blocks=64)
-    post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 1})
-    stored: set[int] = set()
-    last = 0
-    with httpx.stream("GET", f"{b.url}/kv/events?since=0", timeout=5) as r:
-        event = ""
-        for line in r.iter_lines():
-            if line.startswith("event:"):
-                event = line.split(":", 1)[1].strip()
-            if line.startswith("data:") and event == "kv":
-                batch = json.loads(line[5:])
-                last = batch["seq"]
-                for e in batch["events"]:
-                    if e["type"] == "BlockStored":
-                        assert e["block_size"] == 16 and len(e["token_ids"]) == 16
-                        stored.update(e["block_hashes"])
-                    elif e["type"] == "BlockRemoved":
-                        stored.difference_update(e["block_hashes"])
-            if line == "" and event == "kv" and last == get_json(f"{b.url}/kv/blocks")["seq"]:
+def _recv(sub: zmq.Socket[bytes], until: Callable[[list[dict[str, Any]]], bool],
+          timeout_s: float = 5.0) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(seq, events) batches off a SUB socket until ``until`` holds for every event seen."""
+    got: list[tuple[int, list[dict[str, Any]]]] = []
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    while not until(seen):
+        assert time.monotonic() < deadline, f"events seen: {seen[:3]}..."
+        if not sub.poll(100):
+            continue
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv" and len(seq) == 8
+        ts, events, rank = msgpack.unpackb(payload, strict_map_key=False)
+        assert ts > 0 and rank == 0
+        got.append((int.from_bytes(seq, "big"), events))
+        seen.extend(events)
+    return got
+
+
+def test_kv_events_speak_vllms_zmq_format(backend_factory: Factory) -> None:
+    """The reference backend publishes KV events as vLLM does: PUB frames [topic, seq,
+    msgpack [ts, events, rank]], events tagged maps, a ROUTER replay socket."""
+    pub, replay = free_port(), free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.bind(f"tcp://127.0.0.1:{pub}")  # the backend connects to a non-wildcard address
+    try:
+        b = backend_factory(num_gpu_blocks=64, kv_events=KVEventsConfig(
+            f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", "kv"))
+        # PUB/SUB joins take a few hundred ms ("slow joiner": what the replay socket is for):
+        # prompts until the subscriber hears one, then one it must hear whole.
+        for i in range(50):
+            post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "max_tokens": 1,
+                                             "prompt": f"warm-up {i} " + PROMPT[:100]})
+            if sub.poll(100):
                 break
-    snapshot = get_json(f"{b.url}/kv/blocks")
-    assert stored == set(snapshot["block_hashes"]) and len(stored) == 300 // 16
-    # Filling the 64-block cache with another prompt evicts some and says so.
-    post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": "other words " * 500,
-                                     "max_tokens": 1})
-    with httpx.stream("GET", f"{b.url}/kv/events?since={last}", timeout=5) as r:
-        kinds: set[str] = set()
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                kinds.update(e["type"] for e in json.loads(line[5:])["events"])
-            if "BlockRemoved" in kinds:
+        while sub.poll(200):
+            sub.recv_multipart()
+        post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": PROMPT,
+                                         "max_tokens": 1})
+        batches = _recv(sub, lambda evs: sum(len(e["block_hashes"]) for e in evs
+                                             if e["type"] == "BlockStored") >= 300 // 16)
+        stored = [e for _, evs in batches for e in evs if e["type"] == "BlockStored"]
+        e = stored[0]
+        assert set(e) >= {"block_hashes", "parent_block_hash", "token_ids", "block_size",
+                          "lora_id", "medium", "lora_name", "extra_keys"}
+        assert e["parent_block_hash"] is None and e["medium"] == "GPU"
+        assert e["block_size"] == 16 and len(e["token_ids"]) == 16 * len(e["block_hashes"])
+        chain = [h for x in stored for h in x["block_hashes"]]
+        assert all(x["parent_block_hash"] == chain[i - 1] for i, x in enumerate(stored) if i)
+        # The replay socket answers every kept batch from a sequence on, then END_SEQ.
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert dealer.poll(5000)
+            frames = dealer.recv_multipart()
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
                 break
-    assert "BlockRemoved" in kinds
+            replayed.append(int.from_bytes(frames[2], "big"))
+        assert replayed == list(range(replayed[-1] + 1))  # every batch, in order
+        assert [seq for seq, _ in batches] == replayed[-len(batches):]
+        dealer.close(0)
+        # Filling the 64-block cache with another prompt evicts some and says so.
+        post(f"{b.url}/v1/completions", {"model": "llama-3-8b", "prompt": "other words " * 500,
+                                         "max_tokens": 1})
+        _recv(sub, lambda evs: any(e["type"] == "BlockRemoved" for e in evs))
+    finally:
+        sub.close(0)
+        ctx.term()

