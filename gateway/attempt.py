@@ -38,6 +38,8 @@ from protocol.errors import APIError
 log = logging.getLogger("tokengate.gateway")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _CLIENT_STATUSES = frozenset({400, 413, 422})  # the request's content was refused
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+_MESSAGE_LIMIT = 400
 _IDENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ERROR_BODY_LIMIT = 64 * 1024
 
@@ -197,13 +199,23 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
         err = orjson.loads(body).get("error") if body else None
     except (orjson.JSONDecodeError, AttributeError):
         err = None
+    message = ""
     if isinstance(err, dict):
         code = _ident(err.get("code"))
         param = _ident(err.get("param"))
+        if isinstance(err.get("message"), str):
+            message = _CONTROL.sub(" ", err["message"])[:_MESSAGE_LIMIT].strip()
     if status in _CLIENT_STATUSES:
-        return Failure(APIError(400, f"the model server rejected the request ({status}"
-                                f"{': ' + code if code else ''})", param=param,
-                                code=code or "upstream_rejected"),
+        # The engine's own validation message is meant for the client (vLLM: "max_tokens=…
+        # cannot be greater than max_model_len=…"); its numeric "code" (vLLM repeats the
+        # status) is no OpenAI code.
+        if code is not None and code.isdigit():
+            code = None
+        if code is None and "context length" in message.lower():
+            code = "context_length_exceeded"
+        text = f"the model server rejected the request: {message}" if message else (
+            f"the model server rejected the request ({status})")
+        return Failure(APIError(400, text, param=param, code=code or "upstream_rejected"),
                        str(status), False, endpoint_fault=False)
     return Failure(APIError(502, f"the model server answered {status}", type="server_error",
                             code="upstream_error"), str(status), True)

@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
+from gateway.quota import ContextTooLong
 from gateway.state import GatewayState, PolicyView
 from gateway.tokenize import ChatPrompt
+from protocol.chat_template import ChatTemplateError
+from protocol.errors import bad
 from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:
@@ -31,6 +34,8 @@ class RequestContext:
     priority: str = "standard"
     text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
     chat_prompts: dict[str, ChatPrompt] = field(default_factory=dict)  # model -> rendered
+    prompt_tokens: dict[str, int] = field(default_factory=dict)  # model -> counted prompt
+    output_limit: dict[str, int] = field(default_factory=dict)  # model -> max_tokens reserved
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
 
     @property
@@ -39,7 +44,32 @@ class RequestContext:
         return self.tenant if self.view.policy.settings.metrics_tenant_label else "*"
 
     async def count_prompt(self, m: Model) -> int:
-        """The prompt's tokens as model ``m`` counts them (tokenized once per model)."""
+        """The prompt's tokens as model ``m`` counts them (tokenized once per model); a prompt
+        (with the output asked for) longer than the model's context is refused here, before
+        anything is reserved, with OpenAI's ``context_length_exceeded``."""
+        n = self.prompt_tokens.get(m.name)
+        if n is None:
+            try:
+                n = self.prompt_tokens[m.name] = await self._count(m)
+            except ChatTemplateError as exc:
+                raise bad(str(exc), "messages") from None
+        limit = self.max_context(m)
+        asked = self.parsed.max_tokens
+        if limit is not None and (n >= limit or (asked is not None and n + asked > limit)):
+            raise ContextTooLong(limit, n, asked, self.kind)
+        return n
+
+    def max_context(self, m: Model) -> int | None:
+        """The policy's ``max_context``, else the smallest context the model's engines report
+        (``max_model_len`` of their /v1/models)."""
+        if m.max_context is not None:
+            return m.max_context
+        pool = self.view.pools.get(m.name)
+        lens = [e.engine.max_model_len for e in (pool.endpoints if pool else ())
+                if e.engine.max_model_len]
+        return min(lens) if lens else None
+
+    async def _count(self, m: Model) -> int:
         counter = self.view.counters[m.name]
         g = self.parsed
         if g.kind == "chat":
@@ -62,5 +92,18 @@ class RequestContext:
         return len(ids)
 
     def expected_output(self, m: Model) -> int:
+        """The output reserved, and the limit the engine is held to: the request's
+        ``max_tokens``, else the model's ``default_max_tokens`` (cut to what the context leaves),
+        which is then sent upstream as ``max_tokens``, so the engine can never generate more
+        than was reserved."""
         g = self.parsed
-        return g.max_tokens if g.max_tokens is not None else m.default_max_tokens
+        if g.max_tokens is not None:
+            out = g.max_tokens
+        else:
+            out = m.default_max_tokens
+            limit = self.max_context(m)
+            n = self.prompt_tokens.get(m.name)
+            if limit is not None and n is not None:
+                out = max(1, min(out, limit - n))
+        self.output_limit[m.name] = out
+        return out

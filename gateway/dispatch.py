@@ -37,15 +37,19 @@ GATEWAY_ONLY_FIELDS = ("kv_transfer_params",)
 
 
 def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
-    """The body sent upstream: the client's, with the upstream model name, usage asked for
-    on streams, and the prefill's ``kv_transfer_params`` when the prompt was prefilled
-    elsewhere. Forwarded byte for byte when nothing needs to change (large agent prompts)."""
-    if kv is None and ctx.body.get("model") == m.upstream_name and (
+    """The body sent upstream: the client's, with the upstream model name, the reserved
+    ``max_tokens`` when the client gave none, usage asked for on streams, and the prefill's
+    ``kv_transfer_params`` when the prompt was prefilled elsewhere. Forwarded byte for byte
+    when nothing needs to change (large agent prompts)."""
+    limit = ctx.output_limit.get(m.name) if ctx.parsed.max_tokens is None else None
+    if kv is None and limit is None and ctx.body.get("model") == m.upstream_name and (
             not ctx.parsed.stream or ctx.parsed.include_usage) and not any(
             f in ctx.body for f in GATEWAY_ONLY_FIELDS):
         return ctx.raw
     body = {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
     body["model"] = m.upstream_name
+    if limit is not None:
+        body["max_tokens"] = limit  # what was reserved: the engine stops there
     if ctx.parsed.stream:
         opts = dict(body.get("stream_options") or {})
         opts["include_usage"] = True

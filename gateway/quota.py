@@ -72,6 +72,24 @@ class Admission:
         return st is not None and not st.final and not self.settling
 
 
+class ContextTooLong(APIError):
+    """The prompt, with the output asked for, does not fit the model's context (OpenAI's
+    wording and code)."""
+
+    def __init__(self, limit: int, prompt: int, asked: int | None, kind: str) -> None:
+        where = "messages" if kind == "chat" else "prompt"
+        if asked is None:
+            text = (f"This model's maximum context length is {limit} tokens. However, your "
+                    f"{where} resulted in {prompt} tokens. Please reduce the length of the "
+                    f"{where}.")
+        else:
+            text = (f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {prompt + asked} tokens ({prompt} in the {where}, {asked} in "
+                    f"the completion). Please reduce the length of the {where} or completion.")
+        super().__init__(400, text, param=where, code="context_length_exceeded")
+
+
+
 async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, model: Model,
                 count_prompt: Callable[[Model], Awaitable[int]],
                 expected_output: Callable[[Model], int]) -> Admission:
@@ -82,7 +100,12 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
     refused: list[Decision] = []
     last: Admission | None = None
     for candidate in chain:
-        prompt = await count_prompt(candidate)
+        try:
+            prompt = await count_prompt(candidate)
+        except ContextTooLong:
+            if candidate is model:
+                raise
+            continue  # a fallback with a shorter context cannot take this prompt
         out = expected_output(candidate)
         cs = charges(policy, tenant, route, candidate, prompt, out)
         rid = uuid.uuid4().hex

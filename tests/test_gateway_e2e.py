@@ -16,6 +16,7 @@ import pytest
 from conftest import RunningBackend
 from gateway_stack import RunningGateway, start_gateway, write_policy
 from redis_servers import free_port
+from test_backend_pd import metric
 
 Factory = Callable[..., RunningBackend]
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -261,25 +262,24 @@ def test_concurrent_streams_through_the_gateway(stack: tuple[RunningGateway, Pat
     assert out == [20] * 12
 
 
-def test_long_streams_are_charged_while_they_stream(backend_factory: Factory,
-                                                    tmp_path: Path) -> None:
-    """No max_tokens: 64 tokens are reserved, the backend says 200; the overrun is charged in
-    steps of 8 tokens while streaming, not only at the end."""
-    big = backend_factory(served_model_name="llama-3-8b", time_scale=0.3,
+def test_a_request_without_max_tokens_is_held_to_what_was_reserved(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    """No max_tokens: the model's default_max_tokens (64) is reserved *and* sent upstream, so
+    an engine that would generate 200 tokens stops at 64 and the tenant pays 1 + 64."""
+    big = backend_factory(served_model_name="llama-3-8b", time_scale=0.02,
                           output_len="fixed:200")
     small = backend_factory(model="llama-3.2-1b", served_model_name="llama-3.2-1b",
                             time_scale=0.02)
     path = write_policy(tmp_path / "p.yaml", policy_doc([f"{big.url}/v1"], [f"{small.url}/v1"]))
     gw = start_gateway(path)
     try:
-        body = {"model": "big", "prompt": "x", "stream": True}
-        with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": "Bearer key-a"}) as r:
-            read_events(r, 120)
-            time.sleep(0.2)
-            outstanding = outstanding_tokens(gw)
-            # Admission reserved 1 prompt + 64 output tokens; by 120 streamed tokens, at least
-            # 112 were charged (less what refilled since, under 7 tokens/s for ~2 s).
-            assert outstanding >= 95, outstanding
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0)
+        chunks = list(c.completions.create(model="big", prompt="x", stream=True,
+                                           stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 64
+        assert metric(big, "vllm:generation_tokens_total") == 64
+        settled(gw)
+        assert 50 < outstanding_tokens(gw) <= 65  # 1 + 64 charged, less what refilled since
     finally:
         gw.close()
