@@ -156,20 +156,45 @@ def wait_ready(spec: VllmSpec, proc: subprocess.Popen[bytes], log: Path,
                           f"(log: {log})")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc): vLLM's worker processes leave its process
+    group, and an orphaned worker spins its OpenMP threads on its core forever."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
-    """SIGTERM to the instance's process group (API server, engine core, workers), then KILL."""
+    """SIGTERM to the instance (API server, engine core, workers), then KILL whatever of its
+    process tree is still there."""
     if proc.poll() is not None:
         return
-    try:
+    tree = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group (engine core)
-
+    deadline = time.monotonic() + 5
+    for pid in tree:
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)  # a straggler that outlived its parent

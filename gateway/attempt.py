@@ -38,7 +38,6 @@ from protocol.errors import APIError
 log = logging.getLogger("tokengate.gateway")
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _CLIENT_STATUSES = frozenset({400, 413, 422})  # the request's content was refused
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 _MESSAGE_LIMIT = 400
 _IDENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ERROR_BODY_LIMIT = 64 * 1024
@@ -69,8 +68,11 @@ class Sent:
 
 def request_headers(ctx: RequestContext, pool: EndpointPool, ep: EndpointState
                     ) -> dict[str, str]:
-    return {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
-            **pool.auth_headers(ep)}
+    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
+               **pool.auth_headers(ep)}
+    if ctx.trace is not None and ctx.trace.upstream is not None:
+        headers.update(ctx.trace.headers(ctx.trace.upstream))  # the engine's spans join
+    return headers
 
 
 @dataclass(slots=True)
@@ -204,17 +206,17 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
         code = _ident(err.get("code"))
         param = _ident(err.get("param"))
         if isinstance(err.get("message"), str):
-            message = _CONTROL.sub(" ", err["message"])[:_MESSAGE_LIMIT].strip()
+            message = err["message"][:_MESSAGE_LIMIT]
     if status in _CLIENT_STATUSES:
-        # The engine's own validation message is meant for the client (vLLM: "max_tokens=…
-        # cannot be greater than max_model_len=…"); its numeric "code" (vLLM repeats the
-        # status) is no OpenAI code.
+        # The upstream's message is read, never passed on (an upstream may echo a key or a
+        # prompt back): the client gets the parameter it named and OpenAI's code. A numeric
+        # "code" (vLLM repeats the status there) is no OpenAI code.
         if code is not None and code.isdigit():
             code = None
         if code is None and "context length" in message.lower():
             code = "context_length_exceeded"
-        text = f"the model server rejected the request: {message}" if message else (
-            f"the model server rejected the request ({status})")
+        text = f"the model server rejected the request ({status})" + (
+            f": invalid '{param}'" if param else "")
         return Failure(APIError(400, text, param=param, code=code or "upstream_rejected"),
                        str(status), False, endpoint_fault=False)
     return Failure(APIError(502, f"the model server answered {status}", type="server_error",

@@ -10,6 +10,7 @@ from gateway.config.policy import Model, Route
 from gateway.quota import ContextTooLong
 from gateway.state import GatewayState, PolicyView
 from gateway.tokenize import ChatPrompt
+from gateway.tracing import RequestTrace
 from protocol.chat_template import ChatTemplateError
 from protocol.errors import bad
 from protocol.validate import GenerationRequest, Kind
@@ -36,6 +37,7 @@ class RequestContext:
     chat_prompts: dict[str, ChatPrompt] = field(default_factory=dict)  # model -> rendered
     prompt_tokens: dict[str, int] = field(default_factory=dict)  # model -> counted prompt
     output_limit: dict[str, int] = field(default_factory=dict)  # model -> max_tokens reserved
+    trace: RequestTrace | None = None  # None unless the policy turns tracing on
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
 
     @property

@@ -44,13 +44,14 @@ def prefill_body(client_body: dict[str, Any], m: Model) -> bytes:
 
 async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id: str,
                          client_body: dict[str, Any], m: Model, pool: EndpointPool,
-                         d: Decision) -> dict[str, Any] | None:
+                         d: Decision, trace_headers: dict[str, str] | None = None
+                         ) -> dict[str, Any] | None:
     """Prefill on ``d.prefill``; the ``kv_transfer_params`` for decode, or None (then the
     decode endpoint computes the prompt itself)."""
     assert d.prefill is not None
     ep = d.prefill.ep
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id,
-               **pool.auth_headers(ep)}
+               **pool.auth_headers(ep), **(trace_headers or {})}
     path = "/chat/completions" if kind == "chat" else "/completions"
     ticket = pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
     try:

@@ -10,10 +10,13 @@ pipeline settles it whatever happens after, cancellation included."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
+from opentelemetry.trace import SpanKind
 
 from gateway import disagg, quota, slo
 from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_failure
@@ -26,6 +29,7 @@ from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.settle import refund_later
 from gateway.state import GatewayState
+from gateway.tracing import candidates_attrs
 from gateway.upstream import UpstreamError
 from protocol.errors import APIError
 
@@ -93,10 +97,16 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
     says it is the client's fault), within the retry policy; the last error when none
     would."""
+    span = ctx.trace.child("tokengate.route", {"tokengate.model": m.name}) \
+        if ctx.trace is not None else None
     routed = await _route(state, ctx, m, prompt_tokens, reserved)
     if isinstance(routed, APIError):
+        if ctx.trace is not None:
+            ctx.trace.end(span, {"error.type": routed.code}, error=routed.message)
         return routed
     router, info, first = routed
+    if ctx.trace is not None:
+        ctx.trace.end(span, _decision_attrs(router, first, info))
     pool = router.pool
     t = ctx.route.timeouts
     g = ctx.parsed
@@ -116,7 +126,6 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
             state.metrics.series("retries", m.name, "made").inc()
         ep = decision.endpoint.ep
         tried.append(ep)
-        router.commit(decision, info)
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
         kv = None
@@ -124,8 +133,20 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         if decision.prefill is not None:
             state.metrics.series("routing_decisions", m.name, router.strategy,
                                  decision.prefill.ep.url, "prefill").inc()
-            kv = await disagg.remote_prefill(state, t, ctx.kind, ctx.request_id, ctx.body, m,
-                                             pool, decision)
+            pspan = ctx.trace.child("tokengate.prefill", _server_attrs(
+                decision.prefill.ep.url, m), kind=SpanKind.CLIENT) if ctx.trace else None
+            kv = await disagg.remote_prefill(
+                state, t, ctx.kind, ctx.request_id, ctx.body, m, pool, decision,
+                ctx.trace.headers(pspan) if ctx.trace and pspan else None)
+            if ctx.trace is not None:
+                ctx.trace.end(pspan, {"tokengate.prefill.ok": kv is not None},
+                              error=None if kv is not None else "prefill failed: decode alone")
+        if ctx.trace is not None:
+            ctx.trace.upstream = ctx.trace.child(
+                f"{'chat' if ctx.kind == 'chat' else 'text_completion'} {m.upstream_name}",
+                {**_server_attrs(ep.url, m), "tokengate.phase": "decode" if kv is not None
+                 else "prefill+decode", "tokengate.attempt": len(tried)},
+                kind=SpanKind.CLIENT)
         prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
         ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
         sent_at = time.perf_counter()
@@ -135,6 +156,7 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
                                     upstream_body(ctx, m, kv), t)
                 if ans.up.status != 200:
                     raise await answer_failure(ans.up, ep, pool)
+                router.commit(decision, info)  # only now are its blocks on that engine
                 relayed = None if ans.body is None else relay_body(
                     ans.body, upstream_model=m.upstream_name, served_model=m.name)
             except (UpstreamError, TimeoutError) as exc:
@@ -142,6 +164,9 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         except Failure as f:
             pool.release(ticket)
             last, backoff = f.error, f.backoff
+            if ctx.trace is not None:
+                ctx.trace.end(ctx.trace.upstream, {"error.type": f.kind}, error=f.error.message)
+                ctx.trace.upstream = None
             if not f.endpoint_fault:
                 return f.error  # the request's own fault: another endpoint would refuse it
             pool.failed(ep, transport=f.kind in ("connect", "broken", "protocol"))
@@ -162,6 +187,23 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         return Sent(ans.up, decision, pool, ticket, sent_at, kv is not None, ans.lines, info,
                     started_at if kv is not None else None, relayed)
     return last
+
+
+def _server_attrs(url: str, m: Model) -> dict[str, Any]:
+    u = urlsplit(url)
+    return {"server.address": u.hostname, "server.port": u.port, "url.full": url,
+            "gen_ai.request.model": m.upstream_name}
+
+
+def _decision_attrs(router: Router, d: Decision, info: RequestInfo) -> dict[str, Any]:
+    cands = d.considered or (d.endpoint,)
+    return {"tokengate.routing.strategy": router.strategy,
+            "tokengate.routing.endpoint": d.endpoint.ep.url,
+            "tokengate.routing.prefill_endpoint": d.prefill.ep.url if d.prefill else None,
+            "tokengate.prompt_blocks": len(info.hashes),
+            **candidates_attrs([c.ep.url for c in cands], [c.cached_tokens for c in cands],
+                               [None if math.isnan(c.ttft_ms) else c.ttft_ms for c in cands],
+                               [None if math.isnan(c.tpot_ms) else c.tpot_ms for c in cands])}
 
 
 async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admission

@@ -90,6 +90,27 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     ctx.slo = (slo.header(request, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(request, "x-slo-tpot-ms", route.slo_tpot_ms))
     ctx.priority = slo.priority(request, policy.tenants[tenant].priority)
+    ctx.trace = state.tracer.request(kind, g.model, request.headers, {
+        "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
+        "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,
+        "tokengate.priority": ctx.priority})
+    try:
+        return await _serve(request, state, ctx)
+    except APIError as exc:
+        if ctx.trace is not None:
+            ctx.trace.root.set_attribute("http.response.status_code", exc.status)
+            ctx.trace.end(ctx.trace.root, {"error.type": exc.code or str(exc.status)},
+                          error=exc.message)
+            ctx.trace = None
+        raise
+    finally:
+        if ctx.trace is not None:
+            ctx.trace.end(ctx.trace.root)
+
+
+async def _serve(request: web.Request, state: GatewayState, ctx: RequestContext
+                 ) -> web.StreamResponse:
+    route = ctx.route
     adm = await _admit(state, ctx)
     try:
         opened = await open_request(state, ctx, adm)
@@ -104,6 +125,23 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 async def _admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
+    span = ctx.trace.child("tokengate.admission") if ctx.trace is not None else None
+    try:
+        adm = await _reserve(state, ctx)
+    except APIError as exc:
+        if ctx.trace is not None:
+            ctx.trace.end(span, {"tokengate.admitted": False, "error.type": exc.code},
+                          error=exc.message)
+        raise
+    if ctx.trace is not None:
+        ctx.trace.end(span, {
+            "tokengate.admitted": True, "gen_ai.usage.input_tokens": adm.prompt_tokens,
+            "tokengate.reserved_output_tokens": adm.expected_output,
+            "tokengate.model": adm.model.name, "tokengate.failover_from": adm.failover_from})
+    return adm
+
+
+async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     policy, route, tenant = ctx.view.policy, ctx.route, ctx.tenant
     try:
         adm = await quota.admit(state.store, policy, tenant, route,

@@ -31,7 +31,7 @@ from gateway.routes import build_app
 from gateway.routing.fleet import Fleet
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.scaling.launcher import LocalLauncher
-from gateway.state import GatewayState, Tokenizers, build_view
+from gateway.state import GatewayState, Tokenizers, build_view, sync_tracer
 from predictor.online import OnlinePredictor
 
 log = logging.getLogger("tokengate.gateway")
@@ -76,6 +76,7 @@ def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
                                     scalers=scalers), store,
                          metrics, tokenizers, executor, fleet=fleet, predictor=predictor,
                          redis_url=cfg.redis_url, scalers=scalers)
+    sync_tracer(state)
     return state, PolicyWatcher(cfg.policy, state)
 
 
@@ -130,3 +131,4 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
         if cfg.predictor_path and state.predictor.models is not None:
             state.predictor.save(cfg.predictor_path)
         await runner.cleanup()
+        state.tracer.shutdown()  # exports what is still batched

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from gateway.config.policy import PolicyError, load_policy
-from gateway.state import GatewayState, build_view
+from gateway.state import GatewayState, build_view, sync_tracer
 
 log = logging.getLogger("tokengate.gateway")
 
@@ -47,6 +47,7 @@ class PolicyWatcher:
             log.error("policy reload refused, keeping the current policy: %s", exc)
             return False
         self.state.view = view
+        sync_tracer(self.state)
         self.last_error = None
         self.state.metrics.policy_reloads.labels("applied").inc()
         log.info("policy reloaded from %s", self.path)

@@ -27,7 +27,8 @@ def headers(ctx: RequestContext, adm: quota.Admission, sent: Sent, failover: str
             ) -> dict[str, str]:
     d = sent.decision
     h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,
-         "x-tokengate-model": adm.model.name}
+         "x-tokengate-model": adm.model.name,
+         "x-tokengate-prompt-tokens": str(adm.prompt_tokens)}  # as the gateway counted them
     if d.prefill is not None and sent.prefill_used:
         h["x-tokengate-prefill-endpoint"] = d.prefill.ep.url
     if math.isfinite(d.predicted_ttft_ms):

@@ -126,11 +126,32 @@ async def _refund(ctx: RequestContext, adm: quota.Admission) -> None:
         log.warning("refund of %s deferred: the rate store is unreachable", ctx.request_id)
 
 
+def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
+                      used: tuple[int, int] | None) -> None:
+    t = ctx.trace
+    assert t is not None
+    usage = {"gen_ai.usage.input_tokens": used[0] if used else None,
+             "gen_ai.usage.output_tokens": used[1] if used else None,
+             "gen_ai.response.model": adm.model.upstream_name}
+    err = "client left" if r.client_gone else "stream broke" if r.broken else None
+    if t.upstream is not None:
+        ttft = (r.first_token_at - ctx.received_at) if r.first_token_at is not None else None
+        t.end(t.upstream, {**usage, "http.response.status_code": r.status,
+                           "tokengate.ttft_s": ttft}, error=err)
+        t.upstream = None
+    span = t.child("tokengate.settlement", {
+        **usage, "tokengate.reserved_tokens": adm.prompt_tokens + adm.expected_output,
+        "tokengate.charged_tokens": sum(used) if used else 0, "tokengate.refunded": used is None})
+    t.end(span, error=err)
+
+
 async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent: Sent) -> None:
     """Settle quota and record metrics for a proxied request (runs even after a disconnect)."""
     state = ctx.state
     m = adm.model.name
     used = await served(ctx, adm, r)
+    if ctx.trace is not None:
+        _trace_settlement(ctx, adm, r, used)
     try:
         if used is None:
             await quota.refund(state.store, adm)

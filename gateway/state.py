@@ -22,6 +22,7 @@ from gateway.routing.prefix_hints import PrefixShare
 from gateway.routing.router import Router
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.tokenize import TokenCounter
+from gateway.tracing import Tracer
 from gateway.upstream import UpstreamClient
 from predictor.online import OnlinePredictor
 from predictor.sync import ModelSync
@@ -78,6 +79,7 @@ class GatewayState:
     scalers: dict[str, PoolScaler] = field(default_factory=dict)  # pools with scaling:
     live: LiveStreams = field(default_factory=LiveStreams)  # streams that may be migrated
     draining: bool = False
+    tracer: Tracer = field(default_factory=lambda: Tracer(None))
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
 
@@ -138,6 +140,14 @@ def _counter(m: Model, tokenizers: Tokenizers, executor: ThreadPoolExecutor) -> 
                         tokens_per_message=m.tokens_per_message,
                         tokens_per_name=m.tokens_per_name, reply_priming=m.reply_priming_tokens,
                         executor=executor)
+
+
+def sync_tracer(state: GatewayState) -> None:
+    """The tracer for the policy in force (a new one when its tracing section changed)."""
+    want = state.view.policy.settings.tracing
+    if state.tracer.config != want:
+        old, state.tracer = state.tracer, Tracer(want)
+        old.shutdown()
 
 
 GATEWAY: web.AppKey[GatewayState] = web.AppKey("tokengate_gateway", GatewayState)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from threaded import ServerThread, start_server_thread
+from vllm_stack import vllm_fleet  # noqa: F401 - the real vLLM instances, one session
 
 from backend.config import BackendConfig
 from backend.engine import EngineConfig

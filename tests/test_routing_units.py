@@ -7,6 +7,7 @@ import math
 import random
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -14,6 +15,13 @@ from gateway.config.policy import parse_policy
 from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
 from gateway.routing import plugins
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
+from gateway.routing.kv_events import (
+    DecodeError,
+    EngineEvent,
+    connect_address,
+    decode_batch,
+    engine_binds,
+)
 from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
 from gateway.routing.prefix import ApproxIndex, PreciseIndex, PromptHasher, block_hashes
 from gateway.routing.router import Router
@@ -105,18 +113,67 @@ def test_approx_index_longest_prefix_and_lru_eviction() -> None:
     assert idx.matched("a", [20]) == 0
 
 
-def test_precise_index_follows_kv_events() -> None:
+def _stored(hashes: list[Any], parent: Any, tokens: list[int], **kw: Any) -> EngineEvent:
+    return EngineEvent("BlockStored", hashes, parent, tokens, 4, medium=kw.pop("medium", "GPU"),
+                       **kw)
+
+
+def test_precise_index_relates_engine_hashes_to_ours_through_token_ids() -> None:
+    """The engine's block hashes are opaque (vLLM's own function): the index rebuilds our
+    chained hashes from the events' token ids, so a prompt's hashes match what it holds."""
     idx = PreciseIndex()
-    idx.apply("a", [{"type": "BlockStored", "block_hashes": [1, 2, 3]}])
-    assert idx.matched("a", [1, 2, 3, 4]) == 3
-    idx.record("a", [1, 2, 3, 4])  # decisions do not change the precise view
-    assert idx.matched("a", [1, 2, 3, 4]) == 3
-    idx.apply("a", [{"type": "BlockRemoved", "block_hashes": [3]}])
-    assert idx.matched("a", [1, 2, 3]) == 2
-    idx.apply("a", [{"type": "AllBlocksCleared", "block_hashes": []}])
-    assert idx.matched("a", [1]) == 0
-    idx.reset("a", [7, 8])
-    assert idx.matched("a", [7, 8, 9]) == 2
+    idx.set_root("a", ROOT)
+    prompt = list(range(100, 116))  # 4 blocks of 4
+    ours = block_hashes(prompt, 4, ROOT)
+    idx.apply("a", [_stored([b"e1", b"e2"], None, prompt[:8])])
+    idx.apply("a", [_stored([b"e3"], b"e2", prompt[8:12])])
+    assert idx.matched("a", ours) == 3 and idx.size("a") == 3
+    idx.record("a", ours)  # decisions do not change the precise view
+    assert idx.matched("a", ours) == 3
+    idx.apply("a", [EngineEvent("BlockRemoved", [b"e3"], medium="GPU")])
+    assert idx.matched("a", ours) == 2
+    # The cache salt rides in a first block's extra keys, as in vLLM's events.
+    salted = block_hashes(prompt, 4, ROOT, salt="tenant-a")
+    idx.apply("a", [_stored([b"s1"], None, prompt[:4], extra_keys=[["tenant-a"]])])
+    assert idx.matched("a", salted) == 1
+    # Offloaded copies are kept apart; LoRA and multimodal blocks are not text prefixes.
+    idx.apply("a", [_stored([b"c1"], None, [9, 9, 9, 9], medium="CPU")])
+    assert idx.size("a", "CPU") == 1 and idx.matched("a", block_hashes([9] * 4, 4, ROOT)) == 0
+    idx.apply("a", [_stored([b"l1"], None, [7] * 4, lora_name="adapter")])
+    idx.apply("a", [_stored([b"m1"], None, [8] * 4, extra_keys=[[["mm", "img", 0]]])])
+    assert idx.matched("a", block_hashes([7] * 4, 4, ROOT)) == 0
+    assert idx.matched("a", block_hashes([8] * 4, 4, ROOT)) == 0
+    # A block whose parent was never seen cannot be placed: counted, not guessed.
+    idx.apply("a", [_stored([b"x2"], b"unknown", [1, 2, 3, 4])])
+    assert idx.unmapped == 1
+    idx.apply("a", [EngineEvent("AllBlocksCleared")])
+    assert idx.matched("a", ours) == 0 and idx.size("a") == 0
+
+
+def test_kv_event_batches_decode_in_both_vllm_layouts() -> None:
+    new = msgpack.packb([1.5, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash":
+                                None, "token_ids": [1, 2], "block_size": 2, "lora_id": None,
+                                "medium": "GPU", "lora_name": None, "extra_keys": [None],
+                                "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+                               {"type": "FutureEvent", "x": 1}], 0])
+    ts, evs = decode_batch(new)
+    assert ts == 1.5 and [e.type for e in evs] == ["BlockStored"] and evs[0].token_ids == [1, 2]
+    old = msgpack.packb([2.0, [["BlockStored", [5], None, [1, 2], 2, None, "GPU"],
+                               ["BlockRemoved", [5], "GPU"], ["AllBlocksCleared"]]])
+    _, evs = decode_batch(old)
+    assert [e.type for e in evs] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert evs[0].block_size == 2 and evs[1].block_hashes == [5]
+    for bad in (b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1.0, [42]])):
+        with pytest.raises(DecodeError):
+            decode_batch(bad)
+
+
+def test_zmq_addresses_follow_vllms_bind_or_connect_rule() -> None:
+    assert engine_binds("tcp://*:5557") and engine_binds("tcp://[::1]:5557")
+    assert engine_binds("ipc:///tmp/kv") and not engine_binds("tcp://127.0.0.1:5557")
+    assert connect_address("tcp://*:5557", "http://127.0.0.1:8000/v1") == "tcp://127.0.0.1:5557"
+    assert connect_address("tcp://[::]:5557", "http://[::1]:8000/v1") == "tcp://[::1]:5557"
+    assert connect_address("ipc:///tmp/kv", "http://127.0.0.1:8000") == "ipc:///tmp/kv"
 
 
 # -- plugins ------------------------------------------------------------------------------------

@@ -173,6 +173,16 @@ class Settings:
     # for every tenant, so the series name no customer.
     public_metrics: bool = False
     metrics_tenant_label: bool = True
+    tracing: Tracing | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tracing:
+    """OpenTelemetry traces exported over OTLP/HTTP (protobuf); off unless configured."""
+
+    otlp_endpoint: str  # e.g. http://127.0.0.1:4318/v1/traces
+    service_name: str = "tokengate"
+    sample_ratio: float = 1.0  # of requests that arrive without a sampled traceparent
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +322,7 @@ def _settings(d: Decoder, raw: Any) -> Settings:
                                     "progressive_charge_ms", "max_body_bytes",
                                     "max_messages", "timeouts", "retries", "client",
                                     "admin_key_sha256", "admin_key_env", "public_metrics",
-                                    "metrics_tenant_label"})
+                                    "metrics_tenant_label", "tracing"})
     kw: dict[str, Any] = {}
     if "redis_failure" in m:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
@@ -337,6 +347,19 @@ def _settings(d: Decoder, raw: Any) -> Settings:
             if not isinstance(m[k], bool):
                 raise d.fail(f"settings.{k}", "expected true or false")
             kw[k] = m[k]
+    if "tracing" in m:
+        tm = d.mapping(m["tracing"], "settings.tracing",
+                       {"otlp_endpoint", "service_name", "sample_ratio"}, {"otlp_endpoint"})
+        url = d.string(tm["otlp_endpoint"], "settings.tracing.otlp_endpoint")
+        if not url.startswith(("http://", "https://")):
+            raise d.fail("settings.tracing.otlp_endpoint", f"expected an http(s) URL of an "
+                         f"OTLP/HTTP receiver, got {url!r}")
+        ratio = d.number(tm.get("sample_ratio", 1.0), "settings.tracing.sample_ratio",
+                         positive=False)
+        if not 0.0 <= ratio <= 1.0:
+            raise d.fail("settings.tracing.sample_ratio", "expected a number in [0, 1]")
+        name = d.string(tm.get("service_name", "tokengate"), "settings.tracing.service_name")
+        kw["tracing"] = Tracing(url, name, ratio)
     return Settings(**kw)
 
 

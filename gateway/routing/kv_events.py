@@ -165,8 +165,7 @@ class KVEventSubscriber:
                     # Quiet: ask the replay socket for anything newer. A PUB/SUB join takes a
                     # few hundred ms, and what an engine publishes meanwhile never arrives.
                     if cfg.replay is not None:
-                        await self._catch_up(ctx, (self.stats.last_seq or -1) + 1, None,
-                                             quiet=True)
+                        await self._catch_up(ctx, 0, None, quiet=True)
                     continue
                 self._on_message(frames, ctx)
                 if self._pending is not None:
@@ -193,11 +192,7 @@ class KVEventSubscriber:
         if last is not None and seq <= last:
             if ts <= self._last_ts:
                 return  # already applied (it came through the replay socket too)
-            self.stats.restarts += 1
-            log.warning("kv events from %s: sequence went back from %d to %d: the engine "
-                        "restarted; rebuilding its index", self.url, last, seq)
-            self._clear(self.url)
-            self.stats.last_seq = None
+            self._restarted(f"its sequence went back from {last} to {seq}")
             if seq > 0:
                 self._pending, self._held = (0, seq), (seq, ts, events)
                 return
@@ -215,53 +210,77 @@ class KVEventSubscriber:
         self.stats.last_seq = seq
         self._last_ts = max(self._last_ts, ts)
 
-    async def _catch_up(self, ctx: zmq.asyncio.Context, start: int, until: int | None,
-                        quiet: bool = False) -> None:
-        """Apply batches [start, until) from the replay socket; clear the index when that
-        is not possible (not when merely checking for news: ``until`` None)."""
+    async def _replay(self, ctx: zmq.asyncio.Context, start: int
+                      ) -> list[tuple[int, float, list[EngineEvent]]] | None:
+        """Every batch the engine still keeps from ``start`` on; None when it has no replay
+        socket or it did not answer."""
         cfg = self.config
-        initial = until is None
         if cfg.replay is None:
-            if not initial:
-                self._lose(f"events {start}..{until} missed and no replay socket configured")
-            return
-        if not quiet:
-            self.stats.replays += 1
+            return None
         dealer = _socket(ctx, zmq.DEALER, cfg.replay)
+        out: list[tuple[int, float, list[EngineEvent]]] = []
         try:
             dealer.connect(connect_address(cfg.replay, self.url) if engine_binds(cfg.replay)
                            else cfg.replay)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            first: int | None = None
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
                 if len(frames) != 4:
                     continue
                 _, _, seq_b, payload = frames
                 if seq_b == END_SEQ:
-                    break
-                seq = int.from_bytes(seq_b, "big")
-                if until is not None and seq >= until:
-                    continue
-                if first is None:
-                    first = seq
-                    if first > start and (not initial or start > 0):
-                        self._lose(f"the engine no longer holds events {start}..{first - 1}")
+                    return out
                 try:
                     ts, events = decode_batch(payload)
                 except DecodeError:
                     self.stats.errors += 1
                     continue
-                self._handle(seq, ts, events)
+                out.append((int.from_bytes(seq_b, "big"), ts, events))
         except TimeoutError:
-            if not initial:
-                self._lose("the replay socket did not answer")
-            elif not quiet:
-                log.warning("kv events from %s: the replay socket %s did not answer in %.0f s; "
-                            "following new events only", self.url, cfg.replay,
-                            REPLAY_TIMEOUT_S)
+            log.warning("kv events from %s: the replay socket %s did not answer in %.0f s",
+                        self.url, cfg.replay, REPLAY_TIMEOUT_S)
+            return None
         finally:
             dealer.close(0)
+
+    async def _catch_up(self, ctx: zmq.asyncio.Context, start: int, until: int | None,
+                        quiet: bool = False) -> None:
+        """Apply batches [start, until) from the replay socket. ``until`` None is a check for
+        news (at start, and whenever the stream is quiet); otherwise a gap must be filled, and
+        what cannot be clears the index."""
+        if not quiet:
+            self.stats.replays += 1
+        last = self.stats.last_seq
+        probe = until is None and last is not None
+        # A check for news asks from the last batch applied: an engine that still has it
+        # answers it first (same timestamp); one that restarted does not.
+        got = await self._replay(ctx, last if probe and last is not None else start)
+        if got is None:
+            if until is not None:
+                self._lose(f"events {start}..{until - 1} missed and no replay answered")
+            return
+        if probe:
+            if not got or got[0][0] != last or got[0][1] != self._last_ts:
+                if got and got[0][0] > (last or 0):
+                    self._lose(f"the engine no longer holds events after {last}")
+                else:
+                    self._restarted(f"its replay no longer has batch {last}")
+                    got = await self._replay(ctx, 0) or []
+            else:
+                got = got[1:]
+        elif got and got[0][0] > start and (until is not None or start > 0):
+            self._lose(f"the engine no longer holds events {start}..{got[0][0] - 1}")
+        for seq, ts, events in got:
+            if until is None or seq < until:
+                self._handle(seq, ts, events)
+
+    def _restarted(self, why: str) -> None:
+        self.stats.restarts += 1
+        log.warning("kv events from %s: the engine restarted (%s); rebuilding its index",
+                    self.url, why)
+        self._clear(self.url)
+        self.stats.last_seq = None
+        self._last_ts = 0.0
 
     def _lose(self, why: str) -> None:
         self.stats.lost += 1

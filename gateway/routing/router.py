@@ -37,6 +37,7 @@ class Decision:
     endpoint: Candidate  # the decode endpoint, or the only one
     prefill: Candidate | None = None  # set when the prompt is prefilled elsewhere
     strategy: str = ""
+    considered: tuple[Candidate, ...] = ()  # the (decode) stage's candidates, for tracing
 
     @property
     def predicted_ttft_ms(self) -> float:
@@ -77,6 +78,7 @@ class Router:
         self.cfg_prefill = PluginConfig(load_factor=r.load_factor)
         self.namespace = r.hash_namespace or self.model.backend.model
         self._hasher: PromptHasher | None = None
+        self._considered: list[Candidate] = []
         self.precise = r.index == "precise"
         if self.precise:
             fleet.want_precise({e.url: e.kv_events for e in self.model.endpoints},
@@ -157,6 +159,7 @@ class Router:
     def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
                cfg: PluginConfig, role: str | None = None) -> Candidate:
         cands = self._candidates(req, eps, role)
+        self._considered = cands
         if profile.needs_prediction:
             self._predict(req, cands, role)
         pick, _ = plugins.run(profile, req, cands, self.rng, cfg)
@@ -172,12 +175,13 @@ class Router:
             if not eps:
                 return None
             pick = self._stage(self.profile, req, eps, self.cfg)
-            return Decision(pick, None, self.strategy)
+            return Decision(pick, None, self.strategy, tuple(self._considered))
         decoders = pool.candidates(exclude, roles=("decode", "both"))
         if not decoders:
             return None
         decode_profile = _DECODE if self.strategy == "predicted" else self.profile
         dec = self._stage(decode_profile, req, decoders, self.cfg, "decode")
+        considered = tuple(self._considered)
         prefill: Candidate | None = None
         if dec.uncached_tokens > self.model.routing.remote_prefill_min_tokens:
             prefillers = [e for e in pool.candidates(exclude, roles=("prefill", "both"))
@@ -191,7 +195,7 @@ class Router:
                 if dec.ep.live.prefill_finish_ms(now, dec.uncached_tokens) <= \
                         prefill.ep.live.prefill_finish_ms(now, prefill.uncached_tokens):
                     prefill = None
-        return Decision(dec, prefill, self.strategy)
+        return Decision(dec, prefill, self.strategy, considered)
 
     def commit(self, d: Decision, req: RequestInfo) -> None:
         """The request is being sent as decided: its blocks are now where it goes (the

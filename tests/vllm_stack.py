@@ -1,0 +1,101 @@
+"""Two real vLLM instances for the compatibility tests (one session, shared; ~45 s to start).
+
+Each runs the tiny random-weight Llama (``make vllm``) pinned to its own core, with prefix
+caching, KV events over ZMQ (vLLM connects to 127.0.0.1:P, where the gateway binds; its replay
+socket binds P+1), the real NixlConnector (``kv_both``, so either can prefill for the other)
+and OTLP traces to the session's receiver. If vLLM is not installed the fixture fails, with
+the command that installs it: these tests never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from otlp_receiver import OTLPReceiver
+
+from engines import vllm
+from protocol.loopback import free_port
+
+
+@dataclass
+class VllmFleet:
+    specs: list[vllm.VllmSpec]
+    model: Path
+    otlp: OTLPReceiver
+    logs: list[Path] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def restart(self, i: int) -> None:
+        """Stop instance ``i`` and start a new process on the same ports."""
+        vllm.stop(self.procs[i])
+        self.procs[i] = vllm.start(self.specs[i], self.logs[i], self.model)
+        vllm.wait_ready(self.specs[i], self.procs[i], self.logs[i])
+
+    def url(self, i: int) -> str:
+        return self.specs[i].url
+
+    def metric(self, i: int, name: str) -> float:
+        with urllib.request.urlopen(self.url(i) + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and (line[len(name)] in " {"))
+
+    def usage(self, i: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(self.url(i) + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["usage"]  # type: ignore[no-any-return]
+
+    def endpoint(self, i: int, **extra: Any) -> dict[str, Any]:
+        ev = self.specs[i].kv_events
+        assert ev is not None
+        return {"url": self.url(i) + "/v1", "kv_events": {
+            "endpoint": ev["endpoint"], "replay": ev["replay"], "topic": ev["topic"]}, **extra}
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet() -> Iterator[VllmFleet]:
+    try:
+        model = vllm.ensure_model()
+    except vllm.VllmUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    otlp = OTLPReceiver()
+    logs_dir = Path(tempfile.mkdtemp(prefix="tokengate-vllm-"))
+    specs = [vllm.VllmSpec(port=free_port(), core=i, kv_events_port=_port_pair(),
+                           nixl_port=free_port(), otlp_endpoint=otlp.endpoint)
+             for i in range(2)]
+    fleet = VllmFleet(specs, model, otlp)
+    try:
+        for i, spec in enumerate(specs):
+            log = logs_dir / f"vllm-{i}.log"
+            fleet.logs.append(log)
+            fleet.procs.append(vllm.start(spec, log, model))
+        for spec, proc, log in zip(specs, fleet.procs, fleet.logs, strict=True):
+            vllm.wait_ready(spec, proc, log)
+        yield fleet
+    finally:
+        for proc in fleet.procs:
+            vllm.stop(proc)
+        otlp.close()
+
+
+def _port_pair() -> int:
+    """A free port P whose neighbour P+1 (the replay socket) is free too."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
