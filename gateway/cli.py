@@ -36,6 +36,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     u.add_argument("--log-level", default="warning")
     u.add_argument("--replicas", type=int, default=1,
                    help="gateway processes sharing --redis, each on its own port")
+    u.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="what serves the loopback endpoints: reference backends, or real vLLM "
+                        "instances (the tiny model of 'make vllm'; KV events and NIXL wired)")
     g = u.add_argument_group("shape the demo pool (applied on top of --policy)")
     g.add_argument("--pool", help="the model whose pool the flags below shape (default: "
                    "demo-large, else the policy's first model)")
@@ -91,7 +94,8 @@ def run(ns: argparse.Namespace) -> int:
         shape = PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd,
                           ns.backend_model, ns.hardware, ns.no_quota, ns.max_batched_tokens)
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
-                             ns.log_dir, shape=shape, replicas=ns.replicas)))
+                             ns.log_dir, shape=shape, replicas=ns.replicas,
+                             engine=ns.engine)))
     except (PolicyError, ValueError, RuntimeError, OSError) as exc:
         print(f"tokengate {ns.command}: {exc}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ class GatewayMetrics:
                                     "Rolling mean absolute percentage error of the latency "
                                     "predictions requests were routed on, as a fraction.",
                                     ["target"], registry=r)
+        self.trainings_seen = 0
         self.predictor_trainings = Counter("tokengate_predictor_trainings",
                                            "Predictor models trained by this replica.",
                                            registry=r)

@@ -70,6 +70,11 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     if not state.view.policy.settings.public_metrics and state.view.admin_digest is not None:
         _admin(request)
+    # Models trained since the last scrape (the predictor counts; the counter follows).
+    trained = state.predictor.trainings - state.metrics.trainings_seen
+    if trained > 0:
+        state.metrics.predictor_trainings.inc(trained)
+        state.metrics.trainings_seen = state.predictor.trainings
     body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

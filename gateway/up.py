@@ -1,7 +1,8 @@
 """``tokengate up``: the whole demo stack in one command.
 
 Starts a reference backend (a child process) for every loopback endpoint of the policy — each
-model's ``backend:`` section says which model and hardware profile it simulates — waits until
+model's ``backend:`` section says which model and hardware profile it simulates; with
+``--engine vllm`` a real vLLM instance instead (``engines.vllm``) — waits until
 they have loaded, runs the gateway in front, prints the two lines a user pastes into a shell,
 and on Ctrl-C or SIGTERM drains the gateway and stops every child. An endpoint written with
 port 0 gets a free port (the policy is then served from a rewritten copy).
@@ -27,6 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from engines import vllm
 from gateway.config.policy import Policy, load_policy
 from gateway.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
@@ -42,7 +44,9 @@ class UpConfig:
     log_dir: str | None = None
     shape: PoolShape | None = None
     replicas: int = 1  # gateway processes, sharing --redis, each on its own port
+    engine: str = "reference"  # or "vllm": real vLLM instances (engines.vllm)
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    engines: list[subprocess.Popen[bytes]] = field(default_factory=list)  # real vLLMs
 
 
 @dataclass(slots=True)
@@ -109,12 +113,15 @@ def _loopback(host: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def resolve_ports(path: str, shape: PoolShape | None = None) -> tuple[str, Policy]:
+def resolve_ports(path: str, shape: PoolShape | None = None, engine: str = "reference"
+                  ) -> tuple[str, Policy]:
     """Apply the pool-shaping flags and give port-0 loopback endpoints free ports; return the
     policy file to serve."""
     load_policy(path)  # the user's file must be valid as written: errors name it
     raw = yaml.safe_load(Path(path).read_text())
     changed = shape.apply(raw) if shape is not None else False
+    if engine == "vllm":
+        changed |= _for_vllm(raw)
     for model in (raw.get("models") or {}).values():
         for ep in model.get("endpoints") or []:
             u = urlsplit(ep["url"])
@@ -129,6 +136,62 @@ def resolve_ports(path: str, shape: PoolShape | None = None) -> tuple[str, Polic
     return tmp, load_policy(tmp)
 
 
+def _for_vllm(raw: dict[str, Any]) -> bool:
+    """Each loopback endpoint becomes a real vLLM instance: the models count with the served
+    model's own tokenizer and chat template, and every endpoint gets a KV event stream (vLLM
+    connects to 127.0.0.1:P, the gateway binds; its replay socket on P+1)."""
+    changed = False
+    model = str(vllm.model_dir())
+    for m in (raw.get("models") or {}).values():
+        eps = [ep for ep in m.get("endpoints") or [] if _loopback(urlsplit(ep["url"]).hostname)]
+        if not eps:
+            continue
+        m["tokenizer"] = model
+        m.pop("chat_template", None)
+        for ep in eps:
+            port = _port_pair()
+            ep["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{port}",
+                               "replay": f"tcp://127.0.0.1:{port + 1}", "topic": "kv"}
+        changed = True
+    return changed
+
+
+def _port_pair() -> int:
+    for _ in range(100):
+        p = free_port()
+        if _port_free("127.0.0.1", p + 1):
+            return p
+    raise RuntimeError("no two free neighbouring ports for a KV event stream")
+
+
+def start_vllm(cfg: UpConfig, policy: Policy) -> None:
+    """One real vLLM per loopback endpoint, each bound to a core of its own (round robin over
+    the cores this process may use), with prefix caching, KV events and the NixlConnector
+    (``kv_both``: any instance can prefill for another)."""
+    log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = vllm.ensure_model()
+    cores = sorted(os.sched_getaffinity(0))
+    specs: list[tuple[vllm.VllmSpec, Path]] = []
+    for m in policy.models.values():
+        for ep in m.endpoints:
+            u = urlsplit(ep.url)
+            if not _loopback(u.hostname) or u.port is None:
+                continue
+            kv = ep.kv_events
+            spec = vllm.VllmSpec(
+                port=u.port, served_name=m.upstream_name, core=cores[len(specs) % len(cores)],
+                kv_events_port=int(kv.endpoint.rsplit(":", 1)[1]) if kv else None,
+                nixl_port=free_port())
+            log = log_dir / f"vllm-{u.port}.log"
+            cfg.engines.append(vllm.start(spec, log, model))
+            specs.append((spec, log))
+    print(f"tokengate up: starting {len(specs)} vLLM instance(s); logs in {log_dir}",
+          file=sys.stderr, flush=True)
+    for (spec, log), proc in zip(specs, cfg.engines, strict=True):
+        vllm.wait_ready(spec, proc, log, timeout_s=120 + 60 * len(specs))
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         # As the servers themselves bind: connections of a stopped server lingering in
@@ -141,7 +204,7 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
+def _check_ports(cfg: UpConfig, policy: Policy) -> None:
     busy = set()
     for m in policy.models.values():
         for ep in m.endpoints:
@@ -153,6 +216,10 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
                            "listens there, or write port 0 in the policy to get free ones")
     if not _port_free(cfg.host, cfg.port):
         raise RuntimeError(f"gateway port {cfg.host}:{cfg.port} is already in use; pass --port")
+
+
+def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
+    _check_ports(cfg, policy)
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     urls = []
@@ -164,7 +231,7 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
             log = open(log_dir / f"backend-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
             cmd = [sys.executable, "-m", "tokengate", "backend", "--host", u.hostname or "",
                    "--port", str(u.port), "--model", m.backend.model, "--hardware",
-                   m.backend.hardware, "--served-model-name", m.upstream_name,
+                   m.backend.sim_hardware, "--served-model-name", m.upstream_name,
                    "--time-scale", str(cfg.time_scale), "--role", ep.role]
             if m.backend.max_num_batched_tokens:
                 cmd += ["--max-num-batched-tokens", str(m.backend.max_num_batched_tokens)]
@@ -210,6 +277,8 @@ def start_replicas(cfg: UpConfig, policy_path: str) -> list[int]:
 
 
 def stop_children(cfg: UpConfig) -> None:
+    for proc in cfg.engines:
+        vllm.stop(proc)
     for p in cfg.children:
         if p.poll() is None:
             p.terminate()
@@ -222,10 +291,14 @@ def stop_children(cfg: UpConfig) -> None:
 
 
 async def up(cfg: UpConfig) -> None:
-    path, policy = resolve_ports(cfg.policy, cfg.shape)
+    path, policy = resolve_ports(cfg.policy, cfg.shape, cfg.engine)
     try:
-        urls = start_backends(cfg, policy)
-        wait_healthy(urls, 120 + 30 * cfg.time_scale)
+        if cfg.engine == "vllm":
+            _check_ports(cfg, policy)
+            start_vllm(cfg, policy)
+        else:
+            urls = start_backends(cfg, policy)
+            wait_healthy(urls, 120 + 30 * cfg.time_scale)
         ready = asyncio.Event()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

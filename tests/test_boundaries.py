@@ -1,7 +1,7 @@
 """The package boundaries, read from the source: ``protocol`` imports no other package of
 ours; ``backend`` never imports ``gateway`` (it is a separate program that knows no gateway);
-nothing imports ``tokengate`` (the dispatcher) or ``loadtests`` but the dispatcher and the
-tests; load tests that drive the gateway speak HTTP to it (only the component micro-benchmarks
+``engines`` (real vLLM) imports only ``protocol``; nothing imports ``tokengate`` (the
+dispatcher) or ``loadtests`` but the dispatcher and the tests; load tests that drive the gateway speak HTTP to it (only the component micro-benchmarks
 import gateway modules); and no two files import each other, directly or round a cycle --
 every import counted, including those inside functions and under ``TYPE_CHECKING``."""
 
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests")
+PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests", "engines")
 # Micro-benchmarks of one component may import that component (the brief allows it).
 COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay"}
 
@@ -20,6 +20,8 @@ def _modules() -> dict[str, Path]:
     out = {}
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
+            if "in_venv" in path.parts:
+                continue  # runs with real vLLM's own interpreter (checked below)
             rel = path.relative_to(ROOT).with_suffix("")
             parts = list(rel.parts)
             if parts[-1] == "__init__":
@@ -71,6 +73,16 @@ def test_the_backend_knows_no_gateway() -> None:
     bad = {m: sorted(i for i in deps if _package(i) in ("gateway", "loadtests", "tokengate"))
            for m, deps in graph().items() if _package(m) == "backend"}
     assert not {m: d for m, d in bad.items() if d}
+
+
+def test_engines_launch_real_ones_and_know_nothing_but_protocol() -> None:
+    """``engines`` (real vLLM's install and processes) imports only ``protocol``; its scripts
+    that run with vLLM's interpreter import nothing of ours at all."""
+    bad = {m: sorted(i for i in deps if _package(i) not in ("engines", "protocol"))
+           for m, deps in graph().items() if _package(m) == "engines"}
+    assert not {m: d for m, d in bad.items() if d}
+    for path in (ROOT / "engines" / "in_venv").glob("*.py"):
+        assert not _imports(path, set(_modules())), path
 
 
 def test_only_the_dispatcher_imports_the_load_harness_and_itself() -> None:

@@ -229,6 +229,9 @@ def test_predictor_learns_online_and_reports_its_error(backend_factory: Factory,
         gm = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
         assert 'tokengate_predictor_mape{target="ttft"}' in gm
         assert 'tokengate_predictor_mape{target="tpot"}' in gm
+        trained = [float(x.split()[-1]) for x in gm.splitlines()
+                   if x.startswith("tokengate_predictor_trainings_total")]
+        assert trained and trained[0] >= 1
         summary = httpx.get(f"{gw.url}/admin/predictor",
                             headers={"Authorization": "Bearer admin-key"}).json()
         assert summary["error"]["ttft"]["n"] >= 30 and summary["samples"]["ttft"] >= 30

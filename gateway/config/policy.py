@@ -97,8 +97,14 @@ class BackendSpec:
     """How ``tokengate up`` simulates this model with reference backends."""
 
     model: str = "llama-3-8b"
-    hardware: str = "h100-sxm"
+    # What a simulated (reference) backend models; for the routing brain, the hardware of an
+    # endpoint the policy says nothing about is unknown, not an H100.
+    hardware: str | None = None
     max_num_batched_tokens: int | None = None  # the engine's per-step token budget
+
+    @property
+    def sim_hardware(self) -> str:
+        return self.hardware or "h100-sxm"
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,7 +75,7 @@ class PoolScaler:
         self._clock = clock
         b = model.backend
         self.capacity: Capacity = profile_capacity(
-            b.model, b.hardware, max_num_batched_tokens=b.max_num_batched_tokens or 8192)
+            b.model, b.sim_hardware, max_num_batched_tokens=b.max_num_batched_tokens or 8192)
         roles = {e.role for e in model.endpoints}
         self.disaggregated = bool(roles - {"both"}) or self.s.disaggregated
         self.velocity = Velocity(self.capacity, disaggregated=self.disaggregated, clock=clock)
@@ -103,7 +103,8 @@ class PoolScaler:
         instances besides the policy's own endpoints."""
         self.pool = pool
         static = [e for e in pool.endpoints if e.url not in self._launched_urls()]
-        live = [self.fleet.endpoint(i.url, None, self._role_of(i), self.model.backend.hardware)
+        live = [self.fleet.endpoint(i.url, None, self._role_of(i),
+                                    self.model.backend.sim_hardware)
                 for i in self.instances if i.ready_at is not None and i.draining_since is None]
         pool.endpoints = static + live
         for e in live:

@@ -49,7 +49,7 @@ class LocalLauncher:
             return [c.replace("{port}", str(port)) for c in self.spec.command]
         b = self.model.backend
         cmd = [sys.executable, "-m", "tokengate", "backend", "--port", str(port),
-               "--model", b.model, "--hardware", b.hardware, "--served-model-name",
+               "--model", b.model, "--hardware", b.sim_hardware, "--served-model-name",
                self.model.upstream_name, "--time-scale", str(self.spec.time_scale),
                "--role", role, "--log-level", "warning"]
         if b.max_num_batched_tokens:
