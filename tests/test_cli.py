@@ -63,6 +63,17 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for c in children_of(pid):
+        out.append(c)
+        try:
+            out += descendants(c)
+        except OSError:
+            pass  # it exited meanwhile
+    return out
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -161,6 +172,71 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
         assert proc.wait(30) == 0
         time.sleep(0.5)
         assert not any(_alive(pid) for pid in children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_up_with_real_vllm_counts_like_the_engine_and_stops_every_process(
+        tmp_path: object) -> None:
+    """``tokengate up --engine vllm``: the same two lines, a real vLLM behind the gateway
+    (prompt counted as vLLM counts it, precise index fed by its KV events), and nothing left
+    running after SIGTERM: not the API server, not its engine core or workers."""
+    import hashlib
+    from pathlib import Path
+
+    import httpx
+    import openai
+    import yaml
+    from redis_servers import free_port
+
+    policy = Path(str(tmp_path)) / "p.yaml"
+    policy.write_text(yaml.safe_dump({
+        "version": 1,
+        "settings": {"admin_key_sha256": hashlib.sha256(b"admin").hexdigest()},
+        "models": {"tiny": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}],
+                            "routing": {"strategy": "prefix", "index": "precise"}}},
+        "tenants": {"demo": {"keys": [{"sha256": hashlib.sha256(b"tg-demo-key").hexdigest()}]}},
+        "routes": {"r": {"tenants": ["demo"], "models": ["tiny"]}}}))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "up", "--engine", "vllm",
+                             "--policy", str(policy), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().strip() for _ in range(2)]
+        assert lines == [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1",
+                         "OPENAI_API_KEY=tg-demo-key"]
+        tree = children_of(proc.pid)
+        engines = [pid for pid in tree if b"launch.py" in _cmdline(pid)]
+        assert len(engines) == 1
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="tg-demo-key",
+                          max_retries=0, timeout=60)
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello, real engine! " * 20}],
+            max_tokens=4)
+        usage = raw.parse().usage
+        assert usage is not None and usage.completion_tokens == 4
+        assert int(raw.headers["x-tokengate-prompt-tokens"]) == usage.prompt_tokens
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            row = httpx.get(f"http://127.0.0.1:{port}/admin/endpoints",
+                            headers={"Authorization": "Bearer admin"}).json()["tiny"][
+                                "endpoints"][0]
+            if row["index_blocks"] >= usage.prompt_tokens // 128:
+                break
+            time.sleep(0.2)
+        assert row["block_size"] == 128 and row["index_blocks"] == usage.prompt_tokens // 128
+        everything = descendants(proc.pid)
+        assert any(b"VLLM" in _cmdline(pid) or b"spawn_main" in _cmdline(pid)
+                   for pid in everything)  # the engine core and its worker are in the tree
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        time.sleep(1.0)
+        assert not [pid for pid in everything if _alive(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()
