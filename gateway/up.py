@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -122,6 +123,8 @@ def resolve_ports(path: str, shape: PoolShape | None = None, engine: str = "refe
     changed = shape.apply(raw) if shape is not None else False
     if engine == "vllm":
         changed |= _for_vllm(raw)
+    else:
+        changed |= _kv_streams(raw)
     for model in (raw.get("models") or {}).values():
         for ep in model.get("endpoints") or []:
             u = urlsplit(ep["url"])
@@ -153,6 +156,22 @@ def _for_vllm(raw: dict[str, Any]) -> bool:
             ep["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{port}",
                                "replay": f"tcp://127.0.0.1:{port + 1}", "topic": "kv"}
         changed = True
+    return changed
+
+
+def _kv_streams(raw: dict[str, Any]) -> bool:
+    """Reference backends of a precise pool publish KV events (the gateway binds where they
+    connect, as with vLLM), unless the policy already says where."""
+    changed = False
+    for m in (raw.get("models") or {}).values():
+        if (m.get("routing") or {}).get("index") != "precise":
+            continue
+        for ep in m.get("endpoints") or []:
+            if _loopback(urlsplit(ep["url"]).hostname) and "kv_events" not in ep:
+                port = _port_pair()
+                ep["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{port}",
+                                   "replay": f"tcp://127.0.0.1:{port + 1}", "topic": "kv"}
+                changed = True
     return changed
 
 
@@ -235,6 +254,11 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
                    "--time-scale", str(cfg.time_scale), "--role", ep.role]
             if m.backend.max_num_batched_tokens:
                 cmd += ["--max-num-batched-tokens", str(m.backend.max_num_batched_tokens)]
+            if ep.kv_events is not None:
+                cmd += ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq",
+                    "endpoint": ep.kv_events.endpoint, "replay_endpoint": ep.kv_events.replay,
+                    "topic": ep.kv_events.topic})]
             cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
             log.close()
             urls.append(f"{u.scheme}://{u.netloc}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -67,10 +68,8 @@ def descendants(pid: int) -> list[int]:
     out: list[int] = []
     for c in children_of(pid):
         out.append(c)
-        try:
+        with contextlib.suppress(OSError):  # it exited meanwhile
             out += descendants(c)
-        except OSError:
-            pass  # it exited meanwhile
     return out
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from otlp_receiver import OTLPReceiver
 
 from engines import vllm
+from loadtests.otlp_receiver import OTLPReceiver
 from protocol.loopback import free_port
 
 

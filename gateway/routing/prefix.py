@@ -14,7 +14,7 @@ updated only when a decision is acted on and forgetting the least recently sent 
 engine's LRU would.
 
 *Precise index* (``PreciseIndex``): per endpoint, exactly the hashes the backend's
-``/kv/events`` stream says it holds (``gateway.routing.kvevents`` follows it).
+KV events say it holds (``gateway.routing.kv_events`` follows them over ZMQ).
 
 Both answer ``matched(hashes)``: how many leading blocks the endpoint holds. Caches hold whole
 prefixes (a block is stored only after its parent, the engine frees tail blocks first), so the

@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP trace receiver on loopback: it decodes the protobuf
+"""A real OTLP/HTTP trace receiver on loopback (tests and bench_vllm): it decodes the protobuf
 ``ExportTraceServiceRequest`` that every OpenTelemetry exporter posts to ``/v1/traces`` (the
 gateway's and vLLM's alike) and keeps the spans, for tests to look at."""
 
