@@ -3,7 +3,8 @@ ours; ``backend`` never imports ``gateway`` (it is a separate program that knows
 ``engines`` (real vLLM) imports only ``protocol``; nothing imports ``tokengate`` (the
 dispatcher) or ``loadtests`` but the dispatcher and the tests; load tests that drive the
 gateway speak HTTP to it (only the component micro-benchmarks import gateway modules); and
-no two files import each other, directly or round a cycle -- every import counted, including those inside functions and under ``TYPE_CHECKING``."""
+no two files import each other, directly or round a cycle -- every import counted, including
+those inside functions and under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
