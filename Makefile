@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test lint typecheck unit redis-server bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy calibration soak clean
+.PHONY: install vllm run test lint typecheck unit redis-server bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy bench-vllm calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,9 @@ bench-routing: install
 
 bench-predictor: install
 	$(BIN)/python -m loadtests.bench_predictor $(ARGS)
+
+bench-vllm: install vllm
+	$(BIN)/python -m loadtests.bench_vllm $(ARGS)
 
 bench-accuracy: install
 	$(BIN)/python -m loadtests.bench_accuracy $(ARGS)

@@ -31,6 +31,10 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL_HINT = "run 'make vllm' (installs real vLLM into .venv-vllm and builds the tiny model)"
@@ -198,3 +202,35 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
             time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)  # a straggler that outlived its parent
+
+
+def reported_blocks(spec: VllmSpec, medium: str = "GPU") -> set[Any]:
+    """The blocks an instance holds by its own account: every batch its replay socket still
+    keeps, applied in order (what a subscriber that missed nothing would know)."""
+    ev = spec.kv_events
+    if ev is None:
+        raise ValueError("this instance publishes no KV events")
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(ev["replay"])
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    held: set[Any] = set()
+    try:
+        while True:
+            if not dealer.poll(5000):
+                raise VllmUnavailable(f"the replay socket {ev['replay']} did not answer")
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return held
+            for e in msgpack.unpackb(payload, strict_map_key=False)[1]:
+                if e["type"] == "AllBlocksCleared":
+                    held.clear()
+                elif (e.get("medium") or "GPU") != medium:
+                    continue
+                elif e["type"] == "BlockStored":
+                    held.update(e["block_hashes"])
+                elif e["type"] == "BlockRemoved":
+                    held.difference_update(e["block_hashes"])
+    finally:
+        dealer.close(0)
+        ctx.term()

@@ -133,6 +133,21 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
         b.close()
 
 
+def start_up(port: int, *args: str) -> subprocess.Popen[str]:
+    """``tokengate up`` on ``port``, once it printed its two lines (checked)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "up", "--port", str(port),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline().strip() for _ in range(2)]
+    if lines != [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1", "OPENAI_API_KEY=tg-demo-key"]:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        raise AssertionError(f"tokengate up printed {lines}")
+    return proc
+
+
 def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> None:
     import hashlib
     from pathlib import Path
@@ -152,14 +167,8 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
                              "model_limits": {"big": {"tpm": 100}}}},
         "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "up", "--policy", str(policy),
-                             "--port", str(port), "--time-scale", "0.01"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01")
     try:
-        assert proc.stdout is not None
-        lines = [proc.stdout.readline().strip() for _ in range(2)]
-        assert lines == [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1",
-                         "OPENAI_API_KEY=tg-demo-key"]
         children = [pid for pid in children_of(proc.pid) if b"backend" in _cmdline(pid)]
         assert len(children) >= 2
         import openai
@@ -201,14 +210,8 @@ def test_up_with_real_vllm_counts_like_the_engine_and_stops_every_process(
         "tenants": {"demo": {"keys": [{"sha256": hashlib.sha256(b"tg-demo-key").hexdigest()}]}},
         "routes": {"r": {"tenants": ["demo"], "models": ["tiny"]}}}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokengate", "up", "--engine", "vllm",
-                             "--policy", str(policy), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = start_up(port, "--engine", "vllm", "--policy", str(policy))
     try:
-        assert proc.stdout is not None
-        lines = [proc.stdout.readline().strip() for _ in range(2)]
-        assert lines == [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1",
-                         "OPENAI_API_KEY=tg-demo-key"]
         tree = children_of(proc.pid)
         engines = [pid for pid in tree if b"launch.py" in _cmdline(pid)]
         assert len(engines) == 1

@@ -244,3 +244,25 @@ def test_predictor_learns_online_and_reports_its_error(backend_factory: Factory,
         assert sum(e["routed"] for e in eps["endpoints"]) == 31  # not the refused one
     finally:
         gw.close()
+
+
+def test_the_approximate_index_learns_only_from_requests_the_engine_accepted(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    """Requests the engine refuses (over its context: the policy claims a longer one, so the
+    gateway lets them through) leave no blocks in the approximate index; one it serves
+    leaves exactly its prompt's full blocks."""
+    b = backend_factory(served_model_name="llama-3-8b", max_model_len=1024)
+    d = doc([{"url": f"{b.url}/v1"}], {"strategy": "prefix"})
+    d["models"]["big"]["max_context"] = 100_000
+    gw = gateway(tmp_path, d)
+    try:
+        c = client(gw)
+        for i in range(5):
+            with pytest.raises(openai.BadRequestError):
+                stream(c, f"Refused {i}: " + LONG * 3)
+        assert gw.state.fleet.approx.size(f"{b.url}/v1") == 0
+        stream(c, "Served: " + LONG)
+        assert gw.state.fleet.approx.size(f"{b.url}/v1") == len(
+            b.state.tokenizer.encode("Served: " + LONG)) // 16
+    finally:
+        gw.close()

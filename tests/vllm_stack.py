@@ -34,12 +34,6 @@ class VllmFleet:
     logs: list[Path] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def restart(self, i: int) -> None:
-        """Stop instance ``i`` and start a new process on the same ports."""
-        vllm.stop(self.procs[i])
-        self.procs[i] = vllm.start(self.specs[i], self.logs[i], self.model)
-        vllm.wait_ready(self.specs[i], self.procs[i], self.logs[i])
-
     def url(self, i: int) -> str:
         return self.specs[i].url
 
