@@ -118,10 +118,6 @@ def main() -> None:
     print(json.dumps(out, indent=2))
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _agent_turn(tok: Tokenizer, words_from: Tokenizer) -> dict[str, float | int | str]:
     """Turn 51 of an agent conversation that grew by ~1,000 tokens a turn (every earlier turn
     counted and hashed already): the gateway's tokenizing and hashing cost for it."""
@@ -144,3 +140,7 @@ def _agent_turn(tok: Tokenizer, words_from: Tokenizer) -> dict[str, float | int 
     _, tokens = asyncio.run(turn())
     return {"context_tokens": tokens, "template": counter.mode,
             "ms": round((time.perf_counter() - t0) * 1e3, 3)}
+
+
+if __name__ == "__main__":
+    main()
