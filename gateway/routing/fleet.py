@@ -31,6 +31,7 @@ _LINE = re.compile(r"^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})?\s+"
                    r"([-+0-9.eEinfNa]+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 PROBE_TIMEOUT_S = 0.5
+MODELS_EVERY_S = 30.0  # an engine without max_model_len in /v1/models is asked again this often
 
 
 def base_url(url: str) -> str:
@@ -153,9 +154,10 @@ class Fleet:
             log.warning("endpoint %s restarted: forgetting what its cache held", e.url)
             self.approx.forget(e.url)
             self.precise.clear(e.url)
-            v.max_model_len = None
+            v.max_model_len, v.models_read_at = None, 0.0
         v.started_at = started if started is not None else v.started_at
-        if v.max_model_len is None:
+        if v.max_model_len is None and time.monotonic() - v.models_read_at > MODELS_EVERY_S:
+            v.models_read_at = time.monotonic()
             await self._read_models(e, headers)
         if "block_size" in m:
             e.engine.block_size = int(m["block_size"])
