@@ -171,7 +171,7 @@ class EngineView:
     waiting_by_reason: dict[str, float] = field(default_factory=dict)
     max_model_len: int | None = None  # from /v1/models (vLLM and the reference backend say)
     started_at: float | None = None  # process_start_time_seconds: a change is a restart
-    models_read_at: float = 0.0  # when /v1/models was last asked (at most every 30 s)
+    models_read_at: float = -math.inf  # when /v1/models was last asked (every 30 s at most)
     scraped_at: float = 0.0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -154,7 +155,7 @@ class Fleet:
             log.warning("endpoint %s restarted: forgetting what its cache held", e.url)
             self.approx.forget(e.url)
             self.precise.clear(e.url)
-            v.max_model_len, v.models_read_at = None, 0.0
+            v.max_model_len, v.models_read_at = None, -math.inf
         v.started_at = started if started is not None else v.started_at
         if v.max_model_len is None and time.monotonic() - v.models_read_at > MODELS_EVERY_S:
             v.models_read_at = time.monotonic()
