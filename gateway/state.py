@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.config.policy import Endpoint, Model, Policy
+from gateway.config.endpoint import Endpoint
+from gateway.config.policy import Model, Policy
 from gateway.endpoints import EndpointPool
 from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics

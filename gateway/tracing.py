@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.config.policy import Tracing as TracingConfig
+from gateway.config.tracing import Tracing as TracingConfig
 
 log = logging.getLogger("tokengate.tracing")
 _PROPAGATOR = TraceContextTextMapPropagator()

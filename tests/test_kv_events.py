@@ -12,7 +12,7 @@ import zmq
 
 from backend.block_pool import KVEvent
 from backend.events import KVEventPublisher, KVEventsConfig
-from gateway.config.policy import KVEvents
+from gateway.config.endpoint import KVEvents
 from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.prefix import PreciseIndex, block_hashes
 from protocol.kv_hash import root_hash

@@ -23,6 +23,7 @@ from test_gateway_e2e import sha
 from vllm_stack import VllmFleet
 
 from engines import vllm
+from protocol.loopback import free_port
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 DOC = ("Section {i}. " + "The quick brown fox jumps over the lazy dog and keeps running. " * 110)
@@ -234,19 +235,13 @@ def test_prefill_decode_over_the_real_nixl_connector(vllm_fleet: VllmFleet,
     served = gw.state.metrics.series("prompt_tokens", "tiny", "a")._value.get()  # type: ignore[attr-defined]
     assert served > 0
     # A dead prefill endpoint: the decode instance computes the prompt itself.
-    dead = {"url": f"http://127.0.0.1:{_dead_port()}/v1", "role": "prefill"}
+    dead = {"url": f"http://127.0.0.1:{free_port()}/v1", "role": "prefill"}
     gw2 = gw_factory(policy(vllm_fleet, [dead, eps[1]], {"strategy": "round_robin",
                                                          "remote_prefill_min_tokens": 64}))
     raw = client(gw2).completions.with_raw_response.create(
         model="tiny", prompt=DOC.format(i=f"{salt}-dead")[:3000], max_tokens=4)
     assert raw.parse().usage.completion_tokens == 4
     assert "x-tokengate-prefill-endpoint" not in raw.headers
-
-
-def _dead_port() -> int:
-    from protocol.loopback import free_port
-
-    return free_port()
 
 
 def test_engine_metrics_as_vllm_names_them_in_admin(vllm_fleet: VllmFleet,

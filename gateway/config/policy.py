@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
+from gateway.config.endpoint import Endpoint, parse_endpoint
 from gateway.config.resilience import (
     ClientLimits,
     Retries,
@@ -35,6 +35,7 @@ from gateway.config.resilience import (
 )
 from gateway.config.routing import Routing, parse_routing
 from gateway.config.scaling import Scaling, parse_scaling
+from gateway.config.tracing import Tracing, parse_tracing
 from gateway.limiter.bucket import Limit
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -59,28 +60,6 @@ class Limits:
         if self.budget:
             out.append(Limit("budget", self.budget, 86400.0, self.budget))
         return tuple(out)
-
-
-@dataclass(frozen=True, slots=True)
-class KVEvents:
-    """Where an engine publishes its KV-cache events (vLLM's ``--kv-events-config``, written as
-    the engine was given it: the gateway binds where the engine connects and connects where it
-    binds, by vLLM's rule)."""
-
-    endpoint: str  # the engine's publisher address, e.g. tcp://127.0.0.1:5557
-    replay: str | None = None  # its replay (ROUTER) address
-    topic: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    url: str
-    api_key_env: str | None = None
-    api_key: str | None = None  # inline secrets are allowed but discouraged
-    role: Literal["both", "prefill", "decode"] = "both"
-    hardware: str | None = None  # accelerator profile name: a predictor feature
-    tls_ca_file: str | None = None  # CA bundle for an https endpoint (default: the system's)
-    kv_events: KVEvents | None = None  # the engine's KV event stream (the precise index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,15 +162,6 @@ class Settings:
 
 
 @dataclass(frozen=True, slots=True)
-class Tracing:
-    """OpenTelemetry traces exported over OTLP/HTTP (protobuf); off unless configured."""
-
-    otlp_endpoint: str  # e.g. http://127.0.0.1:4318/v1/traces
-    service_name: str = "tokengate"
-    sample_ratio: float = 1.0  # of requests that arrive without a sampled traceparent
-
-
-@dataclass(frozen=True, slots=True)
 class Policy:
     models: Mapping[str, Model]
     tenants: Mapping[str, Tenant]
@@ -224,23 +194,6 @@ def _limits(d: Decoder, raw: Any, path: str) -> Limits:
     return Limits(**vals)
 
 
-def _zmq_address(d: Decoder, raw: Any, path: str) -> str:
-    addr = d.string(raw, path)
-    if not addr.startswith(("tcp://", "ipc://")):
-        raise d.fail(path, f"expected a ZMQ address (tcp://host:port or ipc://path), got "
-                     f"{addr!r}")
-    if addr.startswith("tcp://") and not addr.rsplit(":", 1)[-1].isdigit():
-        raise d.fail(path, f"expected tcp://host:port, got {addr!r}")
-    return addr
-
-
-def _kv_events(d: Decoder, raw: Any, path: str) -> KVEvents:
-    m = d.mapping(raw, path, {"endpoint", "replay", "topic"}, {"endpoint"})
-    replay = _zmq_address(d, m["replay"], f"{path}.replay") if "replay" in m else None
-    topic = d.string(m["topic"], f"{path}.topic") if "topic" in m else ""
-    return KVEvents(_zmq_address(d, m["endpoint"], f"{path}.endpoint"), replay, topic)
-
-
 def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     m = d.mapping(raw, path, {"endpoints", "tokenizer", "chat_template", "upstream_model",
                               "price", "fallback",
@@ -255,23 +208,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
                      "scaling section with a launcher)")
     eps = []
     for i, e in enumerate(eps_raw):
-        p = f"{path}.endpoints[{i}]"
-        em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware",
-                              "tls_ca_file", "kv_events"}, {"url"})
-        url = d.string(em["url"], f"{p}.url").rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
-        if "@" in urlsplit(url).netloc:
-            raise d.fail(f"{p}.url", "credentials in the URL are not sent: use api_key_env")
-        ca = d.string(em["tls_ca_file"], f"{p}.tls_ca_file") if "tls_ca_file" in em else None
-        if ca is not None and not url.startswith("https://"):
-            raise d.fail(f"{p}.tls_ca_file", "applies to https endpoints only")
-        role = em.get("role", "both")
-        if role not in ("both", "prefill", "decode"):
-            raise d.fail(f"{p}.role", "expected both, prefill or decode")
-        hw = d.string(em["hardware"], f"{p}.hardware") if "hardware" in em else None
-        kve = _kv_events(d, em["kv_events"], f"{p}.kv_events") if "kv_events" in em else None
-        eps.append(Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw, ca, kve))
+        eps.append(parse_endpoint(d, e, f"{path}.endpoints[{i}]"))
     kw: dict[str, Any] = {}
     if "price" in m:
         pm = d.mapping(m["price"], f"{path}.price", {"input_per_1k", "output_per_1k"})
@@ -354,18 +291,7 @@ def _settings(d: Decoder, raw: Any) -> Settings:
                 raise d.fail(f"settings.{k}", "expected true or false")
             kw[k] = m[k]
     if "tracing" in m:
-        tm = d.mapping(m["tracing"], "settings.tracing",
-                       {"otlp_endpoint", "service_name", "sample_ratio"}, {"otlp_endpoint"})
-        url = d.string(tm["otlp_endpoint"], "settings.tracing.otlp_endpoint")
-        if not url.startswith(("http://", "https://")):
-            raise d.fail("settings.tracing.otlp_endpoint", f"expected an http(s) URL of an "
-                         f"OTLP/HTTP receiver, got {url!r}")
-        ratio = d.number(tm.get("sample_ratio", 1.0), "settings.tracing.sample_ratio",
-                         positive=False)
-        if not 0.0 <= ratio <= 1.0:
-            raise d.fail("settings.tracing.sample_ratio", "expected a number in [0, 1]")
-        name = d.string(tm.get("service_name", "tokengate"), "settings.tracing.service_name")
-        kw["tracing"] = Tracing(url, name, ratio)
+        kw["tracing"] = parse_tracing(d, m["tracing"])
     return Settings(**kw)
 
 

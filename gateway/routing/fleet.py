@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import aiohttp
 
-from gateway.config.policy import KVEvents
+from gateway.config.endpoint import KVEvents
 from gateway.endpoints import EndpointState
 from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.prefix import ApproxIndex, PreciseIndex

@@ -34,7 +34,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from gateway.config.policy import KVEvents
+from gateway.config.endpoint import KVEvents
 
 log = logging.getLogger("tokengate.routing.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -167,7 +167,7 @@ class KVEventSubscriber:
                     if cfg.replay is not None:
                         await self._catch_up(ctx, 0, None, quiet=True)
                     continue
-                self._on_message(frames, ctx)
+                self._on_message(frames)
                 if self._pending is not None:
                     start, until = self._pending
                     self._pending = None
@@ -177,7 +177,7 @@ class KVEventSubscriber:
             self.stats.connected = False
             sub.close(0)
 
-    def _on_message(self, frames: list[bytes], ctx: zmq.asyncio.Context) -> None:
+    def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.errors += 1
             return

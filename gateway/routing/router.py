@@ -78,7 +78,6 @@ class Router:
         self.cfg_prefill = PluginConfig(load_factor=r.load_factor)
         self.namespace = r.hash_namespace or self.model.backend.model
         self._hasher: PromptHasher | None = None
-        self._considered: list[Candidate] = []
         self.precise = r.index == "precise"
         if self.precise:
             fleet.want_precise({e.url: e.kv_events for e in self.model.endpoints},
@@ -157,15 +156,16 @@ class Router:
             c.ttft_ms, c.tpot_ms, c.row = float(ttft[i]), float(tpot[i]), x[i]
 
     def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
-               cfg: PluginConfig, role: str | None = None) -> Candidate:
+               cfg: PluginConfig, role: str | None = None
+               ) -> tuple[Candidate, list[Candidate]]:
+        """The pick among ``eps``, and every candidate it was picked from."""
         cands = self._candidates(req, eps, role)
-        self._considered = cands
         if profile.needs_prediction:
             self._predict(req, cands, role)
         pick, _ = plugins.run(profile, req, cands, self.rng, cfg)
         if not profile.needs_prediction:
             self._predict(req, [pick], role)
-        return pick
+        return pick, cands
 
     def decide(self, req: RequestInfo, exclude: Sequence[EndpointState] = ()
                ) -> Decision | None:
@@ -174,20 +174,20 @@ class Router:
             eps = pool.candidates(exclude)
             if not eps:
                 return None
-            pick = self._stage(self.profile, req, eps, self.cfg)
-            return Decision(pick, None, self.strategy, tuple(self._considered))
+            pick, cands = self._stage(self.profile, req, eps, self.cfg)
+            return Decision(pick, None, self.strategy, tuple(cands))
         decoders = pool.candidates(exclude, roles=("decode", "both"))
         if not decoders:
             return None
         decode_profile = _DECODE if self.strategy == "predicted" else self.profile
-        dec = self._stage(decode_profile, req, decoders, self.cfg, "decode")
-        considered = tuple(self._considered)
+        dec, cands = self._stage(decode_profile, req, decoders, self.cfg, "decode")
+        considered = tuple(cands)
         prefill: Candidate | None = None
         if dec.uncached_tokens > self.model.routing.remote_prefill_min_tokens:
             prefillers = [e for e in pool.candidates(exclude, roles=("prefill", "both"))
                           if e is not dec.ep]
             if prefillers:
-                prefill = self._stage(self.profile, req, prefillers, self.cfg_prefill,
+                prefill, _ = self._stage(self.profile, req, prefillers, self.cfg_prefill,
                                       "prefill")
             if prefill is not None and dec.ep.role == "both":
                 # A decoder that also prefills computes the prompt itself when that is sooner.

@@ -1,0 +1,68 @@
+"""One upstream endpoint of a model in the policy: its URL and credentials, its role, its
+hardware, its TLS trust, and where its engine publishes KV-cache events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from gateway.config.decode import Decoder
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents:
+    """Where an engine publishes its KV-cache events (vLLM's ``--kv-events-config``, written as
+    the engine was given it: the gateway binds where the engine connects and connects where it
+    binds, by vLLM's rule)."""
+
+    endpoint: str  # the engine's publisher address, e.g. tcp://127.0.0.1:5557
+    replay: str | None = None  # its replay (ROUTER) address
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    url: str
+    api_key_env: str | None = None
+    api_key: str | None = None  # inline secrets are allowed but discouraged
+    role: Literal["both", "prefill", "decode"] = "both"
+    hardware: str | None = None  # accelerator profile name: a predictor feature
+    tls_ca_file: str | None = None  # CA bundle for an https endpoint (default: the system's)
+    kv_events: KVEvents | None = None  # the engine's KV event stream (the precise index)
+
+
+def parse_endpoint(d: Decoder, e: Any, p: str) -> Endpoint:
+    em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware",
+                          "tls_ca_file", "kv_events"}, {"url"})
+    url = d.string(em["url"], f"{p}.url").rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
+    if "@" in urlsplit(url).netloc:
+        raise d.fail(f"{p}.url", "credentials in the URL are not sent: use api_key_env")
+    ca = d.string(em["tls_ca_file"], f"{p}.tls_ca_file") if "tls_ca_file" in em else None
+    if ca is not None and not url.startswith("https://"):
+        raise d.fail(f"{p}.tls_ca_file", "applies to https endpoints only")
+    role = em.get("role", "both")
+    if role not in ("both", "prefill", "decode"):
+        raise d.fail(f"{p}.role", "expected both, prefill or decode")
+    hw = d.string(em["hardware"], f"{p}.hardware") if "hardware" in em else None
+    kve = _kv_events(d, em["kv_events"], f"{p}.kv_events") if "kv_events" in em else None
+    return Endpoint(url, em.get("api_key_env"), em.get("api_key"), role, hw, ca, kve)
+
+
+def _zmq_address(d: Decoder, raw: Any, path: str) -> str:
+    addr = d.string(raw, path)
+    if not addr.startswith(("tcp://", "ipc://")):
+        raise d.fail(path, f"expected a ZMQ address (tcp://host:port or ipc://path), got "
+                     f"{addr!r}")
+    if addr.startswith("tcp://") and not addr.rsplit(":", 1)[-1].isdigit():
+        raise d.fail(path, f"expected tcp://host:port, got {addr!r}")
+    return addr
+
+
+def _kv_events(d: Decoder, raw: Any, path: str) -> KVEvents:
+    m = d.mapping(raw, path, {"endpoint", "replay", "topic"}, {"endpoint"})
+    replay = _zmq_address(d, m["replay"], f"{path}.replay") if "replay" in m else None
+    topic = d.string(m["topic"], f"{path}.topic") if "topic" in m else ""
+    return KVEvents(_zmq_address(d, m["endpoint"], f"{path}.endpoint"), replay, topic)
