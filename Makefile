@@ -30,7 +30,7 @@ lint: install
 	$(BIN)/ruff check .
 
 typecheck: install
-	$(BIN)/mypy tokengate protocol gateway backend predictor loadtests engines
+	$(BIN)/mypy tokengate protocol gateway backend predictor loadtests engines simulator
 
 # Redis-backed tests start their own redis-server processes: make sure the program exists.
 redis-server:

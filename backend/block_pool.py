@@ -49,6 +49,7 @@ class BlockPool:
 
     num_blocks: int
     enable_caching: bool = True
+    record_events: bool = True  # False: nobody follows this cache's events (the simulator)
     blocks: list[KVBlock] = field(init=False)
     events: list[KVEvent] = field(init=False, default_factory=list)
     _free: OrderedDict[int, None] = field(init=False)
@@ -125,8 +126,9 @@ class BlockPool:
             return  # another block already holds this prefix; this one stays anonymous
         block.block_hash = block_hash
         self._cached[block_hash] = block
-        self.events.append(KVEvent("BlockStored", (block_hash,), parent, tuple(token_ids),
-                                   salt))
+        if self.record_events:
+            self.events.append(KVEvent("BlockStored", (block_hash,), parent, tuple(token_ids),
+                                       salt))
 
     def reset_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is referenced."""
@@ -149,4 +151,5 @@ class BlockPool:
         block.block_hash = None
         if self._cached.get(h) is block:
             del self._cached[h]
-            self.events.append(KVEvent("BlockRemoved", (h,)))
+            if self.record_events:
+                self.events.append(KVEvent("BlockRemoved", (h,)))

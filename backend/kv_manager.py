@@ -80,6 +80,11 @@ class KVCacheManager:
         ``computed`` are prefix-hit blocks from ``computed_blocks`` (first scheduling only).
         Returns False, changing nothing, when there are not enough free blocks.
         """
+        if not computed:
+            held = self._tables.get(req.request_id)
+            if held is not None and (req.num_computed_tokens + num_new_tokens
+                                     <= len(held) * self.block_size):
+                return True  # the blocks it holds have room (most decode steps)
         computed = computed or []
         if self._blocks_needed(req, num_new_tokens, computed) < 0:
             return False
@@ -97,8 +102,10 @@ class KVCacheManager:
         table = self._tables.get(req.request_id)
         if table is None:
             return
-        self.update_hashes(req)
         start = self._num_cached.get(req.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return  # no block filled up since the last call
+        self.update_hashes(req)
         end = min(num_tokens // self.block_size, len(table), len(req.block_hashes))
         bs = self.block_size
         for i in range(start, end):

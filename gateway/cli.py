@@ -7,8 +7,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gateway.config.routing import STRATEGIES
 from protocol.runtime import run_loop
+
+if TYPE_CHECKING:
+    from gateway.up import PoolShape
 
 _DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
 
@@ -39,11 +44,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     u.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="what serves the loopback endpoints: reference backends, or real vLLM "
                         "instances (the tiny model of 'make vllm'; KV events and NIXL wired)")
-    g = u.add_argument_group("shape the demo pool (applied on top of --policy)")
+    add_shape_args(u)
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The flags that reshape the demo pool, shared with ``tokengate simulate``."""
+    g = p.add_argument_group("shape the demo pool (applied on top of --policy)")
     g.add_argument("--pool", help="the model whose pool the flags below shape (default: "
                    "demo-large, else the policy's first model)")
-    g.add_argument("--strategy", choices=("round_robin", "least_request", "prefix", "predicted"),
-                   help="the pool's routing strategy")
+    g.add_argument("--strategy", choices=sorted(STRATEGIES), help="the pool's routing strategy")
     g.add_argument("--index", choices=("approximate", "precise"), help="prefix index mode")
     g.add_argument("--backends", type=int, help="N aggregated reference backends")
     g.add_argument("--pd", metavar="P:D", help="P prefill + D decode reference backends")
@@ -52,6 +61,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g.add_argument("--max-batched-tokens", type=int,
                    help="the backends' per-step token budget (chunked prefill)")
     g.add_argument("--no-quota", action="store_true", help="drop every limit (benchmark runs)")
+
+
+def shape_of(ns: argparse.Namespace) -> PoolShape:
+    from gateway.up import PoolShape
+
+    return PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd, ns.backend_model,
+                     ns.hardware, ns.no_quota, ns.max_batched_tokens)
 
 
 def _serve_workers(ns: argparse.Namespace) -> int:
@@ -89,10 +105,9 @@ def run(ns: argparse.Namespace) -> int:
     try:
         if ns.command == "serve":
             return _serve_workers(ns)
-        from gateway.up import PoolShape, UpConfig, up
+        from gateway.up import UpConfig, up
 
-        shape = PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd,
-                          ns.backend_model, ns.hardware, ns.no_quota, ns.max_batched_tokens)
+        shape = shape_of(ns)
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape, replicas=ns.replicas,
                              engine=ns.engine)))

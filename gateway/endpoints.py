@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway import clock as clk
 from gateway.config.policy import Model
 from gateway.config.resilience import Retries
 from gateway.retry import RetryBudget
@@ -258,16 +258,16 @@ class EndpointPool:
 
     def __init__(self, model: Model, endpoints: Sequence[EndpointState], *,
                  trip_after: int = 3, cooldown_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] | None = None,
                  retries: Retries | None = None,
                  api_keys: dict[str, str | None] | None = None) -> None:
         self.model = model
         self.endpoints = list(endpoints)
         self.trip_after = trip_after
         self.cooldown_s = cooldown_s
-        self._clock = clock
+        self._clock = clock or clk.now
         r = retries or Retries()
-        self.budget = RetryBudget(r.budget_ratio, r.min_per_s, clock=clock)
+        self.budget = RetryBudget(r.budget_ratio, r.min_per_s, clock=self._clock)
         # This model's credential per endpoint URL: two models may share an endpoint with
         # different keys, so requests use the pool's key, not the shared EndpointState's.
         self.api_keys: dict[str, str | None] = (
@@ -298,7 +298,7 @@ class EndpointPool:
         e.live.routed += 1
         e.live.tokens_outstanding += tokens
         e.live.prefill_tokens += prefill_tokens
-        now = time.monotonic()
+        now = clk.now()
         e.live.pending[t.key] = (now, prefill_tokens)
         e.live.add_arrival(prefill_tokens, now)
         return t
@@ -310,7 +310,7 @@ class EndpointPool:
             return
         t.decoding = True
         e = t.ep
-        now = time.monotonic()
+        now = clk.now()
         e.live.integrate(now)
         e.live.prefill_tokens -= t.prefill_tokens
         e.live.decoding += 1
@@ -325,7 +325,7 @@ class EndpointPool:
         e.live.in_flight -= 1
         e.live.tokens_outstanding -= t.tokens
         if t.decoding:
-            e.live.integrate(time.monotonic())
+            e.live.integrate(clk.now())
             e.live.decoding -= 1
         else:
             e.live.prefill_tokens -= t.prefill_tokens

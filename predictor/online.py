@@ -65,6 +65,15 @@ class TrainConfig:
     min_holdout: int = 30  # fewer: no validation, the fit is used as it is
 
 
+@dataclass(slots=True)
+class TrainingSet:
+    """A fit's inputs, per target: (features, log targets, held-out observations)."""
+
+    added: int
+    parts: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64],
+                           list[tuple[npt.NDArray[np.float64], float]]]]
+
+
 class OnlinePredictor:
     def __init__(self, config: TrainConfig | None = None,
                  on_error: Callable[[str, float], None] | None = None) -> None:
@@ -163,12 +172,26 @@ class OnlinePredictor:
     def train_now(self) -> Models | None:
         """Fit a model for every target with enough samples and swap the set in (call from a
         thread)."""
-        import xgboost as xgb
+        fitted = self.fit()
+        if fitted is not None:
+            self.install(*fitted)
+        return fitted[0] if fitted is not None else None
 
-        added = sum(b.added for b in self.buffers.values())
-        raw: dict[str, str] = {}
-        shrink: dict[str, tuple[float, float]] = {}
-        n = 0
+    def install(self, models: Models, added: int) -> None:
+        """Swap in models ``fit`` returned (``added``: the sample count they were fitted at).
+        The simulator calls it when the modelled training time has passed."""
+        self.models = models
+        self._trained_at_count = added
+        self.trainings += 1
+
+    def fit(self) -> tuple[Models, int] | None:
+        """Fit a model for every target with enough samples; nothing is swapped in."""
+        return self.fit_snapshot(self.snapshot())
+
+    def snapshot(self) -> TrainingSet:
+        """What a fit would train and validate on, copied: ``fit_snapshot`` may then run in
+        another thread while observations keep arriving."""
+        parts = {}
         for target in TARGETS:
             # Hold out only what the training set can spare: the first fit comes as soon
             # as ``min_samples`` are in, validated from the next one on.
@@ -177,6 +200,16 @@ class OnlinePredictor:
             if len(held) < self.config.min_holdout:
                 held = []
             x, y = self.buffers[target].arrays(exclude={id(r) for r, _ in held})
+            parts[target] = (x, y, held)
+        return TrainingSet(sum(b.added for b in self.buffers.values()), parts)
+
+    def fit_snapshot(self, ts: TrainingSet) -> tuple[Models, int] | None:
+        import xgboost as xgb
+
+        raw: dict[str, str] = {}
+        shrink: dict[str, tuple[float, float]] = {}
+        n = 0
+        for target, (x, y, held) in ts.parts.items():
             if len(y) < self.config.min_samples:
                 continue
             n += len(y)
@@ -192,11 +225,7 @@ class OnlinePredictor:
         if not raw:
             return None
         version = (self.models.version if self.models else 0) + 1
-        models = Models.from_raw(version, raw, n, shrink)
-        self.models = models
-        self._trained_at_count = added
-        self.trainings += 1
-        return models
+        return Models.from_raw(version, raw, n, shrink), ts.added
 
     def _validate(self, target: str, trees: CompiledTrees, center: float,
                   held: list[tuple[npt.NDArray[np.float64], float]]) -> tuple[float, float]:

