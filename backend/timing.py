@@ -91,6 +91,12 @@ class TimingModel:
             pairs += n * ctx + n * (n + 1) / 2.0
             kv_tokens += ctx + n
             seqs += 1
+        return self.aggregate(tokens, pairs, kv_tokens, seqs, num_sampled)
+
+    def aggregate(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
+                  num_sampled: int) -> StepCost:
+        """The cost of a step given its totals: tokens computed, causal (query, key) pairs,
+        KV tokens read or written, sequences and tokens sampled (what ``cost`` sums)."""
         if seqs == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
         flops = (

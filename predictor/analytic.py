@@ -1,4 +1,5 @@
-"""The prediction before any model is trained: a queueing estimate from first principles.
+"""The prior of every prediction: the roofline of ``predictor.prior`` where the router gave one
+(the ``prior_*`` columns), else a queueing estimate from first principles (below).
 
 TTFT is the time to prefill everything queued ahead plus this request's uncached tokens at the
 endpoint's prefill rate, plus a fixed latency; TPOT is one decode step, which grows with the
@@ -31,7 +32,8 @@ def predict_ttft_ms(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     others = np.maximum(x[:, F["waiting"]] - x[:, F["in_flight"]], 0.0) * x[:, F["prompt_tokens"]]
     busy = (x[:, F["decoding"]] + x[:, F["running"]]) * STEP_MS_PER_SEQ
     out: npt.NDArray[np.float64] = TTFT_BASE_MS + (queued + others) * per_token + busy
-    return out
+    prior = x[:, F["prior_ttft_ms"]]
+    return np.where(prior > 0, prior, out)
 
 
 def predict_tpot_ms(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -42,4 +44,5 @@ def predict_tpot_ms(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     step += x[:, F["prefill_tokens"]] * PREFILL_MS_PER_TOKEN * 0.05
     # Where streams decode there now, their measured step is the better estimate.
     out: npt.NDArray[np.float64] = np.where(x[:, F["step_ms"]] > 0, x[:, F["step_ms"]], step)
-    return out
+    prior = x[:, F["prior_tpot_ms"]]
+    return np.where(prior > 0, prior, out)

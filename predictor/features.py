@@ -31,6 +31,8 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ``role``                    0 aggregated, 1 prefill, 2 decode
 ``hw_bandwidth_tbs``        accelerator HBM bandwidth, TB/s (hardware class; 0 when unknown)
 ``hw_tflops``               accelerator dense BF16 peak, TFLOP/s (0 when unknown)
+``prior_ttft_ms``           the roofline prior (``predictor.prior``) for this endpoint, 0 when
+``prior_tpot_ms``           its hardware is unknown: the models learn log(actual / prior)
 ==========================  ====================================================================
 
 Live counters are exact and fresh at each decision; scraped ones are up to one scrape period
@@ -48,7 +50,7 @@ FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
     "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms",
     "queue_estimate_ms", "prefill_arrivals", "step_ms", "recent_ttft_ms", "recent_tpot_ms",
-    "role", "hw_bandwidth_tbs", "hw_tflops",
+    "role", "hw_bandwidth_tbs", "hw_tflops", "prior_ttft_ms", "prior_tpot_ms",
 )
 DEFAULT_PREFILL_RATE = 30.0  # tokens/ms (gateway.endpoints' default: an 8B model on an H100)
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
@@ -79,14 +81,17 @@ class EndpointSnapshot:
 
 def build_matrix(prompt_tokens: int, expected_output: int,
                  uncached: list[int] | npt.NDArray[np.int64],
-                 endpoints: list[EndpointSnapshot]) -> npt.NDArray[np.float64]:
+                 endpoints: list[EndpointSnapshot],
+                 priors: list[tuple[float, float]] | None = None) -> npt.NDArray[np.float64]:
     """One row per candidate endpoint, columns in ``FEATURES`` order (the only place that
     knows the order: the router builds its rows here)."""
+    pri = priors or [(0.0, 0.0)] * len(endpoints)
     return np.array([(prompt_tokens, u, expected_output, e.kv_usage, e.running, e.waiting,
                       e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
                       e.prefill_queue_ms,
                       e.prefill_queue_ms + u / (e.prefill_rate or DEFAULT_PREFILL_RATE),
                       e.prefill_arrivals, e.step_ms, e.recent_ttft_ms,
                       e.recent_tpot_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs,
-                      e.hw_tflops) for u, e in zip(uncached, endpoints, strict=True)],
+                      e.hw_tflops, pt, pp)
+                     for u, e, (pt, pp) in zip(uncached, endpoints, pri, strict=True)],
                     dtype=np.float64).reshape(len(endpoints), len(FEATURES))

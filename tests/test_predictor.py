@@ -101,14 +101,16 @@ def test_each_fit_is_validated_on_the_latest_requests_and_shrunk_if_it_fits_nois
     p = OnlinePredictor(TrainConfig(min_samples=200, rounds=60, holdout=100))
     x, ttft, _ = world(1500)
     rng = np.random.default_rng(7)
-    # TPOT here is noise around 20 ms that no feature explains (as on an aggregated
+    # TPOT here is noise around its prior that no feature explains (as on an aggregated
     # endpoint, where prefill arriving after the decision sets it); TTFT is explained.
-    noise = 20.0 * np.exp(rng.normal(0.0, 0.3, len(x)))
+    noise = analytic.predict_tpot_ms(x) * np.exp(rng.normal(0.0, 0.3, len(x)))
     for i in range(len(x)):
         p.observe(x[i], ttft_ms=float(ttft[i]), tpot_ms=float(noise[i]))
     models = p.train_now()
     assert models is not None and models.ttft is not None and models.tpot is not None
-    assert models.ttft.weight == 1.0 and p.validation["ttft"]["mape_model"] < 0.1
+    # TTFT is explained (mostly by the prior already: the learned factor is kept, or barely
+    # shrunk where the prior leaves only noise to learn)
+    assert models.ttft.weight >= 0.75 and p.validation["ttft"]["mape_used"] < 0.05
     v = p.validation["tpot"]
     assert v["n"] == 100 and models.tpot.weight < 1.0
     assert v["mape_used"] <= v["mape_model"] and v["mape_used"] < v["mape_model"] - 0.01

@@ -353,7 +353,7 @@ def test_feature_matrix_columns() -> None:
                    "prefill_arrivals": 900.0, "step_ms": 11.0,
                    "recent_ttft_ms": 80.0, "recent_tpot_ms": 9.0, "role": 2.0,
                    "hw_bandwidth_tbs": 3.35,
-                   "hw_tflops": 989.0}
+                   "hw_tflops": 989.0, "prior_ttft_ms": 0.0, "prior_tpot_ms": 0.0}
 
 
 def test_router_builds_features_from_live_and_scraped_state() -> None:

@@ -45,6 +45,7 @@ class Candidate:
     uncached_tokens: int = 0
     ttft_ms: float = math.nan
     tpot_ms: float = math.nan
+    tpot_p90_ms: float = math.nan  # the calibrated 90th percentile the TPOT SLO is held to
     row: npt.NDArray[np.float64] | None = None  # predictor features
     matched_blocks: int = 0  # leading prompt blocks the index says it holds
     index_blocks: int = 0  # blocks the prefix index holds for this endpoint (its "tree size")
@@ -84,10 +85,13 @@ def bounded_load(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig
 
 
 def tpot_slo(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig) -> list[Candidate]:
-    """Endpoints predicted to stream within the request's TPOT SLO."""
+    """Endpoints whose calibrated TPOT p90 (the point estimate when there is none) is
+    within the request's TPOT SLO."""
     if req.slo_tpot_ms is None:
         return cands
-    return [c for c in cands if not c.tpot_ms > req.slo_tpot_ms]
+    return [c for c in cands
+            if not (c.tpot_p90_ms if not math.isnan(c.tpot_p90_ms) else c.tpot_ms)
+            > req.slo_tpot_ms]
 
 
 def ttft_slo(req: RequestInfo, cands: list[Candidate], cfg: PluginConfig) -> list[Candidate]:

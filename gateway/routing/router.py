@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backend.profiles import HARDWARE
+from backend.profiles import HARDWARE, MODELS
 from gateway import clock as clk
 from gateway.config.policy import Model
 from gateway.endpoints import EndpointPool, EndpointState
@@ -27,6 +27,7 @@ from gateway.routing.prefix import PromptHasher
 from gateway.tokenize import ChatPrompt, TokenCounter
 from predictor.features import EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
+from predictor.prior import RooflinePrior
 from protocol.kv_hash import root_hash
 
 _DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
@@ -78,6 +79,7 @@ class Router:
         self.cfg_prefill = PluginConfig(load_factor=r.load_factor)
         self.namespace = r.hash_namespace or self.model.backend.model
         self._hasher: PromptHasher | None = None
+        self._priors: dict[str | None, RooflinePrior | None] = {}
         self.precise = r.index == "precise"
         if self.precise:
             fleet.want_precise({e.url: e.kv_events for e in self.model.endpoints},
@@ -150,11 +152,33 @@ class Router:
                 prefill_arrivals=e.live.arrival_rate(now), step_ms=e.live.current_step_ms(now),
                 recent_ttft_ms=e.live.recent_ttft_ms, recent_tpot_ms=e.live.recent_tpot_ms,
                 role=role or e.role, hw_bandwidth_tbs=bw, hw_tflops=tf))
+        priors = [self._prior(req, c, s) for c, s in zip(cands, snaps, strict=True)]
         x = build_matrix(req.prompt_tokens, req.expected_output,
-                         [c.uncached_tokens for c in cands], snaps)
+                         [c.uncached_tokens for c in cands], snaps, priors)
         ttft, tpot = self.predictor.predict(x)
+        p90 = self.predictor.tpot_p90_factor()
         for i, c in enumerate(cands):
             c.ttft_ms, c.tpot_ms, c.row = float(ttft[i]), float(tpot[i]), x[i]
+            c.tpot_p90_ms = c.tpot_ms * p90
+
+    def roofline(self, hardware: str | None) -> RooflinePrior | None:
+        """The roofline prior of an endpoint of this hardware serving this pool's model
+        (None when either profile is unknown: a real engine the policy says nothing of)."""
+        if hardware not in self._priors:
+            hw, model = HARDWARE.get(hardware or ""), MODELS.get(self.model.backend.model)
+            budget = self.model.backend.max_num_batched_tokens or 8192
+            self._priors[hardware] = RooflinePrior(model, hw, budget) \
+                if hw is not None and model is not None else None
+        return self._priors[hardware]
+
+    def _prior(self, req: RequestInfo, c: Candidate, s: EndpointSnapshot
+               ) -> tuple[float, float]:
+        r = self.roofline(c.ep.hardware)
+        if r is None:
+            return 0.0, 0.0
+        return r.estimate(req.prompt_tokens, c.uncached_tokens, req.expected_output,
+                          max(s.decoding, s.running - (s.in_flight - s.decoding)),
+                          s.prefill_tokens, s.oldest_pending_ms, s.prefill_arrivals, s.role)
 
     def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
                cfg: PluginConfig, role: str | None = None
