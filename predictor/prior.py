@@ -6,8 +6,12 @@ uncached tokens; both are computed in chunked-prefill steps of ``budget − deco
 that share each step with the decoding sequences, and a step's duration is the reference
 backend's own roofline (``backend.timing.TimingModel.aggregate``: compute- or memory-bound,
 plus the engine's fixed and per-sequence costs). The queue ahead is the gateway's exact live
-count of uncached tokens sent there and not yet answered, less what the engine has computed
-since the oldest of them was sent. Its TPOT is a decode step of the batch it joins, stretched
+count of uncached tokens sent there and not yet answered, less what the head of that queue
+has likely computed since it started (the gateway's virtual prefill queue,
+``gateway.endpoints.LiveLoad.prefill_queue_ms``). Subtracting instead what the engine could
+have computed since the *oldest* pending request was sent counted the same time twice (it
+also went to prefills already answered) and routed worse in the strategy matrix. Its TPOT
+is a decode step of the batch it joins, stretched
 by the prefill work that keeps arriving there (steps carry those chunks too): in a second the
 GPU spends ``arrivals × per-token prefill time`` on prefill and the rest on decode steps.
 
@@ -20,8 +24,6 @@ gateway observes there.
 """
 
 from __future__ import annotations
-
-import math
 
 from backend.profiles import HardwareProfile, ModelProfile
 from backend.timing import TimingModel
@@ -44,17 +46,19 @@ class RooflinePrior:
                                      int(decodes + (1 if prefill > 0 else 0))).seconds
 
     def estimate(self, prompt: int, uncached: int, output: int, decoding: float,
-                 queued_tokens: float, oldest_pending_ms: float, arrivals_per_s: float,
-                 role: str) -> tuple[float, float]:
-        """(TTFT ms, TPOT ms) of a request sent to this endpoint now."""
+                 queued_tokens: float, arrivals_per_s: float, role: str,
+                 decode_context: float | None = None) -> tuple[float, float]:
+        """(TTFT ms, TPOT ms) of a request sent to this endpoint now, ``queued_tokens`` of
+        prefill ahead of it, ``decoding`` sequences there of ``decode_context`` tokens on
+        average (unknown: this request's own length)."""
         d = max(decoding, 0.0)
         chunk = max(self.budget - d, self.budget / 4.0)
         cached = prompt - uncached
         ctx_p = cached + uncached / 2.0
-        ctx_d = prompt + output / 2.0
+        own = prompt + output / 2.0
+        ctx_d = own if decode_context is None else decode_context
         step = self._step_s(chunk, ctx_p, d, ctx_d)
-        rate = chunk / step if step > 0 else math.inf  # prefill tokens per second here
-        ahead = max(queued_tokens - rate * oldest_pending_ms / 1000.0, 0.0)
+        ahead = max(queued_tokens, 0.0)
         work = ahead + uncached
         if work <= chunk:
             ttft = self._step_s(max(work, 1.0), ctx_p, d, ctx_d)
@@ -62,7 +66,8 @@ class RooflinePrior:
             ttft = work / chunk * step
         if d > 0 or ahead > 0:  # the step under way finishes first, on average half of it
             ttft += 0.5 * self._step_s(0.0, 0.0, d, ctx_d) if ahead <= 0 else 0.5 * step
-        decode = self._step_s(0.0, 0.0, d + 1.0, ctx_d)
-        per_token = max(self._step_s(chunk, ctx_p, d + 1.0, ctx_d) - decode, 0.0) / chunk
+        joined = (d * ctx_d + own) / (d + 1.0)
+        decode = self._step_s(0.0, 0.0, d + 1.0, joined)
+        per_token = max(self._step_s(chunk, ctx_p, d + 1.0, joined) - decode, 0.0) / chunk
         load = 0.0 if role == "decode" else min(arrivals_per_s * per_token, 0.9)
         return ttft * 1e3 + FIXED_MS, decode / (1.0 - load) * 1e3

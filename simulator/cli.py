@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway import cli as gateway_cli
 from loadtests import cli as loadtests_cli
+
+if TYPE_CHECKING:
+    from simulator.workload import WorkloadSpec
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,22 +41,73 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
 
 
-def run(ns: argparse.Namespace) -> int:
-    from loadtests.metrics import SLO
-    from simulator.gateway import Delays
-    from simulator.run import DEMO_POLICY, SimConfig, simulate
+def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan", help="the cheapest layout (aggregated or P:D, replicas) that meets the SLOs",
+        description="Searches aggregated and prefill/decode layouts with the simulator and "
+        "recommends the fewest GPUs reaching --target-goodput; Pareto table and plot.")
+    loadtests_cli.add_workload_args(p)
+    p.add_argument("--model", required=True, help="model profile (backend.profiles)")
+    p.add_argument("--hardware", required=True, help="hardware profile")
+    p.add_argument("--target-goodput", type=float, default=0.9)
+    p.add_argument("--max-gpus", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int)
+    p.add_argument("--strategy", default="predicted")
+    p.add_argument("--policy", default=None)
+    p.add_argument("--out", required=True)
+
+
+def _spec(ns: argparse.Namespace) -> WorkloadSpec | None:
     from simulator.workload import WorkloadSpec
 
     if bool(ns.workload) == bool(ns.trace):
-        print("tokengate simulate: give exactly one of --workload synthetic|sessions and "
+        print(f"tokengate {ns.command}: give exactly one of --workload synthetic|sessions and "
               "--trace FILE", file=sys.stderr)
-        return 2
+        return None
     spec = WorkloadSpec(
         ns.workload or "trace", ns.trace, ns.requests, ns.duration, ns.time_scale, ns.rate,
         ns.burstiness, ns.input_len, ns.output_len, ns.max_input,
         loadtests_cli.session_spec(ns) if ns.workload == "sessions" else None, ns.seed)
     if spec.kind == "synthetic" and ns.requests is None and ns.duration is None:
-        print("tokengate simulate: give --requests and/or --duration", file=sys.stderr)
+        print(f"tokengate {ns.command}: give --requests and/or --duration", file=sys.stderr)
+        return None
+    return spec
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    from loadtests.metrics import SLO
+    from simulator.plan import PlanConfig, search, write
+
+    spec = _spec(ns)
+    if spec is None:
+        return 2
+    if ns.slo_ttft_ms is None or ns.slo_tpot_ms is None:
+        print("tokengate plan: give --slo-ttft-ms and --slo-tpot-ms", file=sys.stderr)
+        return 2
+    cfg = PlanConfig(spec, ns.model, ns.hardware, SLO(ns.slo_ttft_ms, ns.slo_tpot_ms),
+                     ns.target_goodput, ns.max_gpus, ns.max_batched_tokens, ns.policy,
+                     ns.strategy)
+    try:
+        trials = search(cfg, log=lambda t: print(
+            f"  {t.layout:>6} × {t.replicas} = {t.gpus} GPU(s): goodput {t.goodput:.1%}",
+            flush=True))
+    except (ValueError, OSError) as exc:
+        print(f"tokengate plan: {exc}", file=sys.stderr)
+        return 2
+    rec = write(cfg, trials, Path(ns.out))
+    print(f"recommended: {rec.layout} ({rec.gpus} GPUs, goodput {rec.goodput:.1%})" if rec
+          else "no layout met the target")
+    print(f"report: {Path(ns.out) / 'plan.md'}")
+    return 0
+
+
+def run(ns: argparse.Namespace) -> int:
+    from loadtests.metrics import SLO
+    from simulator.gateway import Delays
+    from simulator.run import DEMO_POLICY, SimConfig, simulate
+
+    spec = _spec(ns)
+    if spec is None:
         return 2
     cfg = SimConfig(spec, ns.policy or str(DEMO_POLICY), gateway_cli.shape_of(ns),
                     SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms),

@@ -113,6 +113,7 @@ class SimGateway:
         self.hindsight: Hindsight | None = None  # set: routed by the oracle instead
         self.states: dict[str, EndpointState] = {e.url: e for e in eps}
         self.completed = 0
+        self.scrapes = 0
         self.outstanding = 0  # requests the workload will still send or is waiting for
         self.slo_actions: dict[str, int] = {}
         # (predicted, actual) of every request, from the first: the error over a whole run
@@ -123,11 +124,17 @@ class SimGateway:
                 eng.on_kv_events = self._kv_sink(url)
                 eng.pool.record_events = True
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="sim-train")
+
+    def start(self, outstanding: int) -> None:
+        """The workload will send (or wait for) ``outstanding`` requests: the scrape and
+        training loops run until the last of them is done."""
+        self.outstanding = outstanding
         self._scrape()
-        loop.after(predictor.config.retrain_s, self._train)
+        self.loop.after(self.predictor.config.retrain_s, self._train)
 
     # -- the gateway's view of the engines ------------------------------------------------
     def _scrape(self) -> None:
+        self.scrapes += 1
         for url, eng in self.engines.items():
             v = self.states[url].engine
             v.running, v.waiting, v.kv_usage = eng.running, eng.waiting, eng.kv_usage()

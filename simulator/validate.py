@@ -24,13 +24,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from gateway.up import PoolShape
 from loadtests import bench_routing, workloads
 from loadtests.metrics import SLO
 from loadtests.run import LoadtestConfig, run_all
 from loadtests.runner import Target
 from protocol.loopback import DEMO_KEY
-from simulator.run import SimConfig, simulate
+from simulator.run import DEMO_POLICY, SimConfig, simulate
 from simulator.workload import WorkloadSpec
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -48,7 +50,7 @@ class Case:
 
 def cases(scale: float = 1.0) -> dict[str, Case]:
     """The validation workloads; ``scale`` multiplies how many requests each sends."""
-    n = max(int(60 * scale), 10)
+    n = max(int(80 * scale), 10)
     return {
         "synthetic": Case("synthetic", WorkloadSpec(
             "synthetic", requests=n, rate=2.0, burstiness=1.0, input_len="uniform:256:3072",
@@ -79,8 +81,15 @@ def real_run(case: Case, strategy: str, out: Path) -> dict[str, Any]:
     args = argparse.Namespace(model=case.shape.model, hardware=case.shape.hardware,
                               index=None, no_share=False, redis=None, time_scale=1.0)
     logs = Path(tempfile.mkdtemp(prefix="tokengate-validate-"))
-    proc, port = bench_routing.start_stack(args, strategy,
-                                           ["--backends", str(case.shape.backends)], logs, 8192)
+    # the demo policy with every endpoint on a free port (its fallback's is fixed)
+    raw = yaml.safe_load(DEMO_POLICY.read_text())
+    for m in raw["models"].values():
+        m["endpoints"] = [{"url": "http://127.0.0.1:0/v1"} for _ in m["endpoints"]]
+    policy = logs / "policy.yaml"
+    policy.write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc, port = bench_routing.start_stack(
+        args, strategy, ["--policy", str(policy), "--backends", str(case.shape.backends)],
+        logs, 8192)
     try:
         asyncio.run(bench_routing.wait_stack(proc, port, logs, case.name))
         base = f"http://127.0.0.1:{port}/v1"

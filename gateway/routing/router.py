@@ -25,7 +25,7 @@ from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
 from gateway.routing.prefix import PromptHasher
 from gateway.tokenize import ChatPrompt, TokenCounter
-from predictor.features import EndpointSnapshot, build_matrix
+from predictor.features import DEFAULT_PREFILL_RATE, EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
 from predictor.prior import RooflinePrior
 from protocol.kv_hash import root_hash
@@ -176,9 +176,14 @@ class Router:
         r = self.roofline(c.ep.hardware)
         if r is None:
             return 0.0, 0.0
+        queued = s.prefill_queue_ms * (s.prefill_rate or DEFAULT_PREFILL_RATE)
+        v = c.ep.engine
+        held = v.kv_usage * v.num_gpu_blocks * v.block_size \
+            if v.num_gpu_blocks and v.block_size and v.running else None
         return r.estimate(req.prompt_tokens, c.uncached_tokens, req.expected_output,
-                          max(s.decoding, s.running - (s.in_flight - s.decoding)),
-                          s.prefill_tokens, s.oldest_pending_ms, s.prefill_arrivals, s.role)
+                          max(s.decoding, s.running - (s.in_flight - s.decoding)), queued,
+                          s.prefill_arrivals, s.role,
+                          held / v.running if held is not None else None)
 
     def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
                cfg: PluginConfig, role: str | None = None
