@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test lint typecheck unit redis-server bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy bench-vllm calibration soak clean
+.PHONY: install vllm run test lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-routing bench-predictor bench-accuracy bench-vllm calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,15 @@ bench-predictor: install
 
 bench-vllm: install vllm
 	$(BIN)/python -m loadtests.bench_vllm $(ARGS)
+
+matrix: install
+	$(BIN)/python -m simulator.matrix $(ARGS)
+
+validate-sim: install
+	$(BIN)/python -m simulator.validate $(ARGS)
+
+confirm: install
+	$(BIN)/python -m simulator.confirm $(ARGS)
 
 bench-accuracy: install
 	$(BIN)/python -m loadtests.bench_accuracy $(ARGS)

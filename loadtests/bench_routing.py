@@ -58,7 +58,7 @@ ADMIN = "bench-admin-key"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 
 
-def _get(url: str, admin: bool = False) -> Any:
+def fetch(url: str, admin: bool = False) -> Any:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"} if admin
                                  else {})
     with urllib.request.urlopen(req, timeout=10) as r:
@@ -124,17 +124,17 @@ def stop_stack(proc: subprocess.Popen[bytes]) -> None:
 
 def fleet_figures(port: int) -> dict[str, Any]:
     gw = f"http://127.0.0.1:{port}"
-    eps = _get(f"{gw}/admin/endpoints", admin=True)["demo-large"]["endpoints"]
+    eps = fetch(f"{gw}/admin/endpoints", admin=True)["demo-large"]["endpoints"]
     per_endpoint, hits, queries = {}, 0.0, 0.0
     for e in eps:
-        text = _get(e["url"].removesuffix("/v1") + "/metrics")
+        text = fetch(e["url"].removesuffix("/v1") + "/metrics")
         h = _metric(text, "vllm:prefix_cache_hits_total")
         q = _metric(text, "vllm:prefix_cache_queries_total")
         hits, queries = hits + h, queries + q
         per_endpoint[e["url"]] = {"role": e["role"], "routed": e["routed"],
                                   "requests": _metric(text, "vllm:request_success_total"),
                                   "prefix_hit_rate": h / q if q else None}
-    gm = _get(f"{gw}/metrics")
+    gm = fetch(f"{gw}/metrics")
     n = _metric(gm, "tokengate_routing_decision_seconds_count")
     out: dict[str, Any] = {
         "prefix_hit_rate": hits / queries if queries else None,
@@ -144,7 +144,7 @@ def fleet_figures(port: int) -> dict[str, Any]:
         "gateway_overhead_ms_mean": (
             _metric(gm, "tokengate_overhead_seconds_sum")
             / max(_metric(gm, "tokengate_overhead_seconds_count"), 1) * 1e3)}
-    pred = _get(f"{gw}/admin/predictor", admin=True)
+    pred = fetch(f"{gw}/admin/predictor", admin=True)
     out["predictor"] = {"source": pred["source"], "trainings": pred["trainings"],
                         "last_train_s": pred["last_train_s"], "error": pred["error"],
                         "validation": pred.get("validation")}

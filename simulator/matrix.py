@@ -65,7 +65,7 @@ def workloads_(n: int) -> dict[str, Workload]:
     }
 
 
-def _shape(pool: str, strategy: str) -> PoolShape:
+def fleet_shape(pool: str, strategy: str) -> PoolShape:
     return PoolShape(strategy="round_robin" if strategy == "hindsight" else strategy,
                      backends=4 if pool == "agg" else None, pd="2:2" if pool == "pd" else None,
                      model=MODEL, hardware=HARDWARE_NAME, max_batched_tokens=BUDGET,
@@ -81,9 +81,9 @@ def offered_work_s(hashes_prompts: Sequence[tuple[Sequence[int], int]],
     return prefill + per_token * sum(outputs)
 
 
-def _work(w: Workload) -> tuple[float, int]:
+def offered(w: Workload) -> tuple[float, int]:
     """The workload's offered work (s) and request count, from one round-robin run."""
-    res = simulate(SimConfig(w.spec, shape=_shape("agg", "round_robin"), slo=SLO_))
+    res = simulate(SimConfig(w.spec, shape=fleet_shape("agg", "round_robin"), slo=SLO_))
     reqs = res.requests
     return offered_work_s([(r.hashes, len(r.prompt_ids)) for r in reqs],
                           [r.output_tokens for r in reqs]), len(reqs)
@@ -94,7 +94,7 @@ def _retimed(w: Workload, load: float, burstiness: float
     """The workload at ``load`` with gamma(``burstiness``) arrivals: a trace's arrivals are
     re-drawn at the rate that gives it; sessions start at such a rate (each lasting about
     turns × think time)."""
-    work, n = _work(w)
+    work, n = offered(w)
     span = work / (4 * load)
     if w.spec.kind == "sessions":
         s = w.spec.sessions
@@ -106,7 +106,7 @@ def _retimed(w: Workload, load: float, burstiness: float
 
 def run_cell(w: Workload, load: float, burst: float, pool: str, strategy: str,
              spec: WorkloadSpec, retime: tuple[float, float, int] | None) -> dict[str, Any]:
-    cfg = SimConfig(spec, shape=_shape(pool, strategy), slo=SLO_,
+    cfg = SimConfig(spec, shape=fleet_shape(pool, strategy), slo=SLO_,
                     hindsight=strategy == "hindsight", retime=retime)
     rep = simulate(cfg).report
     sim = rep["simulation"]

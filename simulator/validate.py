@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ class Case:
     endpoint: str = "completions"
     shape: PoolShape = field(default_factory=lambda: PoolShape(
         backends=4, model="qwen3-32b", hardware="h100-sxm", no_quota=True))
+    slo: SLO = field(default_factory=SLO)
 
 
 def cases(scale: float = 1.0) -> dict[str, Case]:
@@ -66,19 +69,24 @@ def cases(scale: float = 1.0) -> dict[str, Case]:
     }
 
 
-def _loadtest(case: Case, base_url: str, out: Path) -> dict[str, Any]:
+def loadtest(case: Case, base_url: str, out: Path) -> dict[str, Any]:
     w = case.spec
     cfg = LoadtestConfig(
         targets=[Target("real", base_url, DEMO_KEY, "demo-large")], out=out,
         workload=w.kind, trace=w.trace, endpoint="chat" if case.endpoint == "chat"
         else "completions", rate=w.rate, burstiness=w.burstiness, requests=w.requests,
         time_scale=w.time_scale, input_len=w.input_len, output_len=w.output_len,
-        sessions=w.sessions or workloads.SessionSpec(), seed=w.seed, progress=False)
+        sessions=w.sessions or workloads.SessionSpec(), slo=case.slo, seed=w.seed,
+        progress=False)
     return asyncio.run(run_all(cfg))["real"]
 
 
-def real_run(case: Case, strategy: str, out: Path) -> dict[str, Any]:
-    args = argparse.Namespace(model=case.shape.model, hardware=case.shape.hardware,
+@contextlib.contextmanager
+def fleet(shape: PoolShape, strategy: str, budget: int = 8192
+          ) -> Iterator[tuple[str, list[str]]]:
+    """A real ``tokengate up`` stack (the demo policy, every endpoint on a free port), warmed
+    up; yields the gateway's OpenAI base URL and the backends' base URLs."""
+    args = argparse.Namespace(model=shape.model, hardware=shape.hardware,
                               index=None, no_share=False, redis=None, time_scale=1.0)
     logs = Path(tempfile.mkdtemp(prefix="tokengate-validate-"))
     # the demo policy with every endpoint on a free port (its fallback's is fixed)
@@ -88,24 +96,34 @@ def real_run(case: Case, strategy: str, out: Path) -> dict[str, Any]:
     policy = logs / "policy.yaml"
     policy.write_text(yaml.safe_dump(raw, sort_keys=False))
     proc, port = bench_routing.start_stack(
-        args, strategy, ["--policy", str(policy), "--backends", str(case.shape.backends)],
-        logs, 8192)
+        args, strategy, ["--policy", str(policy), "--backends", str(shape.backends)],
+        logs, budget)
     try:
-        asyncio.run(bench_routing.wait_stack(proc, port, logs, case.name))
-        base = f"http://127.0.0.1:{port}/v1"
-        # A fresh stack's first requests pay one-off costs (imports, first tokenizations,
-        # the first fits): a few unmeasured requests first, sharing no prefix with the run.
-        warm = Case("warm-up", WorkloadSpec("synthetic", requests=16, rate=8.0,
-                                            input_len="uniform:64:2048",
-                                            output_len="fixed:16", seed=999))
-        _loadtest(warm, base, out.parent / "warm-up")
-        return _loadtest(case, base, out)
+        asyncio.run(bench_routing.wait_stack(proc, port, logs, strategy))
+        gw = f"http://127.0.0.1:{port}"
+        eps = bench_routing.fetch(f"{gw}/admin/endpoints", admin=True)["demo-large"]
+        backends = [e["url"].removesuffix("/v1") for e in eps["endpoints"]]
+        yield gw + "/v1", backends
     finally:
         bench_routing.stop_stack(proc)
 
 
+def warm(base: str, out: Path) -> None:
+    """A fresh stack's first requests pay one-off costs (imports, first tokenizations, the
+    first fits): a few unmeasured requests first, sharing no prefix with any run."""
+    loadtest(Case("warm-up", WorkloadSpec("synthetic", requests=16, rate=8.0,
+                                           input_len="uniform:64:2048", output_len="fixed:16",
+                                           seed=999)), base, out)
+
+
+def real_run(case: Case, strategy: str, out: Path) -> dict[str, Any]:
+    with fleet(case.shape, strategy) as (base, _):
+        warm(base, out.parent / "warm-up")
+        return loadtest(case, base, out)
+
+
 def sim_run(case: Case, strategy: str, out: Path | None) -> dict[str, Any]:
-    cfg = SimConfig(case.spec, shape=replace(case.shape, strategy=strategy), slo=SLO(),
+    cfg = SimConfig(case.spec, shape=replace(case.shape, strategy=strategy), slo=case.slo,
                     out=out)
     return simulate(cfg).report
 

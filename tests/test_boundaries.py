@@ -1,7 +1,8 @@
 """The package boundaries, read from the source: ``protocol`` imports no other package of
 ours; ``backend`` never imports ``gateway`` (it is a separate program that knows no gateway);
 ``engines`` (real vLLM) imports only ``protocol``; nothing imports ``tokengate`` (the
-dispatcher) or ``loadtests`` but the dispatcher and the tests; load tests that drive the
+dispatcher) or ``loadtests`` but the dispatcher, the simulator and the tests, nor
+``simulator`` but the dispatcher; load tests that drive the
 gateway speak HTTP to it (only the component micro-benchmarks import gateway modules); and
 no two files import each other, directly or round a cycle -- every import counted, including
 those inside functions and under ``TYPE_CHECKING``."""
@@ -12,7 +13,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests", "engines")
+PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests", "engines",
+            "simulator")
 # Micro-benchmarks of one component may import that component (the brief allows it).
 COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay"}
 
@@ -87,12 +89,16 @@ def test_engines_launch_real_ones_and_know_nothing_but_protocol() -> None:
 
 
 def test_only_the_dispatcher_imports_the_load_harness_and_itself() -> None:
+    """The simulator runs the load harness's workloads and reports, so it may import it;
+    nothing but the dispatcher imports the simulator."""
     for m, deps in graph().items():
         pkg = _package(m)
         if pkg != "tokengate":
             assert not any(_package(i) == "tokengate" for i in deps), m
-        if pkg not in ("tokengate", "loadtests"):
+        if pkg not in ("tokengate", "loadtests", "simulator"):
             assert not any(_package(i) == "loadtests" for i in deps), m
+        if pkg not in ("tokengate", "simulator"):
+            assert not any(_package(i) == "simulator" for i in deps), m
 
 
 def test_load_tests_drive_the_gateway_over_http() -> None:

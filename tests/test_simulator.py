@@ -27,6 +27,7 @@ from protocol.tokenizer import Tokenizer
 from simulator.engine import Hooks, SimEngine
 from simulator.events import EventLoop
 from simulator.oracle import first_token_s
+from simulator.plan import PlanConfig, search, write
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
 
@@ -169,3 +170,29 @@ def test_the_forward_play_of_a_lone_prompt_is_the_timing_models_prefill() -> Non
     # decoding sequences share the steps: the same prompt takes longer
     assert first_token_s(timing, 2048, [(5000, 0, 1)], [(3000, 50)] * 16, 0.0) > \
         timing.prefill_seconds(5000, 2048)
+
+
+def test_the_planner_recommends_the_fewest_gpus_that_meet_the_target(tmp_path: Path) -> None:
+    cfg = PlanConfig(WorkloadSpec("synthetic", requests=120, rate=30.0, input_len="fixed:2000",
+                                  output_len="fixed:64", seed=2),
+                     "llama-3-8b", "h100-sxm", SLO(400.0, 40.0), target_goodput=0.9,
+                     max_gpus=4)
+    trials = search(cfg)
+    rec = write(cfg, trials, tmp_path)
+    assert rec is not None and rec.goodput >= 0.9
+    assert all(t.goodput < 0.9 for t in trials if t.gpus < rec.gpus)
+    assert any(t.layout != "agg" for t in trials) or rec.gpus == 1
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["recommended_gpus"] == rec.gpus and len(doc["trials"]) == len(trials)
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+    assert "recommended" in (tmp_path / "plan.md").read_text()
+
+
+def test_tokengate_simulate_runs_from_the_command_line(tmp_path: Path) -> None:
+    from tokengate.cli import main
+
+    assert main(["simulate", "--workload", "synthetic", "--requests", "30", "--rate", "5",
+                 "--backends", "2", "--strategy", "dynamo_kv", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["completed"] == 30 and rep["config"]["strategy"] == "dynamo_kv"
+    assert main(["simulate", "--requests", "3", "--out", str(tmp_path)]) == 2
