@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
     a("--model", default="llama-3-8b", help="model profile (see --profiles)")
+    a("--tensor-parallel", type=int, help="GPUs per instance (default: the profile's)")
     a("--hardware", default="h100-sxm", help="hardware profile: h100-sxm, h200, b200, a100-80g")
     a("--profiles", help="YAML/JSON file of extra hardware and model profiles")
     a("--role", choices=ROLES, default="both", help="prefill/decode disaggregation role")
@@ -89,7 +90,8 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
     for peer in ns.kv_peer or ():
         ipaddress.ip_network(peer, strict=False)  # a ValueError names a bad --kv-peer
     return BackendConfig(
-        host=ns.host, port=ns.port, model=ns.model, hardware=ns.hardware,
+        host=ns.host, port=ns.port, model=ns.model, tensor_parallel=ns.tensor_parallel,
+        hardware=ns.hardware,
         served_model_name=ns.served_model_name, role=ns.role, profiles_file=ns.profiles,
         max_model_len=ns.max_model_len, output_len=ns.output_len, kv_link_bps=link,
         load_bandwidth_bps=ns.load_bandwidth * 1e9, api_key=ns.api_key,

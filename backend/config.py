@@ -37,6 +37,7 @@ class BackendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "llama-3-8b"
+    tensor_parallel: int | None = None  # overrides the model profile's degree
     hardware: str = "h100-sxm"
     served_model_name: str | None = None
     role: Role = "both"

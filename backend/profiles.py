@@ -131,9 +131,12 @@ class ProfileCatalog:
             known = ", ".join(sorted(self.hardware))
             raise ProfileError(f"unknown hardware profile {name!r} (known: {known})") from None
 
-    def get_model(self, name: str) -> ModelProfile:
+    def get_model(self, name: str, tensor_parallel: int | None = None) -> ModelProfile:
+        """The model profile, served with ``tensor_parallel`` GPUs when given."""
         try:
-            return self.models[name]
+            m = self.models[name]
+            return m if tensor_parallel is None else dataclasses.replace(
+                m, tensor_parallel=tensor_parallel)
         except KeyError:
             known = ", ".join(sorted(self.models))
             raise ProfileError(f"unknown model profile {name!r} (known: {known})") from None

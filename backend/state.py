@@ -46,7 +46,7 @@ class BackendState:
         catalog = ProfileCatalog()
         if config.profiles_file:
             load_profiles(config.profiles_file, catalog)
-        model = catalog.get_model(config.model)
+        model = catalog.get_model(config.model, config.tensor_parallel)
         hardware = catalog.get_hardware(config.hardware)
         tok = tokenizer or Tokenizer(model.tokenizer)
         ref: list[BackendState] = []

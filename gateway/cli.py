@@ -58,6 +58,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd", metavar="P:D", help="P prefill + D decode reference backends")
     g.add_argument("--model", dest="backend_model", help="model profile the backends simulate")
     g.add_argument("--hardware", help="hardware profile the backends simulate")
+    g.add_argument("--tensor-parallel", type=int,
+                   help="GPUs per backend (default: the model profile's degree)")
     g.add_argument("--max-batched-tokens", type=int,
                    help="the backends' per-step token budget (chunked prefill)")
     g.add_argument("--no-quota", action="store_true", help="drop every limit (benchmark runs)")
@@ -67,7 +69,7 @@ def shape_of(ns: argparse.Namespace) -> PoolShape:
     from gateway.up import PoolShape
 
     return PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd, ns.backend_model,
-                     ns.hardware, ns.no_quota, ns.max_batched_tokens)
+                     ns.hardware, ns.no_quota, ns.max_batched_tokens, ns.tensor_parallel)
 
 
 def _serve_workers(ns: argparse.Namespace) -> int:

@@ -63,6 +63,7 @@ class PoolShape:
     hardware: str | None = None
     no_quota: bool = False
     max_batched_tokens: int | None = None
+    tensor_parallel: int | None = None
 
     def apply(self, raw: dict[str, Any]) -> bool:
         """Rewrite the policy document in place; True when anything changed."""
@@ -93,7 +94,8 @@ class PoolShape:
             m["endpoints"] = [dict(e) for e in m["endpoints"]]
             changed = True
         for flag, key in ((self.model, "model"), (self.hardware, "hardware"),
-                          (self.max_batched_tokens, "max_num_batched_tokens")):
+                          (self.max_batched_tokens, "max_num_batched_tokens"),
+                          (self.tensor_parallel, "tensor_parallel")):
             if flag:
                 m.setdefault("backend", {})[key] = flag
                 changed = True
@@ -254,6 +256,8 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
                    "--time-scale", str(cfg.time_scale), "--role", ep.role]
             if m.backend.max_num_batched_tokens:
                 cmd += ["--max-num-batched-tokens", str(m.backend.max_num_batched_tokens)]
+            if m.backend.tensor_parallel:
+                cmd += ["--tensor-parallel", str(m.backend.tensor_parallel)]
             if ep.kv_events is not None:
                 cmd += ["--kv-events-config", json.dumps({
                     "enable_kv_cache_events": True, "publisher": "zmq",

@@ -9,8 +9,9 @@
   adds the sample to a stratified buffer, and keeps the rolling absolute percentage error of
   the prediction that was used: live accuracy, measured rather than assumed.
 * ``run()`` retrains every ``retrain_s`` once ``min_samples`` are in and the new ones are at
-  least ``min_new_fraction`` of those buffered, in a worker thread (XGBoost releases the GIL while it fits), then swaps the new pair in with one
-  assignment: a decision sees the old models or the new ones, never a mix.
+  least ``min_new_fraction`` of those buffered, in a worker thread (XGBoost releases the GIL
+  while it fits), then swaps the new pair in with one assignment: a decision sees the old
+  models or the new ones, never a mix.
 * Each fit is validated before it is used: the most recent ``holdout`` observations of the
   target are left out of its training set, and the model's log prediction is shrunk towards
   the training median by the weight (1, 0.75, 0.5, 0.25 or 0) that predicts those held-out

@@ -89,13 +89,15 @@ def run_plan(ns: argparse.Namespace) -> int:
                      ns.strategy)
     try:
         trials = search(cfg, log=lambda t: print(
-            f"  {t.layout:>6} × {t.replicas} = {t.gpus} GPU(s): goodput {t.goodput:.1%}",
+            f"  {t.layout:>6} × {t.replicas} of TP{t.tp} = {t.gpus} GPU(s): "
+            f"goodput {t.goodput:.1%}",
             flush=True))
     except (ValueError, OSError) as exc:
         print(f"tokengate plan: {exc}", file=sys.stderr)
         return 2
     rec = write(cfg, trials, Path(ns.out))
-    print(f"recommended: {rec.layout} ({rec.gpus} GPUs, goodput {rec.goodput:.1%})" if rec
+    print(f"recommended: {rec.layout} × {rec.replicas} of TP{rec.tp} ({rec.gpus} GPUs, "
+          f"goodput {rec.goodput:.1%})" if rec
           else "no layout met the target")
     print(f"report: {Path(ns.out) / 'plan.md'}")
     return 0

@@ -107,7 +107,7 @@ def pool_of(policy: Policy, shape: PoolShape) -> tuple[Model, Route]:
 
 def engines_for(m: Model, loop: EventLoop, root: int, jitter: float) -> dict[str, SimEngine]:
     catalog = ProfileCatalog()
-    profile = catalog.get_model(m.backend.model)
+    profile = catalog.get_model(m.backend.model, m.backend.tensor_parallel)
     hw = catalog.get_hardware(m.backend.sim_hardware)
     cfg = EngineConfig(max_num_batched_tokens=m.backend.max_num_batched_tokens or 8192,
                        jitter=jitter)
@@ -146,10 +146,7 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
     requests: list[SimRequest] = []
     w = cfg.workload
     if w.kind == "sessions":
-        counter = TokenCounter(tokenizer, template=m.chat_template,
-                               tokens_per_message=m.tokens_per_message,
-                               tokens_per_name=m.tokens_per_name,
-                               reply_priming=m.reply_priming_tokens)
+        counter = _counter(tokenizer, m)
         convs = Conversations(w, builder, counter, w.rate, w.burstiness)
         _drive_sessions(convs, gw, loop, requests, w.duration_s)
     else:
@@ -185,6 +182,23 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
     if cfg.out is not None:
         report.write(cfg.out, {cfg.label: run}, {cfg.label: rep})
     return SimResult(run, rep, gw, engines, requests)
+
+
+_COUNTERS: dict[tuple[Any, ...], TokenCounter] = {}
+
+
+def _counter(tokenizer: Tokenizer, m: Model) -> TokenCounter:
+    """The model's chat counting, kept across runs of one process (its piece cache is a pure
+    function of the text, so a matrix of runs tokenizes each message once)."""
+    key = (tokenizer.name, m.chat_template, m.tokens_per_message, m.tokens_per_name,
+           m.reply_priming_tokens)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = TokenCounter(tokenizer, template=m.chat_template,
+                                          tokens_per_message=m.tokens_per_message,
+                                          tokens_per_name=m.tokens_per_name,
+                                          reply_priming=m.reply_priming_tokens)
+    return c
 
 
 def _drive_sessions(convs: Conversations, gw: SimGateway, loop: EventLoop,

@@ -15,6 +15,7 @@ answer a turn generates is sent back in the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class Conversations:
         assert spec.sessions is not None
         self.b = b
         self.counter = counter
-        self.sessions = workloads.sessions(spec.sessions, rate, burstiness, b.maker, spec.seed)
+        self.sessions = _sessions(spec.sessions, rate, burstiness, b.maker, spec.seed)
         self.cap = spec.requests
         self.sent = 0
         self._index = 0
@@ -178,6 +179,22 @@ class Conversations:
     def answer_text(self, sr: SimRequest) -> str:
         tok = self.b.maker.tokenizer
         return "".join(tok.word_text(t) for t in sr.answer[:sr.result.output_tokens])
+
+
+_SESSIONS: dict[tuple[Any, ...], list[workloads.Session]] = {}
+
+
+def _sessions(spec: workloads.SessionSpec, rate: float, burstiness: float,
+              maker: PromptMaker, seed: int) -> list[workloads.Session]:
+    """``workloads.sessions``, its texts drawn once per (spec, rate, seed) in a process (a
+    strategy matrix replays one schedule many times); every call gets fresh sessions."""
+    key = (spec, rate, burstiness, seed, maker.tokenizer.name)
+    made = _SESSIONS.get(key)
+    if made is None:
+        made = _SESSIONS[key] = workloads.sessions(spec, rate, burstiness, maker, seed)
+        while len(_SESSIONS) > 4:
+            _SESSIONS.pop(next(iter(_SESSIONS)))
+    return [dataclasses.replace(s, messages=[]) for s in made]
 
 
 def _sync(coro: Coroutine[Any, Any, Any]) -> Any:

@@ -80,6 +80,7 @@ class BackendSpec:
     # endpoint the policy says nothing about is unknown, not an H100.
     hardware: str | None = None
     max_num_batched_tokens: int | None = None  # the engine's per-step token budget
+    tensor_parallel: int | None = None  # GPUs per instance (default: the model profile's)
 
     @property
     def sim_hardware(self) -> str:
@@ -226,9 +227,10 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     kw["limits"] = _limits(d, m.get("limits"), f"{path}.limits")
     if "backend" in m:
         bm = d.mapping(m["backend"], f"{path}.backend",
-                       {"model", "hardware", "max_num_batched_tokens"})
+                       {"model", "hardware", "max_num_batched_tokens", "tensor_parallel"})
         bkw: dict[str, Any] = {
-            k: d.integer(v, f"{path}.backend.{k}") if k == "max_num_batched_tokens"
+            k: d.integer(v, f"{path}.backend.{k}")
+            if k in ("max_num_batched_tokens", "tensor_parallel")
             else d.string(v, f"{path}.backend.{k}") for k, v in bm.items()}
         kw["backend"] = BackendSpec(**bkw)
     if "routing" in m:

@@ -10,6 +10,7 @@ records the chosen endpoints' blocks in the approximate index when the request i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections.abc import Sequence
@@ -166,6 +167,9 @@ class Router:
         (None when either profile is unknown: a real engine the policy says nothing of)."""
         if hardware not in self._priors:
             hw, model = HARDWARE.get(hardware or ""), MODELS.get(self.model.backend.model)
+            tp = self.model.backend.tensor_parallel
+            if model is not None and tp:
+                model = dataclasses.replace(model, tensor_parallel=tp)
             budget = self.model.backend.max_num_batched_tokens or 8192
             self._priors[hardware] = RooflinePrior(model, hw, budget) \
                 if hw is not None and model is not None else None
