@@ -31,7 +31,13 @@ from predictor.online import OnlinePredictor
 from predictor.prior import RooflinePrior
 from protocol.kv_hash import root_hash
 
-_DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0}, "max_score")
+# The decode stage of a disaggregated pool: predicted TPOT first, free KV, and the share of
+# the prompt the decode endpoint already holds (it pulls only the blocks it lacks, and a
+# conversation's history stays where it decodes): in the strategy matrix the prefix term
+# took agent sessions on 2P+2D at 40 % load from 74 % to 89 % goodput and changed no other
+# P:D cell tried by more than noise.
+_DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0, "prefix": 2.0},
+                  "max_score")
 
 
 @dataclass(slots=True)
