@@ -50,7 +50,8 @@ def start_sglang(backends: list[str], log: Path) -> tuple[subprocess.Popen[bytes
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             [str(sglang_python()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(port), "--policy", "cache_aware", "--worker-urls", *backends],
+             "--port", str(port), "--policy", "cache_aware", "--prometheus-host",
+             "127.0.0.1", "--prometheus-port", str(free_port()), "--worker-urls", *backends],
             stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

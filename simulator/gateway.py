@@ -9,7 +9,8 @@ it is what the real gateway sees of the world:
 * *delays*: ``hop_s`` one way between client, gateway and engine (loopback), and the work
   before the engine sees a request (parsing, counting and hashing the prompt at the gateway,
   tokenizing it again at the engine): ``overhead_s`` plus ``ingest_s_per_token`` per prompt
-  token. The defaults were fitted on this machine kind, request by request against the real
+  token, the gateway's half of it only for tokens its cache has not seen (a conversation's
+  new messages). The defaults were fitted on this machine kind, request by request against the real
   stack on the same schedule (``simulator.validate``: 3.3 ms + 2.5 ms per 1K prompt tokens
   between client and engine, the hops included);
 * *the scrape*: every ``scrape_s`` the engines' queue, batch and KV usage are read into the
@@ -72,6 +73,9 @@ class SimRequest:
     output_tokens: int
     answer: Sequence[int] = ()
     on_done: Any = None  # called with the result (sessions send their next turn)
+    # prompt tokens the gateway has not counted before (a conversation's new messages; its
+    # earlier ones are in the gateway's token cache): -1 means all of them
+    fresh_tokens: int = -1
     result: RequestResult = field(init=False)
 
     def __post_init__(self) -> None:
@@ -179,10 +183,21 @@ class SimGateway:
     def arrive(self, sr: SimRequest) -> None:
         """The client sends ``sr`` now."""
         d = self.delays
-        self.loop.after(d.hop_s + d.overhead_s + d.ingest_s_per_token * len(sr.prompt_ids),
-                        self._route, sr)
+        n = len(sr.prompt_ids)
+        fresh = n if sr.fresh_tokens < 0 else sr.fresh_tokens
+        # half the per-token work is the gateway's (counting, hashing: cached per message),
+        # half the engine's (tokenizing the whole prompt again)
+        ingest = d.ingest_s_per_token * (n + fresh) / 2.0
+        self.loop.after(d.hop_s + d.overhead_s + ingest, self._route, sr)
 
     def _route(self, sr: SimRequest) -> None:
+        limit = self.model.max_context or min(e.model.max_model_len
+                                              for e in self.engines.values())
+        if len(sr.prompt_ids) + sr.output_tokens > limit:
+            # as the gateway refuses it before admission (OpenAI's context_length_exceeded)
+            sr.result.error = "http_400:context_length_exceeded"
+            self._done(sr)
+            return
         info = RequestInfo(len(sr.prompt_ids), sr.output_tokens, sr.hashes,
                            self.router.block_size(), self.route.slo_ttft_ms,
                            self.route.slo_tpot_ms, self.priority)

@@ -152,6 +152,7 @@ class Conversations:
         self.cap = spec.requests
         self.sent = 0
         self._index = 0
+        self._seen: dict[int, int] = {}  # prompt tokens of each session's previous turn
         self.turns_total = sum(len(s.outputs) for s in self.sessions)
         if self.cap is not None:
             self.turns_total = min(self.turns_total, self.cap)
@@ -170,6 +171,8 @@ class Conversations:
         ids = [tok for piece in prompt.ids for tok in piece]
         n_out = s.outputs[turn]
         sr = self.b.request(self._index, t, ids, n_out)
+        sr.fresh_tokens = len(ids) - self._seen.get(session, 0)
+        self._seen[session] = len(ids)
         sr.result.prompt_tokens = prompt.tokens
         sr.on_done = on_done
         self._index += 1

@@ -24,12 +24,14 @@ from gateway.endpoints import EndpointPool, EndpointState
 from gateway.routing import plugins
 from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
-from gateway.routing.prefix import PromptHasher
+from gateway.routing.prefix import ApproxIndex, PromptHasher
 from gateway.tokenize import ChatPrompt, TokenCounter
 from predictor.features import DEFAULT_PREFILL_RATE, EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
 from predictor.prior import RooflinePrior
 from protocol.kv_hash import root_hash
+
+SGLANG_TREE_TOKENS = 2**26 // 4  # sglang-router's max_tree_size in characters, ~4 per token
 
 # The decode stage of a disaggregated pool: predicted TPOT first, free KV, and the share of
 # the prompt the decode endpoint already holds (it pulls only the blocks it lacks, and a
@@ -88,12 +90,19 @@ class Router:
         self._hasher: PromptHasher | None = None
         self._priors: dict[str | None, RooflinePrior | None] = {}
         self.precise = r.index == "precise"
+        # sglang-router's approximate tree is its own: every request it routed, sized by its
+        # max_tree_size (2^26 characters, ~16M tokens), not by the engine's KV capacity; its
+        # "smallest tree" rule needs that size to keep growing with what was routed.
+        self._tree = ApproxIndex(SGLANG_TREE_TOKENS // (r.block_size or 16)) \
+            if r.strategy == "sglang_cache_aware" else None
         if self.precise:
             fleet.want_precise({e.url: e.kv_events for e in self.model.endpoints},
                                root_hash(self.namespace))
 
     @property
     def index(self) -> Any:
+        if self._tree is not None:
+            return self._tree
         return self.fleet.precise if self.precise else self.fleet.approx
 
     def block_size(self) -> int:
