@@ -78,25 +78,28 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def _plot(rows: list[dict[str, Any]], strategies: list[str], path: Path) -> None:
-    """TTFT p50 relative to round robin, geometric mean over each workload's cells."""
-    by_w: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for key, by in _cells(rows).items():
-        rr = by.get("round_robin")
-        if rr is None or not rr["ttft_p50"]:
-            continue
-        for s, r in by.items():
-            by_w[key[0]][s].append(r["ttft_p50"] / rr["ttft_p50"])
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    names = list(by_w)
-    width = 0.8 / max(len(strategies), 1)
-    for i, s in enumerate(strategies):
-        vals = [float(np.exp(np.mean(np.log(by_w[w][s])))) if by_w[w][s] else np.nan
-                for w in names]
-        ax.bar(np.arange(len(names)) + i * width, vals, width, label=s)
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
-    ax.set_ylabel("TTFT p50 / round robin's (geo. mean over cells)")
-    ax.legend(fontsize=7, ncol=4)
+    """TTFT p50 relative to round robin's, geometric mean over each workload's cells, one
+    panel per pool shape (the hindsight oracle routes aggregated pools only)."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, pool in zip(axes, ("agg", "pd"), strict=True):
+        by_w: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for key, by in _cells(rows).items():
+            rr = by.get("round_robin")
+            if key[3] != pool or rr is None or not rr["ttft_p50"]:
+                continue
+            for s, r in by.items():
+                by_w[key[0]][s].append(r["ttft_p50"] / rr["ttft_p50"])
+        names = list(by_w)
+        width = 0.8 / max(len(strategies), 1)
+        for i, s in enumerate(strategies):
+            vals = [float(np.exp(np.mean(np.log(by_w[w][s])))) if by_w[w][s] else np.nan
+                    for w in names]
+            ax.bar(np.arange(len(names)) + i * width, vals, width, label=s)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+        ax.set_title("4 aggregated" if pool == "agg" else "2 prefill + 2 decode")
+    axes[0].set_ylabel("TTFT p50 / round robin's (geo. mean over cells)")
+    axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
