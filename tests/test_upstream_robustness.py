@@ -6,6 +6,7 @@ counted as failed, the reservation is settled, the client gets OpenAI's shape wi
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -149,7 +150,13 @@ def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error_event_and
     assert events[-1] == "[DONE]"
     assert '"code":"upstream_error"' in events[-2] or '"code": "upstream_error"' in events[-2]
     assert sum('"content":' in e for e in events) == 2
-    assert gw.state.fleet.endpoints[bad.url].health.failed == 1
+    # The gateway counts the endpoint's failure when its handler finishes, which can come
+    # just after the client read the last byte: wait for it (briefly) rather than race it.
+    health = gw.state.fleet.endpoints[bad.url].health
+    deadline = time.monotonic() + 5.0
+    while health.failed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert health.failed == 1
     # Two tokens reached the client: they and the prompt are charged, nothing more.
     prompt = gw.state.view.counters["m"]
     tokens, requests = charged(gw)
