@@ -137,7 +137,13 @@ def _same_counting(a: Model, b: Model) -> bool:
 
 
 def _counter(m: Model, tokenizers: Tokenizers, executor: ThreadPoolExecutor) -> TokenCounter:
-    return TokenCounter(tokenizers.get(m.tokenizer), template=m.chat_template,
+    return counter_for(m, tokenizers.get(m.tokenizer), executor)
+
+
+def counter_for(m: Model, tokenizer: Tokenizer, executor: ThreadPoolExecutor | None = None
+                ) -> TokenCounter:
+    """The model's token counting (its template and chat accounting) over ``tokenizer``."""
+    return TokenCounter(tokenizer, template=m.chat_template,
                         tokens_per_message=m.tokens_per_message,
                         tokens_per_name=m.tokens_per_name, reply_priming=m.reply_priming_tokens,
                         executor=executor)

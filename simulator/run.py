@@ -32,6 +32,7 @@ from backend.profiles import ProfileCatalog
 from backend.timing import TimingModel
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
+from gateway.state import counter_for
 from gateway.tokenize import TokenCounter
 from gateway.up import PoolShape
 from loadtests import report, workloads
@@ -194,10 +195,7 @@ def _counter(tokenizer: Tokenizer, m: Model) -> TokenCounter:
            m.reply_priming_tokens)
     c = _COUNTERS.get(key)
     if c is None:
-        c = _COUNTERS[key] = TokenCounter(tokenizer, template=m.chat_template,
-                                          tokens_per_message=m.tokens_per_message,
-                                          tokens_per_name=m.tokens_per_name,
-                                          reply_priming=m.reply_priming_tokens)
+        c = _COUNTERS[key] = counter_for(m, tokenizer)
     return c
 
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from backend.textgen import LengthDistribution
 from gateway.tokenize import TokenCounter
 from loadtests import workloads
 from loadtests.prompts import MOONCAKE_BLOCK, PromptMaker
@@ -100,17 +99,14 @@ class Builder:
         return got
 
 
-def _lengths(spec: str, column: str) -> LengthDistribution:
-    return workloads.parse_lengths(spec, "input" if column == "input" else "output")
-
-
 def build(spec: WorkloadSpec, b: Builder) -> list[SimRequest]:
     """Open-loop requests (trace or synthetic), in arrival order."""
     if spec.kind == "synthetic":
         rng = random.Random(spec.seed)
         n = spec.requests or 1_000_000
         times = workloads.gamma_arrivals(n, spec.rate, spec.burstiness, rng)
-        ins, outs = _lengths(spec.input_len, "input"), _lengths(spec.output_len, "output")
+        ins = workloads.parse_lengths(spec.input_len, "input")
+        outs = workloads.parse_lengths(spec.output_len, "output")
         plan = []
         for i, t in enumerate(times):
             if spec.duration_s is not None and t > spec.duration_s:
@@ -153,9 +149,6 @@ class Conversations:
         self.sent = 0
         self._index = 0
         self._seen: dict[int, int] = {}  # prompt tokens of each session's previous turn
-        self.turns_total = sum(len(s.outputs) for s in self.sessions)
-        if self.cap is not None:
-            self.turns_total = min(self.turns_total, self.cap)
 
     def first_turns(self) -> Iterator[tuple[int, float]]:
         for s in self.sessions:
