@@ -120,7 +120,13 @@ class TimingModel:
         base = self.cost(work, num_sampled).seconds
         if self.jitter <= 0.0 or base == 0.0:
             return base
-        return base * math.exp(self._rng.gauss(0.0, self.jitter))
+        return base * self.noise()
+
+    def noise(self) -> float:
+        """The next step's jitter factor (one seeded draw; ``step_seconds`` takes the same)."""
+        if self.jitter <= 0.0:
+            return 1.0
+        return math.exp(self._rng.gauss(0.0, self.jitter))
 
     def prefill_seconds(self, prompt_tokens: int, chunk: int) -> float:
         """Jitter-free time to prefill a lone prompt in chunks of ``chunk`` tokens (TTFT)."""

@@ -124,6 +124,7 @@ class SimGateway:
         self.predictions: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
         self._n = 0
         for url, eng in engines.items():
+            eng.on_streamed = self._streamed(url)
             if self.router.precise:
                 eng.on_kv_events = self._kv_sink(url)
                 eng.pool.record_events = True
@@ -137,8 +138,14 @@ class SimGateway:
         self.loop.after(self.predictor.config.retrain_s, self._train)
 
     # -- the gateway's view of the engines ------------------------------------------------
+    def _sync(self) -> None:
+        """Bring every engine's decode run up to now (before anything reads what they did)."""
+        for eng in self.engines.values():
+            eng.sync()
+
     def _scrape(self) -> None:
         self.scrapes += 1
+        self._sync()
         for url, eng in self.engines.items():
             v = self.states[url].engine
             v.running, v.waiting, v.kv_usage = eng.running, eng.waiting, eng.kv_usage()
@@ -149,12 +156,23 @@ class SimGateway:
         if self.outstanding > 0:
             self.loop.after(self.delays.scrape_s, self._scrape)
 
+    def _streamed(self, url: str) -> Any:
+        live = self.states[url].live
+
+        def count(n: int) -> None:  # a decode run's tokens, as they leave the engine
+            live.streamed += n
+        return count
+
     def _kv_sink(self, url: str) -> Any:
         index = self.fleet.precise
 
-        def sink(events: list[KVEvent]) -> None:
+        def sink(events: list[KVEvent], at: float) -> None:
             decoded = [EngineEvent(e.kind, list(e.block_hashes)) for e in events]
-            self.loop.after(self.delays.kv_event_s, index.apply, url, decoded)
+            due = at + self.delays.kv_event_s
+            if due <= self.loop.now:  # published by a decode run applied late: it is in
+                index.apply(url, decoded)
+            else:
+                self.loop.at(due, index.apply, url, decoded)
         return sink
 
     def _train(self) -> None:
@@ -201,6 +219,7 @@ class SimGateway:
         info = RequestInfo(len(sr.prompt_ids), sr.output_tokens, sr.hashes,
                            self.router.block_size(), self.route.slo_ttft_ms,
                            self.route.slo_tpot_ms, self.priority)
+        self._sync()
         d = self.router.decide(info)
         if d is not None and self.hindsight is not None and not self.pool.disaggregated:
             urls = [c.ep.url for c in d.considered]
@@ -232,6 +251,7 @@ class SimGateway:
             self._count("best_effort")
             self._send(sr, info, d)
             return
+        self._sync()
         d = self.router.decide(info) or d
         if not slo.misses(d, info):
             self._count("queued")
@@ -289,7 +309,8 @@ class SimGateway:
         self.engines[ep.url].incoming[req.request_id] = req
         self.loop.after(hop, self.engines[ep.url].submit, req, Hooks(
             lambda r, now, first: self._token(f, first, now + hop),
-            lambda r, now: self.loop.after(hop, self._finished, f), sr.answer))
+            lambda r, now: self.loop.after(hop, self._finished, f), sr.answer,
+            lambda r, times: self._tokens(f, times)))
 
     def _request(self, f: _Flight, rid: str, max_tokens: int) -> Request:
         req = Request(rid, list(f.sr.prompt_ids), max_tokens, max_tokens, self.loop.now)
@@ -307,6 +328,14 @@ class SimGateway:
             self.loop.at(at, self._first, f)
         f.last_at = at
         f.sr.result.chunk_times.append(at + self.delays.hop_s)
+
+    def _tokens(self, f: _Flight, times: Sequence[float]) -> None:
+        """``_token`` for the later tokens of a decode run, leaving the engine at ``times``
+        (the engine counted them to the endpoint's ``streamed`` as they left: ``_streamed``)."""
+        hop = self.delays.hop_s
+        f.chunks += len(times)
+        f.last_at = times[-1] + hop
+        f.sr.result.chunk_times.extend([(t + hop) + hop for t in times])
 
     def _first(self, f: _Flight) -> None:
         f.first_at = self.loop.now

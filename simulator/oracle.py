@@ -99,6 +99,7 @@ class Hindsight:
     def ttft_s(self, url: str, hashes: Sequence[int], prompt: int, output: int,
                now: float) -> float:
         e = self.engines[url]
+        e.sync()
         prefills, decodes = _queue(e)
         hit = 0
         max_blocks = (prompt - 1) // e.config.block_size

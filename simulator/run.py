@@ -65,6 +65,7 @@ class SimConfig:
     hindsight: bool = False  # route by the oracle (simulator.oracle) instead of the strategy
     # re-draw an open-loop workload's arrivals: (mean rate, gamma shape, seed)
     retime: tuple[float, float, int] | None = None
+    fast_forward: bool = True  # decode-only batches as runs (simulator.decode_run)
 
 
 @dataclass(slots=True)
@@ -106,14 +107,16 @@ def pool_of(policy: Policy, shape: PoolShape) -> tuple[Model, Route]:
     return m, Route("simulated", (), (name,))
 
 
-def engines_for(m: Model, loop: EventLoop, root: int, jitter: float) -> dict[str, SimEngine]:
+def engines_for(m: Model, loop: EventLoop, root: int, jitter: float,
+                fast_forward: bool = True) -> dict[str, SimEngine]:
     catalog = ProfileCatalog()
     profile = catalog.get_model(m.backend.model, m.backend.tensor_parallel)
     hw = catalog.get_hardware(m.backend.sim_hardware)
     cfg = EngineConfig(max_num_batched_tokens=m.backend.max_num_batched_tokens or 8192,
                        jitter=jitter)
     engines = {e.url: SimEngine(e.url, profile, hw, dataclasses.replace(cfg), loop, root,
-                                role=e.role, kv_link_bps=KV_LINKS["rdma"])
+                                role=e.role, kv_link_bps=KV_LINKS["rdma"],
+                                fast_forward=fast_forward)
                for e in m.endpoints}
     for eng in engines.values():
         eng.peers = engines
@@ -136,7 +139,7 @@ def _simulate(cfg: SimConfig, m: Model, route: Route, loop: EventLoop, wall: flo
               ) -> SimResult:
     namespace = m.routing.hash_namespace or m.backend.model
     root = root_hash(namespace)
-    engines = engines_for(m, loop, root, cfg.jitter)
+    engines = engines_for(m, loop, root, cfg.jitter, cfg.fast_forward)
     predictor = OnlinePredictor(TrainConfig())
     gw = SimGateway(m, route, loop, engines, predictor, cfg.delays)
     if cfg.hindsight:
