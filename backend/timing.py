@@ -93,12 +93,28 @@ class TimingModel:
             seqs += 1
         return self.aggregate(tokens, pairs, kv_tokens, seqs, num_sampled)
 
+    def seconds(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
+                num_sampled: int) -> float:
+        """``aggregate(...).seconds`` without building the ``StepCost`` (the predictor's prior
+        and the simulator's decode runs price steps by the million)."""
+        if seqs == 0:
+            return 0.0
+        flops, nbytes, overhead = self._parts(tokens, pairs, kv_tokens, seqs, num_sampled)
+        return max(flops / self._compute_rate, nbytes / self._memory_rate) + overhead
+
     def aggregate(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
                   num_sampled: int) -> StepCost:
         """The cost of a step given its totals: tokens computed, causal (query, key) pairs,
         KV tokens read or written, sequences and tokens sampled (what ``cost`` sums)."""
         if seqs == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        flops, nbytes, overhead = self._parts(tokens, pairs, kv_tokens, seqs, num_sampled)
+        return StepCost(flops, nbytes, flops / self._compute_rate, nbytes / self._memory_rate,
+                        overhead)
+
+    def _parts(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
+               num_sampled: int) -> tuple[float, float, float]:
+        """(FLOPs, bytes, fixed overhead seconds) of a step."""
         flops = (
             self._flops_per_token * tokens
             + self._flops_per_sample * num_sampled
@@ -112,8 +128,7 @@ class TimingModel:
             + self._allreduce_fixed
             + self._allreduce_per_token * tokens
         )
-        return StepCost(flops, nbytes, flops / self._compute_rate, nbytes / self._memory_rate,
-                        overhead)
+        return flops, nbytes, overhead
 
     def step_seconds(self, work: Iterable[tuple[int, int]], num_sampled: int) -> float:
         """Modelled duration of a step with seeded jitter applied."""

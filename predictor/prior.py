@@ -42,8 +42,8 @@ class RooflinePrior:
             return 0.0
         pairs = prefill * ctx_p + prefill * (prefill + 1) / 2.0 + decodes * ctx_d
         kv = ctx_p + prefill + decodes * (ctx_d + 1) if prefill > 0 else decodes * (ctx_d + 1)
-        return self.timing.aggregate(int(prefill + decodes), pairs, int(kv), int(seqs),
-                                     int(decodes + (1 if prefill > 0 else 0))).seconds
+        return self.timing.seconds(int(prefill + decodes), pairs, int(kv), int(seqs),
+                                   int(decodes + (1 if prefill > 0 else 0)))
 
     def estimate(self, prompt: int, uncached: int, output: int, decoding: float,
                  queued_tokens: float, arrivals_per_s: float, role: str,

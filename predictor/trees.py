@@ -60,6 +60,10 @@ class CompiledTrees:
         self.depth = depth
         self.n_trees = len(trees)
         self.n_features = int(doc["learner"]["learner_model_param"].get("num_feature", 0))
+        # rows -> the traversal's starting nodes and row offsets (a decision has as many
+        # rows as candidates, the same few counts again and again)
+        self._starts: dict[tuple[int, int], tuple[npt.NDArray[np.int64],
+                                                  npt.NDArray[np.int64]]] = {}
 
     def predict(self, x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """Raw margins (sum of leaves + base score) for each row of ``x``. Missing values
@@ -67,8 +71,14 @@ class CompiledTrees:
         rows, width = x.shape
         flat = np.ascontiguousarray(x, dtype=np.float64).ravel()
         # (tree, row) pairs, rows fastest: node ids and each pair's row offset into ``flat``.
-        node = np.repeat(self.roots, rows)
-        base = np.tile(np.arange(rows, dtype=np.int64) * width, self.n_trees)
+        start = self._starts.get((rows, width))
+        if start is None:
+            if len(self._starts) > 64:
+                self._starts.clear()
+            start = self._starts[(rows, width)] = (
+                np.repeat(self.roots, rows),
+                np.tile(np.arange(rows, dtype=np.int64) * width, self.n_trees))
+        node, base = start
         has_nan = bool(np.isnan(flat).any())
         for _ in range(self.depth):
             v = flat[base + self.feature[node]]

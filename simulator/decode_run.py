@@ -101,7 +101,7 @@ def layout(plan: StepPlan, blocks: Callable[[Request], int], free_blocks: int,
     t = start
     for j in range(1, steps + 1):
         kv = total + n * j  # each sequence's context plus its new token
-        base = timing.aggregate(n, float(kv), kv, n, n).seconds
+        base = timing.seconds(n, float(kv), kv, n, n)
         f = factor()
         d = base * f
         factors.append(f)
