@@ -128,6 +128,7 @@ def run(ns: argparse.Namespace) -> int:
           f"TTFT p50 {rep['ttft_ms']['p50'] or 0:.1f} ms p99 {rep['ttft_ms']['p99'] or 0:.1f}, "
           f"TPOT p50 {rep['tpot_ms']['p50'] or 0:.2f} ms, goodput {rep['goodput_fraction']:.1%}; "
           f"{sim['virtual_s']:.0f} s virtual in {sim['wall_s']:.1f} s "
-          f"({sim['speedup']:.0f}x real time)")
+          f"({sim['speedup']:.0f}x real time; {sim['fit_wait_s']:.1f} s of it waiting for "
+          f"predictor fits)")
     print(f"report: {Path(ns.out) / 'report.md'}")
     return 0

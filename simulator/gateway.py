@@ -26,6 +26,7 @@ every token as they reach the client) as ``loadtests.client.RequestResult``.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class SimGateway:
         # (predicted, actual) of every request, from the first: the error over a whole run
         self.predictions: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
         self._n = 0
+        self.fit_wait_s = 0.0
         for url, eng in engines.items():
             eng.on_streamed = self._streamed(url)
             if self.router.precise:
@@ -190,7 +192,9 @@ class SimGateway:
             self.loop.after(p.config.retrain_s + lag, self._train)
 
     def _install(self, job: Future[tuple[Models, int] | None]) -> None:
+        t = time.perf_counter()
         fitted = job.result()
+        self.fit_wait_s += time.perf_counter() - t  # wall time the simulation stood still
         if fitted is not None:
             self.predictor.install(*fitted)
 

@@ -2,7 +2,7 @@
 in the simulator, read against the hindsight oracle and the clairvoyant floor.
 
     python -m simulator.matrix [--requests 300] [--workloads ...] [--loads 0.4,0.65,0.85]
-        [--burstiness 1,0.5] [--pools agg,pd] [--strategies ...] [--out DIR]
+        [--burstiness 1,0.5] [--pools agg,pd] [--strategies ...] [--seeds 7,8,9] [--out DIR]
 
 Workloads (``WORKLOADS``): the Mooncake synthetic trace, the Azure 2023 conversation and code
 traces, and agent sessions (100:1 input:output, contexts growing to ~100K tokens). A trace's
@@ -122,6 +122,20 @@ def run_cell(w: Workload, load: float, burst: float, pool: str, strategy: str,
             "wall_s": sim["wall_s"], "virtual_s": sim["virtual_s"]}
 
 
+def _seeded(spec: WorkloadSpec, retime: tuple[float, float, int] | None, seeds: str | None
+            ) -> list[tuple[int | None, WorkloadSpec, tuple[float, float, int] | None]]:
+    """The cell's workload once (``seeds`` None), or once per seed."""
+    if seeds is None:
+        return [(None, spec, retime)]
+    out: list[tuple[int | None, WorkloadSpec, tuple[float, float, int] | None]] = []
+    for seed in (int(x) for x in seeds.split(",")):
+        if retime is None:
+            out.append((seed, replace(spec, seed=seed), None))
+        else:
+            out.append((seed, spec, (retime[0], retime[1], seed)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300)
@@ -130,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burstiness", default="1,0.5")
     ap.add_argument("--pools", default="agg,pd")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--seeds", default=None,
+                    help="comma-separated: run each cell once per seed (a trace's arrival "
+                         "draw, the sessions' generator) to see a cell's own noise")
     ap.add_argument("--out", default="/tmp/tokengate-matrix")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -143,15 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         for load in (float(x) for x in a.loads.split(",")):
             for burst in (float(x) for x in a.burstiness.split(",")):
                 spec, retime = _retimed(w, load, burst)
-                for pool in a.pools.split(","):
-                    for strategy in a.strategies.split(","):
-                        if strategy == "hindsight" and pool == "pd":
-                            continue
-                        row = run_cell(w, load, burst, pool, strategy, spec, retime)
-                        rows.append(row)
-                        with lines.open("a") as f:
-                            f.write(json.dumps(row) + "\n")
-                        print(json.dumps(row), flush=True)
+                for seed, sp, rt in _seeded(spec, retime, a.seeds):
+                    for pool in a.pools.split(","):
+                        for strategy in a.strategies.split(","):
+                            if strategy == "hindsight" and pool == "pd":
+                                continue
+                            row = run_cell(w, load, burst, pool, strategy, sp, rt)
+                            if seed is not None:
+                                row["seed"] = seed
+                            rows.append(row)
+                            with lines.open("a") as f:
+                                f.write(json.dumps(row) + "\n")
+                            print(json.dumps(row), flush=True)
     from simulator.matrix_report import write
 
     write(rows, out)

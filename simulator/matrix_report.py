@@ -18,7 +18,10 @@ DEFAULT = "predicted"
 def _cells(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, dict[str, Any]]]:
     cells: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in rows:
-        cells[(r["workload"], r["load"], r["burstiness"], r["pool"])][r["strategy"]] = r
+        key: tuple[Any, ...] = (r["workload"], r["load"], r["burstiness"], r["pool"])
+        if "seed" in r:  # one cell per seed (``--seeds``)
+            key = (*key, r["seed"])
+        cells[key][r["strategy"]] = r
     return cells
 
 
@@ -50,7 +53,7 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
     head = "| workload | load | burst | pool | " + " | ".join(strategies) + " |\n" + \
         "| --- | ---: | ---: | --- |" + " ---: |" * len(strategies)
     lines = [head]
-    for (w, load, burst, pool), by in _cells(rows).items():
+    for (w, load, burst, pool, *seed), by in _cells(rows).items():
         peers = [r for s, r in by.items() if s != "hindsight"]
         best = min(r["ttft_p50"] for r in peers) if peers else None
         cells = []
@@ -63,7 +66,8 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
                 else ""
             cells.append(f"{mark}{r['ttft_p50']:,.0f}{mark} / {r['ttft_p99']:,.0f} / "
                          f"{r['goodput']:.0%}")
-        lines.append(f"| {w} | {load:.0%} | {burst:g} | {pool} | " + " | ".join(cells) + " |")
+        label = f"{pool} (seed {seed[0]})" if seed else pool
+        lines.append(f"| {w} | {load:.0%} | {burst:g} | {label} | " + " | ".join(cells) + " |")
     vs = verdicts(rows)
     ok = sum(v["p50_ok"] and v["p99_ok"] and v["goodput_ok"] for v in vs)
     gaps = [v["gap_captured"] for v in vs if "gap_captured" in v and v["cell"][1] == 0.65]

@@ -280,6 +280,7 @@ def _stats(gw: SimGateway, engines: dict[str, SimEngine], virtual_s: float, wall
     p = gw.predictor
     return {"wall_s": wall_s, "build_s": build_s, "virtual_s": virtual_s,
             "speedup": virtual_s / wall_s if wall_s > 0 else 0.0, "events": loop.processed,
+            "fit_wait_s": gw.fit_wait_s,
             "engines": per, "slo_actions": gw.slo_actions,
             "predictor": {"source": p.source, "trainings": p.trainings,
                           "ttft_from_first": _mape(gw.predictions["ttft"]),
