@@ -53,9 +53,19 @@ def build(chunks: int) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "m", "object": "model", "created": 0, "owned_by": "echo"}]})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_post("/v1/completions", handle)
+    # what routers probe before they send traffic (sglang-router and vllm-router: /health)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     return app
 
 

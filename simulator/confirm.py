@@ -17,51 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from loadtests import workloads
+from loadtests.peers import start_sglang
 from loadtests.traces import load_azure
-from protocol.loopback import free_port
 from simulator import matrix, validate
-
-ROOT = Path(__file__).resolve().parent.parent
-PEERS = ROOT / ".venv-peers"
-SGLANG = "sglang-router==0.3.2"
-
-
-def sglang_python() -> Path:
-    py = PEERS / "bin" / "python"
-    stamp = PEERS / ".sglang-router"
-    if not stamp.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", SGLANG], check=True)
-        stamp.write_text(SGLANG)
-    return py
-
-
-def start_sglang(backends: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [str(sglang_python()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(port), "--policy", "cache_aware", "--prometheus-host",
-             "127.0.0.1", "--prometheus-port", str(free_port()), "--worker-urls", *backends],
-            stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"sglang-router did not start: {log.read_text()[-2000:]}")
 
 
 def _span(trace: str, n: int) -> float:
