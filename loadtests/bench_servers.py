@@ -1,0 +1,235 @@
+"""What the inbound HTTP server costs: the same pass-through proxy (read the request, POST it
+upstream with the gateway's own ``UpstreamClient``, return the answer) on each candidate
+server, against vllm-router on the same upstreams, in one run, alternated over rounds.
+
+    python -m loadtests.bench_servers [--rounds 3] [--seconds 5] [--clients 16]
+
+Servers: aiohttp's ``web`` (what ``tokengate serve`` runs on), a bare asyncio ``Protocol``
+with llhttp (``httptools``) request parsing, and granian's RSGI (Rust HTTP, when
+installed). Each is only the floor a gateway on that server can reach: no auth, no
+counting, no routing, no limits. Reported per server: wrk's req/s and the server process
+tree's CPU seconds per 1,000 requests (``loadtests.proxy_bench``).
+
+``python -m loadtests.bench_servers --serve KIND --port P --upstream URL ...`` runs one of
+the proxies (the benchmark starts them so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httptools
+import numpy as np
+
+from gateway.upstream import UpstreamClient
+from loadtests import peers
+from loadtests.client import wait_for
+from loadtests.proxy_bench import cpu_seconds, wrk
+from protocol.loopback import free_port
+
+JSON = {"Content-Type": "application/json"}
+
+
+def _aiohttp(port: int, ups: list[str]) -> None:
+    from aiohttp import web
+
+    client, rr = UpstreamClient(), itertools.cycle(ups)
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        r = await client.post(f"{next(rr)}/v1/chat/completions", body, JSON,
+                              connect_timeout_s=5)
+        data = await r.read()
+        r.release()
+        return web.Response(body=data, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+class _Proto(asyncio.Protocol):
+    """HTTP/1.1 keep-alive, one request at a time, parsed by llhttp."""
+
+    def __init__(self, client: UpstreamClient, rr: Any) -> None:
+        self.client, self.rr = client, rr
+        self.parser = httptools.HttpRequestParser(self)
+        self.body: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n")
+                self.transport.close()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body, self.body = b"".join(self.body), []
+        self.task = asyncio.ensure_future(self._forward(body))
+
+    async def _forward(self, body: bytes) -> None:
+        r = await self.client.post(f"{next(self.rr)}/v1/chat/completions", body, JSON,
+                                   connect_timeout_s=5)
+        data = await r.read()
+        r.release()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+
+
+def _raw(port: int, ups: list[str]) -> None:
+    async def main() -> None:
+        client, rr = UpstreamClient(), itertools.cycle(ups)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Proto(client, rr), "127.0.0.1", port)
+        await server.serve_forever()
+
+    _run(main())
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        asyncio.run(coro)
+
+
+def rsgi_app(ups: list[str]) -> Any:
+    client, rr = UpstreamClient(), itertools.cycle(ups)
+
+    async def app(scope: Any, proto: Any) -> None:
+        body = await proto()
+        r = await client.post(f"{next(rr)}/v1/chat/completions", body, JSON,
+                              connect_timeout_s=5)
+        data = await r.read()
+        r.release()
+        proto.response_bytes(200, [("content-type", "application/json")], data)
+    return app
+
+
+def _start(kind: str, ups: list[str], work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    if kind == "granian":
+        (work / "rsgi_target.py").write_text(
+            "from loadtests.bench_servers import rsgi_app\n"
+            f"app = rsgi_app({ups!r})\n")
+        cmd = [sys.executable, "-m", "granian", "--interface", "rsgi", "--host", "127.0.0.1",
+               "--port", str(port), "--workers", "1", "--loop", "uvloop", "--no-ws",
+               "--log-level", "warning", "rsgi_target:app"]
+        env_path = f"{work}:{Path(__file__).resolve().parent.parent}"
+    else:
+        cmd = [sys.executable, "-m", "loadtests.bench_servers", "--serve", kind, "--port",
+               str(port), "--upstream", *ups]
+        env_path = str(Path(__file__).resolve().parent.parent)
+    import os
+
+    env = {**os.environ, "PYTHONPATH": env_path}
+    with open(work / f"{kind}.log", "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _has_granian() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("granian") is not None
+
+
+def _upstreams(procs: list[subprocess.Popen[bytes]]) -> list[str]:
+    ups = []
+    for _ in range(2):
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream",
+                                       "--port", str(port)]))
+        ups.append(f"http://127.0.0.1:{port}")
+    return ups
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-servers-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        ups = _upstreams(procs)
+        for u in ups:
+            await wait_for(f"{u}/health")
+        kinds = ["aiohttp", "raw-httptools"] + (["granian"] if _has_granian() else [])
+        targets: dict[str, tuple[int, str]] = {}
+        for kind in kinds:
+            proc, base = _start(kind, ups, work)
+            procs.append(proc)
+            targets[kind] = (proc.pid, base)
+        vr, vurl = peers.start_vllm_router(ups, work / "vllm-router.log")
+        procs.append(vr)
+        targets["vllm-router"] = (vr.pid, vurl.rsplit("/v1", 1)[0])
+        for _, base in targets.values():
+            await wait_for(f"{base}/v1/chat/completions", ok_below=500)
+        rounds = []
+        names = list(targets)
+        for k in range(args.rounds):
+            order = names[k % len(names):] + names[:k % len(names)]
+            row = {}
+            for name in order:
+                pid, base = targets[name]
+                c0 = cpu_seconds(pid)
+                got = await asyncio.to_thread(wrk, f"{base}/v1", args.clients, args.seconds,
+                                              work)
+                cpu = cpu_seconds(pid) - c0
+                row[name] = {"rps": got.rps, "errors": got.errors,
+                             "cpu_s_per_1000": cpu * 1000 / max(got.requests, 1)}
+            rounds.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        summary = {n: {"rps": float(np.median([r[n]["rps"] for r in rounds])),
+                       "cpu_s_per_1000": float(np.median([r[n]["cpu_s_per_1000"]
+                                                          for r in rounds]))}
+                   for n in names}
+        return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "clients": args.clients, "seconds": args.seconds, "rounds": rounds,
+                "summary": summary}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--serve", choices=("aiohttp", "raw-httptools"))
+    p.add_argument("--port", type=int)
+    p.add_argument("--upstream", nargs="*", default=[])
+    a = p.parse_args()
+    if a.serve == "aiohttp":
+        _aiohttp(a.port, a.upstream)
+    elif a.serve == "raw-httptools":
+        _raw(a.port, a.upstream)
+    else:
+        print(json.dumps(asyncio.run(bench(a)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
