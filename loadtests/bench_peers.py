@@ -1,7 +1,7 @@
 """tokengate side by side with the Rust routers (and LiteLLM) over the same zero-delay upstream.
 
     python -m loadtests.bench_peers [--rounds 3] [--requests 200] [--seconds 5]
-        [--clients 16,64] [--litellm] [--out DIR]
+        [--clients 16,64] [--litellm] [--workers N] [--only NAMES] [--out DIR]
 
 Two echo upstreams (``loadtests.echo_upstream``: answers at once, 8 tokens) sit behind every
 proxy: vllm-router 0.1.17 and sglang-router 0.3.2 with ``round_robin`` (installed from PyPI
@@ -61,8 +61,11 @@ TOKENGATE = {"tokengate-route": ("round_robin", False), "tokengate-quota": ("rou
 class Stack:
     """The upstreams, Redis and every proxy, started once for all rounds."""
 
-    def __init__(self, work: Path, litellm: bool) -> None:
+    def __init__(self, work: Path, litellm: bool, workers: int = 1,
+                 only: set[str] | None = None) -> None:
         self.work = work
+        self.workers = workers
+        self.only = only
         self.procs: list[subprocess.Popen[bytes]] = []
         self.targets: dict[str, str] = {}  # name -> /v1 base URL
         self.pids: dict[str, int] = {}
@@ -88,13 +91,17 @@ class Stack:
         self._spawn(["redis-server", "--port", str(rport), "--save", "", "--appendonly", "no",
                      "--bind", "127.0.0.1"], "redis.log")
         for name, (strategy, quota) in TOKENGATE.items():
+            if self.only is not None and name not in self.only:
+                continue
             self._tokengate(name, ups, strategy, f"redis://127.0.0.1:{rport}/0" if quota
                             else None)
         for name, start in self._peers().items():
+            if self.only is not None and name not in self.only:
+                continue
             proc, url = start(ups, self.work / f"{name}.log")
             self.procs.append(proc)
             self.targets[name], self.pids[name] = url, proc.pid
-        for name in TOKENGATE:
+        for name in [n for n in TOKENGATE if n in self.targets]:
             await wait_for(self.targets[name].rsplit("/v1", 1)[0] + "/health")
 
     def _peers(self) -> dict[str, Callable[[list[str], Path],
@@ -117,7 +124,7 @@ class Stack:
         path.write_text(yaml.safe_dump(policy))
         port = free_port()
         cmd = [sys.executable, "-m", "tokengate", "serve", "--policy", str(path), "--port",
-               str(port), "--log-level", "warning"]
+               str(port), "--log-level", "warning", "--workers", str(self.workers)]
         if redis:
             cmd += ["--redis", redis]
         proc = self._spawn(cmd, f"{name}.log")
@@ -188,7 +195,8 @@ def summary(rounds: list[dict[str, Any]], clients: list[int]) -> dict[str, dict[
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
-    stack = Stack(work, args.litellm)
+    only = set(args.only.split(",")) if args.only else None
+    stack = Stack(work, args.litellm, args.workers, only)
     try:
         await stack.start()
         rounds = []
@@ -198,6 +206,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "rounds": rounds, "summary": summary(rounds, args.clients),
                 "wrk": bool(shutil.which("wrk")), "requests": args.requests,
+                "tokengate_workers": args.workers,
                 "seconds": args.seconds}
     finally:
         stack.stop()
@@ -211,6 +220,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="per load run")
     p.add_argument("--clients", default="16,64")
     p.add_argument("--litellm", action="store_true", help="also LiteLLM's proxy (slow)")
+    p.add_argument("--workers", type=int, default=1, help="tokengate serve --workers")
+    p.add_argument("--only", help="comma-separated proxies to run (default: all)")
     p.add_argument("--out", default="out/bench-peers")
     args = p.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]

@@ -58,14 +58,15 @@ def rounds_table(rep: dict[str, Any]) -> str:
 def write(rep: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(rep, indent=2))
-    tool = rep["rounds"][0][next(k for k in rep["rounds"][0] if k.startswith("load_"))]
-    tool = next(iter(tool.values()))["tool"]
+    loads = [v for k, v in rep["rounds"][0].items() if k.startswith("load_")]
+    tool = ", ".join(next(iter(v.values()))["tool"] for v in loads)
     (out / "report.md").write_text(
         f"# tokengate and its peers, side by side ({rep['when']})\n\n"
         f"Same two zero-delay echo upstreams behind every proxy; one client interleaved over "
         f"the targets ({rep['requests']} requests each, per round); load with {tool}, "
-        f"{rep['seconds']:g} s per target.\n\n" + table(rep) + "\n\n## Every round\n\n"
-        + rounds_table(rep) + "\n")
+        f"{rep['seconds']:g} s per target; tokengate with "
+        f"{rep.get('tokengate_workers', 1)} worker process(es).\n\n" + table(rep)
+        + "\n\n## Every round\n\n" + rounds_table(rep) + "\n")
     names = list(rep["summary"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].barh(names, [rep["summary"][n]["plain_added_p50_ms"] for n in names])
