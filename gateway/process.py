@@ -21,6 +21,7 @@ from aiohttp import web
 
 from gateway.config.policy import load_policy
 from gateway.http_guard import GatewayRunner, GuardedHandler
+from gateway.limiter.lease import LeasedStore
 from gateway.limiter.memory import MemoryStore
 from gateway.limiter.redis_store import RedisStore
 from gateway.limiter.resilient import ResilientStore
@@ -54,7 +55,10 @@ def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
     policy = load_policy(cfg.policy)
     store: RateStore
     if cfg.redis_url:
-        store = ResilientStore(RedisStore.from_url(cfg.redis_url),
+        shared: RateStore = RedisStore.from_url(cfg.redis_url)
+        if policy.settings.quota_lease > 0:
+            shared = LeasedStore(shared, policy.settings.quota_lease)
+        store = ResilientStore(shared,
                                fail_open=policy.settings.redis_failure == "fail_open",
                                replicas=policy.settings.replicas)
     else:

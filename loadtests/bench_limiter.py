@@ -1,6 +1,6 @@
 """Limiter accuracy: several gateway processes sharing one Redis and one tenant TPM limit.
 
-    python -m loadtests.bench_limiter [--gateways 3] [--seconds 120] [--tpm 60000]
+    python -m loadtests.bench_limiter [--gateways 3] [--seconds 120] [--tpm 60000] [--lease F]
 
 Each request costs exactly ``--prompt + --output`` tokens (token-id prompts, ``ignore_eos``
 answers from an echo upstream whose usage matches), so reservation equals settlement. The
@@ -56,6 +56,8 @@ def start(a: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], int, in
               "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}],
                                 "limits": {"tpm": a.tpm}}},
               "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    if a.lease:
+        policy["settings"] = {"quota_lease": a.lease}
     (work / "p.yaml").write_text(yaml.safe_dump(policy))
     time.sleep(0.5)
     ports = [free_port() for _ in range(a.gateways)]
@@ -100,7 +102,7 @@ async def run_load(a: argparse.Namespace, up: int, rport: int, ports: list[int]
     calls = _evalsha_calls(rport) - calls0
     admitted = statuses.get(200, 0) * cost
     bound = a.tpm + a.tpm / 60.0 * elapsed  # burst + rate x window
-    return {"gateways": a.gateways, "tpm": a.tpm, "window_s": elapsed,
+    return {"gateways": a.gateways, "tpm": a.tpm, "quota_lease": a.lease, "window_s": elapsed,
             "offered_tokens": i * cost, "admitted_tokens": admitted,
             "bucket_bound_tokens": bound, "admitted_over_bound": admitted / bound,
             "statuses": statuses, "redis_script_calls_per_request": calls / max(i, 1),
@@ -116,6 +118,8 @@ def main() -> None:
     p.add_argument("--overload", type=float, default=5.0)
     p.add_argument("--prompt", type=int, default=92)
     p.add_argument("--output", type=int, default=8)
+    p.add_argument("--lease", type=float, default=0.0,
+                   help="settings.quota_lease: each gateway leases this fraction of the bucket")
     a = p.parse_args()
     procs, up, rport, ports = start(a)
     try:

@@ -1,7 +1,8 @@
 """tokengate side by side with the Rust routers (and LiteLLM) over the same zero-delay upstream.
 
     python -m loadtests.bench_peers [--rounds 3] [--requests 200] [--seconds 5]
-        [--clients 16,64] [--litellm] [--workers N] [--only NAMES] [--out DIR]
+        [--clients 16,64] [--litellm] [--workers N] [--quota-lease F] [--only NAMES]
+        [--out DIR]
 
 Two echo upstreams (``loadtests.echo_upstream``: answers at once, 8 tokens) sit behind every
 proxy: vllm-router 0.1.17 and sglang-router 0.3.2 with ``round_robin`` (installed from PyPI
@@ -62,8 +63,9 @@ class Stack:
     """The upstreams, Redis and every proxy, started once for all rounds."""
 
     def __init__(self, work: Path, litellm: bool, workers: int = 1,
-                 only: set[str] | None = None) -> None:
+                 only: set[str] | None = None, lease: float = 0.0) -> None:
         self.work = work
+        self.lease = lease
         self.workers = workers
         self.only = only
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -120,6 +122,8 @@ class Stack:
                   "models": {"m": {"endpoints": [{"url": f"{u}/v1"} for u in ups],
                                    "routing": {"strategy": strategy}}},
                   "tenants": {"t": tenant}, "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+        if redis and self.lease:
+            policy["settings"] = {"quota_lease": self.lease}
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(policy))
         port = free_port()
@@ -196,7 +200,7 @@ def summary(rounds: list[dict[str, Any]], clients: list[int]) -> dict[str, dict[
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     only = set(args.only.split(",")) if args.only else None
-    stack = Stack(work, args.litellm, args.workers, only)
+    stack = Stack(work, args.litellm, args.workers, only, args.quota_lease)
     try:
         await stack.start()
         rounds = []
@@ -206,7 +210,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "rounds": rounds, "summary": summary(rounds, args.clients),
                 "wrk": bool(shutil.which("wrk")), "requests": args.requests,
-                "tokengate_workers": args.workers,
+                "tokengate_workers": args.workers, "quota_lease": args.quota_lease,
                 "seconds": args.seconds}
     finally:
         stack.stop()
@@ -221,6 +225,8 @@ def main() -> None:
     p.add_argument("--clients", default="16,64")
     p.add_argument("--litellm", action="store_true", help="also LiteLLM's proxy (slow)")
     p.add_argument("--workers", type=int, default=1, help="tokengate serve --workers")
+    p.add_argument("--quota-lease", type=float, default=0.0,
+                   help="settings.quota_lease of the configurations with quotas")
     p.add_argument("--only", help="comma-separated proxies to run (default: all)")
     p.add_argument("--out", default="out/bench-peers")
     args = p.parse_args()

@@ -65,7 +65,8 @@ def write(rep: dict[str, Any], out: Path) -> None:
         f"Same two zero-delay echo upstreams behind every proxy; one client interleaved over "
         f"the targets ({rep['requests']} requests each, per round); load with {tool}, "
         f"{rep['seconds']:g} s per target; tokengate with "
-        f"{rep.get('tokengate_workers', 1)} worker process(es).\n\n" + table(rep)
+        f"{rep.get('tokengate_workers', 1)} worker process(es), quota leases "
+        f"{rep.get('quota_lease', 0.0):g} of a bucket.\n\n" + table(rep)
         + "\n\n## Every round\n\n" + rounds_table(rep) + "\n")
     names = list(rep["summary"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -145,6 +145,9 @@ class Route:
 class Settings:
     redis_failure: Literal["fail_open", "fail_closed"] = "fail_open"
     replicas: int = 1
+    # Quota leases (``gateway.limiter.lease``): each replica takes this fraction of a big
+    # bucket from Redis at a time and admits from it locally; 0 reserves per request.
+    quota_lease: float = 0.0
     progressive_charge_tokens: int = 256
     progressive_charge_ms: int = 1000
     max_body_bytes: int = 8 * 1024 * 1024
@@ -263,7 +266,8 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
 def _settings(d: Decoder, raw: Any) -> Settings:
     if raw is None:
         return Settings()
-    m = d.mapping(raw, "settings", {"redis_failure", "replicas", "progressive_charge_tokens",
+    m = d.mapping(raw, "settings", {"redis_failure", "replicas", "quota_lease",
+                                    "progressive_charge_tokens",
                                     "progressive_charge_ms", "max_body_bytes",
                                     "max_messages", "timeouts", "retries", "client",
                                     "admin_key_sha256", "admin_key_env", "public_metrics",
@@ -277,6 +281,11 @@ def _settings(d: Decoder, raw: Any) -> Settings:
               "max_body_bytes", "max_messages"):
         if k in m:
             kw[k] = d.integer(m[k], f"settings.{k}")
+    if "quota_lease" in m:
+        lease = d.number(m["quota_lease"], "settings.quota_lease", positive=False)
+        if not 0.0 <= lease <= 0.5:
+            raise d.fail("settings.quota_lease", "expected a fraction of a bucket, 0 to 0.5")
+        kw["quota_lease"] = lease
     kw["timeouts"] = parse_timeouts(d, m.get("timeouts"), "settings.timeouts", Timeouts())
     kw["retries"] = parse_retries(d, m.get("retries"), "settings.retries")
     kw["client"] = parse_client(d, m.get("client"), "settings.client")
