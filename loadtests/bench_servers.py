@@ -1,14 +1,16 @@
 """What the inbound HTTP server costs: the same pass-through proxy (read the request, POST it
 upstream with the gateway's own ``UpstreamClient``, return the answer) on each candidate
-server, against vllm-router on the same upstreams, in one run, alternated over rounds.
+server, against vllm-router on the same upstreams, in one run, alternated over rounds
+(granian is not a dependency: ``pip install granian`` to include it).
 
     python -m loadtests.bench_servers [--rounds 3] [--seconds 5] [--clients 16]
 
 Servers: aiohttp's ``web`` (what ``tokengate serve`` runs on), a bare asyncio ``Protocol``
 with llhttp (``httptools``) request parsing, and granian's RSGI (Rust HTTP, when
 installed). Each is only the floor a gateway on that server can reach: no auth, no
-counting, no routing, no limits. Reported per server: wrk's req/s and the server process
-tree's CPU seconds per 1,000 requests (``loadtests.proxy_bench``).
+counting, no routing, no limits. Reported per server: req/s (wrk when installed, else
+``proxy_bench.python_load``) and the server process tree's CPU seconds per 1,000 requests
+(``loadtests.proxy_bench``).
 
 ``python -m loadtests.bench_servers --serve KIND --port P --upstream URL ...`` runs one of
 the proxies (the benchmark starts them so).
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +36,7 @@ import numpy as np
 from gateway.upstream import UpstreamClient
 from loadtests import peers
 from loadtests.client import wait_for
-from loadtests.proxy_bench import cpu_seconds, wrk
+from loadtests.proxy_bench import cpu_seconds, python_load, wrk
 from protocol.loopback import free_port
 
 JSON = {"Content-Type": "application/json"}
@@ -193,7 +196,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 pid, base = targets[name]
                 c0 = cpu_seconds(pid)
                 got = await asyncio.to_thread(wrk, f"{base}/v1", args.clients, args.seconds,
-                                              work)
+                                              work) if shutil.which("wrk") else \
+                    await python_load(f"{base}/v1", args.clients, args.seconds)
                 cpu = cpu_seconds(pid) - c0
                 row[name] = {"rps": got.rps, "errors": got.errors,
                              "cpu_s_per_1000": cpu * 1000 / max(got.requests, 1)}
