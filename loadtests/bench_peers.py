@@ -2,7 +2,7 @@
 
     python -m loadtests.bench_peers [--rounds 3] [--requests 200] [--seconds 5]
         [--clients 16,64] [--litellm] [--workers N] [--quota-lease F] [--only NAMES]
-        [--out DIR]
+        [--strace] [--out DIR]
 
 Two echo upstreams (``loadtests.echo_upstream``: answers at once, 8 tokens) sit behind every
 proxy: vllm-router 0.1.17 and sglang-router 0.3.2 with ``round_robin`` (installed from PyPI
@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -179,6 +180,33 @@ async def round_(stack: Stack, k: int, args: argparse.Namespace) -> dict[str, An
     return out
 
 
+def _strace_table(path: Path) -> dict[str, int]:
+    """``strace -c``'s summary: calls per system call."""
+    calls: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) in (5, 6) and parts[0].replace(".", "").isdigit() and parts[-1] != "total":
+            calls[parts[-1]] = int(parts[3])
+    return calls
+
+
+def syscalls(stack: Stack, name: str, clients: int, seconds: float) -> dict[str, Any]:
+    """System calls per request of one proxy under load, from ``strace -c -f`` attached for
+    the run (tracing slows the proxy, so only the per-request counts are meaningful)."""
+    out = stack.work / f"strace-{name}.txt"
+    tracer = subprocess.Popen(["strace", "-c", "-f", "-q", "-o", str(out), "-p",
+                               str(stack.pids[name])], stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    got = wrk(stack.targets[name], clients, seconds, stack.work)
+    tracer.send_signal(signal.SIGINT)
+    tracer.wait(20)
+    calls = _strace_table(out)
+    n = max(got.requests, 1)
+    top = sorted(calls.items(), key=lambda kv: -kv[1])[:6]
+    return {"requests": got.requests, "per_request": sum(calls.values()) / n,
+            "top": {k: v / n for k, v in top}}
+
+
 def summary(rounds: list[dict[str, Any]], clients: list[int]) -> dict[str, dict[str, float]]:
     """Per proxy, the median over rounds of each figure (every round is in ``rounds``)."""
     names = rounds[0]["order"]
@@ -207,8 +235,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for k in range(args.rounds):
             rounds.append(await round_(stack, k, args))
             print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
+        traced = {}
+        if args.strace and shutil.which("strace") and shutil.which("wrk"):
+            for name in [n for n in stack.targets if n != "direct"]:
+                traced[name] = await asyncio.to_thread(syscalls, stack, name, 16, 3.0)
         return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "rounds": rounds, "summary": summary(rounds, args.clients),
+                "rounds": rounds, "summary": summary(rounds, args.clients), "syscalls": traced,
                 "wrk": bool(shutil.which("wrk")), "requests": args.requests,
                 "tokengate_workers": args.workers, "quota_lease": args.quota_lease,
                 "seconds": args.seconds}
@@ -228,6 +260,8 @@ def main() -> None:
     p.add_argument("--quota-lease", type=float, default=0.0,
                    help="settings.quota_lease of the configurations with quotas")
     p.add_argument("--only", help="comma-separated proxies to run (default: all)")
+    p.add_argument("--strace", action="store_true",
+                   help="then count each proxy's system calls per request (strace -c -f)")
     p.add_argument("--out", default="out/bench-peers")
     args = p.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]

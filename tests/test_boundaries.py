@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests", "engines",
             "simulator")
 # Micro-benchmarks of one component may import that component (the brief allows it).
-COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay"}
+# (bench_servers puts the gateway's UpstreamClient behind each candidate inbound server.)
+COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay",
+                        "loadtests.bench_servers"}
 
 
 def _modules() -> dict[str, Path]:
