@@ -112,7 +112,7 @@ class Stack:
         out = {"vllm-router": lambda w, log: peers.start_vllm_router(w, log, "round_robin"),
                "sglang-router": lambda w, log: peers.start_sglang(w, log, "round_robin")}
         if self.litellm:
-            out["litellm"] = lambda w, log: peers.start_litellm(w, log)
+            out["litellm"] = lambda w, log: peers.start_litellm(w, log, KEY)
         return out
 
     def _tokengate(self, name: str, ups: list[str], strategy: str, redis: str | None) -> None:

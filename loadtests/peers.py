@@ -87,9 +87,10 @@ def start_vllm_router(workers: Sequence[str], log: Path, policy: str = "round_ro
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
-def start_litellm(workers: Sequence[str], log: Path, model: str = "m"
+def start_litellm(workers: Sequence[str], log: Path, master_key: str, model: str = "m"
                   ) -> tuple[subprocess.Popen[bytes], str]:
-    """LiteLLM's proxy with one deployment per worker (its simple-shuffle routing)."""
+    """LiteLLM's proxy with one deployment per worker (its simple-shuffle routing), clients
+    authenticating with ``master_key``."""
     py = peer_python("litellm")
     port = free_port()
     config = log.with_suffix(".yaml")
@@ -97,7 +98,8 @@ def start_litellm(workers: Sequence[str], log: Path, model: str = "m"
         "model_list": [{"model_name": model, "litellm_params": {
             "model": f"openai/{model}", "api_base": f"{w}/v1", "api_key": "none"}}
             for w in workers],
-        "litellm_settings": {"telemetry": False, "drop_params": True}}))
+        "litellm_settings": {"telemetry": False, "drop_params": True},
+        "general_settings": {"master_key": master_key}}))
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             [str(py.parent / "litellm"), "--config", str(config), "--host", "127.0.0.1",

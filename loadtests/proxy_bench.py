@@ -21,7 +21,9 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-KEY = "bench-key"
+# one bearer key for every target: the gateways check it (LiteLLM's proxy refuses to start
+# with a weak master key, so it is a long one), the routers pass it through
+KEY = "sk-tokengate-bench-3f9a1c7e5b2d4068a1b3c5d7e9f02468"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
