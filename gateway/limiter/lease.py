@@ -55,7 +55,6 @@ log = logging.getLogger("tokengate.limiter")
 class Lease:
     """Units of one shared bucket held by this replica."""
 
-    limit: Limit
     balance: float = 0.0
     held: Reservation | None = None  # the shared reservation returns and overruns go to
     shared_remaining: float = 0.0  # the shared bucket's remaining at the last renewal
@@ -163,9 +162,8 @@ class LeasedStore:
         if s is None:
             return None
         key = (s.scope, s.limit.kind)
-        cost = sum(c.cost for c in charges if c.key == key)
-        lease = self.leases.get(key)
-        short = cost - (lease.balance if lease is not None else 0.0)
+        cost = _per_bucket(charges)[key][1]
+        short = cost - self._balance(key)
         if s.remaining + 1e-9 >= short:
             return None
         retry = math.inf if cost > s.limit.burst else (short - s.remaining) * s.limit.interval
@@ -176,14 +174,14 @@ class LeasedStore:
         """A bucket is leased when a chunk of it covers several requests like this one."""
         return c.cost * self.min_costs_per_chunk <= self.chunk(c.limit)
 
+    def _balance(self, key: tuple[str, str]) -> float:
+        lease = self.leases.get(key)
+        return lease.balance if lease is not None else 0.0
+
     def _take(self, charges: Sequence[Charge], rid: str, life_s: float) -> Decision | None:
         """Debit every charge from its lease if all have room (no await: atomic here)."""
-        need: dict[tuple[str, str], float] = {}
-        for c in charges:
-            need[c.key] = need.get(c.key, 0.0) + c.cost
-        for key, cost in need.items():
-            lease = self.leases.get(key)
-            if lease is None or lease.balance < cost:
+        for key, (_, cost) in _per_bucket(charges).items():
+            if self._balance(key) < cost:
                 return None
         now = self._clock()
         states = []
@@ -199,18 +197,11 @@ class LeasedStore:
     async def _renew(self, charges: Sequence[Charge], whole: bool) -> Decision | None:
         """Fetch what the short leases lack (a whole chunk, or just the shortfall) in one
         atomic shared reservation; the shared store's refusal when it has not enough."""
-        need: dict[tuple[str, str], float] = {}
-        limits: dict[tuple[str, str], Charge] = {}
-        for c in charges:
-            need[c.key] = need.get(c.key, 0.0) + c.cost
-            limits[c.key] = c
         asks = []
-        for key, cost in need.items():
-            lease = self.leases.get(key)
-            have = lease.balance if lease is not None else 0.0
+        for key, (c, cost) in _per_bucket(charges).items():
+            have = self._balance(key)
             if have >= cost:
                 continue
-            c = limits[key]
             amount = max(self.chunk(c.limit), cost - have) if whole else cost - have
             asks.append(Charge(c.scope, c.limit, amount))
         if not asks:
@@ -223,7 +214,7 @@ class LeasedStore:
         by_key: dict[tuple[str, str], BucketState] = {(s.scope, s.limit.kind): s
                                                       for s in d.states}
         for a in asks:
-            lease = self.leases.setdefault(a.key, Lease(a.limit))
+            lease = self.leases.setdefault(a.key, Lease())
             lease.balance += a.cost
             lease.held = d.reservation
             s = by_key.get(a.key)
@@ -297,3 +288,12 @@ class LeasedStore:
         except StoreUnavailable as exc:
             log.warning("could not return quota leases (%s): they stay taken", exc)
         await self.shared.close()
+
+
+def _per_bucket(charges: Sequence[Charge]) -> dict[tuple[str, str], tuple[Charge, float]]:
+    """Each bucket a request touches: one of its charges there, and their total cost."""
+    out: dict[tuple[str, str], tuple[Charge, float]] = {}
+    for c in charges:
+        prev = out.get(c.key)
+        out[c.key] = (c, c.cost + (prev[1] if prev is not None else 0.0))
+    return out
