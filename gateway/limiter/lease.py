@@ -262,7 +262,8 @@ class LeasedStore:
         """Return leased units to the shared buckets (those idle for ``idle_s``, or all)."""
         now = self._clock()
         back = 0.0
-        for key, lease in self.leases.items():
+        # a snapshot: a renewal awaited meanwhile may add leases
+        for key, lease in list(self.leases.items()):
             if lease.balance <= 0 or lease.held is None:
                 continue
             if idle_only and now - lease.used_at < self.idle_s:
