@@ -79,6 +79,10 @@ class Request:
     def append_output(self, token_id: int) -> Status | None:
         """Record a sampled token; return the finish status if the sequence is now done."""
         self.token_ids.append(token_id)
+        return self.finish_status()
+
+    def finish_status(self) -> Status | None:
+        """How the sequence ends with the tokens it has (None: it goes on)."""
         n = self.num_output_tokens
         if n >= self.max_tokens:
             return Status.FINISHED_LENGTH

@@ -2,7 +2,7 @@
 
 Between two changes to its batch (a sequence finishing, a request arriving, a KV pull
 landing) a decode-only engine runs steps that are a pure function of its state: every
-sequence computes one token, the step's cost is ``TimingModel.aggregate`` of the batch's
+sequence computes one token, the step's cost is ``TimingModel.seconds`` of the batch's
 totals (context grows by one token per sequence per step), and the only other effects are
 a new block when a sequence's last block fills, that block entering the prefix cache, and
 the tokens streamed. ``layout`` computes such a run up to the first step that finishes a

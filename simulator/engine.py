@@ -203,11 +203,9 @@ class SimEngine:
         self.run = None
         now = self.loop.now
         for req in run.batch:
-            n = req.num_output_tokens
-            if n >= req.max_tokens:
-                self._finish(req, Status.FINISHED_LENGTH, now)
-            elif n >= req.target_output_tokens:
-                self._finish(req, Status.FINISHED_STOPPED, now)
+            status = req.finish_status()
+            if status is not None:
+                self._finish(req, status, now)
         self._step()
 
     def _advance(self, run: DecodeRun, upto: int) -> None:
