@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -32,18 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import yaml
 
 from loadtests.client import wait_for
+from loadtests.proxy_bench import KEY, cpu_seconds, interleaved, percentiles_ms, python_load, wrk
 from protocol.loopback import free_port
-
-KEY = "bench-key"
-
-
-def _cpu(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "echo"
@@ -82,61 +73,19 @@ def start_stack(redis: bool, workdir: Path, workers: int = 1, upstream: str = "e
     return procs, f"http://127.0.0.1:{up_port}/v1", f"http://127.0.0.1:{gw_port}/v1", gw.pid
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1e3
-    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
-
-
 async def latency(direct: str, gateway: str, n: int) -> dict[str, Any]:
-    body = json.dumps({"model": "m", "max_tokens": 8,
-                       "messages": [{"role": "user", "content": "Say hello to the gateway."}]})
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    out: dict[str, list[float]] = {"direct": [], "gateway": []}
-    async with aiohttp.ClientSession() as s:
-        for i in range(n + 100):
-            for name, base in (("direct", direct), ("gateway", gateway)):
-                t = time.perf_counter()
-                async with s.post(f"{base}/chat/completions", data=body, headers=headers) as r:
-                    await r.read()
-                    assert r.status == 200, await r.text()
-                if i >= 100:  # warm-up excluded
-                    out[name].append(time.perf_counter() - t)
-    d, g = _pct(out["direct"]), _pct(out["gateway"])
+    """One client, each request direct then through the gateway (100 warm-up excluded)."""
+    out = await interleaved({"direct": direct, "gateway": gateway}, n, False, warmup=100)
+    d, g = percentiles_ms(out["direct"]), percentiles_ms(out["gateway"])
     return {"direct": d, "gateway": g,
             "added_p50_ms": g["p50_ms"] - d["p50_ms"], "added_p99_ms": g["p99_ms"] - d["p99_ms"]}
 
 
-def _wrk(url: str, seconds: float, workdir: Path) -> float:
-    script = workdir / "post.lua"
-    body = json.dumps({"model": "m", "max_tokens": 8,
-                       "messages": [{"role": "user", "content": "Say hello to the gateway."}]})
-    script.write_text('wrk.method = "POST"\nwrk.body = [[' + body + ']]\n'
-                      'wrk.headers["Content-Type"] = "application/json"\n'
-                      f'wrk.headers["Authorization"] = "Bearer {KEY}"\n')
-    r = subprocess.run(["wrk", "-t2", "-c16", f"-d{int(seconds)}s", "-s", str(script),
-                        f"{url}/chat/completions"], capture_output=True, text=True, check=True)
-    m = re.search(r"Requests/sec:\s+([\d.]+)", r.stdout)
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", r.stdout)
-    if non2xx:
-        raise RuntimeError(f"{non2xx.group(1)} errors from {url}")
-    return float(m.group(1)) if m else 0.0
-
-
-async def _py_rate(url: str, seconds: float) -> float:
-    body = json.dumps({"model": "m", "max_tokens": 8,
-                       "messages": [{"role": "user", "content": "Say hello to the gateway."}]})
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    done = 0
-    end = time.perf_counter() + seconds
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as s:
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < end:
-                async with s.post(f"{url}/chat/completions", data=body, headers=headers) as r:
-                    await r.read()
-                done += 1
-        await asyncio.gather(*(worker() for _ in range(16)))
-    return done / seconds
+def _wrk_rps(url: str, seconds: float, workdir: Path) -> float:
+    got = wrk(url, 16, seconds, workdir)
+    if got.errors:
+        raise RuntimeError(f"{got.errors} errors from {url}")
+    return got.rps
 
 
 async def conversation(gateway: str, gw_pid: int, cached: bool, turns: int = 50,
@@ -157,10 +106,10 @@ async def conversation(gateway: str, gw_pid: int, cached: bool, turns: int = 50,
                 {"role": m["role"], "content": f"{turn_salt(rng)}{m['content']}"}
                 for m in history]
             body = json.dumps({"model": "m", "max_tokens": 8, "messages": msgs})
-            c0 = _cpu(gw_pid)
+            c0 = cpu_seconds(gw_pid)
             async with s.post(f"{gateway}/chat/completions", data=body, headers=headers) as r:
                 data = await r.json()
-            cpu += _cpu(gw_pid) - c0
+            cpu += cpu_seconds(gw_pid) - c0
             history.append({"role": "assistant",
                             "content": data["choices"][0]["message"]["content"]})
     return {"cpu_ms_per_turn": cpu * 1e3 / turns,
@@ -186,12 +135,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                   "workers": args.workers}
         report["latency_1_client"] = await latency(direct, gateway, args.requests)
         if shutil.which("wrk"):
-            d_rate = _wrk(direct, args.seconds, work)
-            g_rate = _wrk(gateway, args.seconds, work)
+            d_rate = _wrk_rps(direct, args.seconds, work)
+            g_rate = _wrk_rps(gateway, args.seconds, work)
             tool = "wrk -t2 -c16"
         else:
-            d_rate = await _py_rate(direct, args.seconds)
-            g_rate = await _py_rate(gateway, args.seconds)
+            d_rate = (await python_load(direct, 16, args.seconds)).rps
+            g_rate = (await python_load(gateway, 16, args.seconds)).rps
             tool = "python, 16 connections"
         report["throughput_16_clients"] = {"tool": tool, "direct_rps": d_rate,
                                            "gateway_rps": g_rate, "ratio": g_rate / d_rate}
