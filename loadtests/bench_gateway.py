@@ -33,7 +33,15 @@ import aiohttp
 import yaml
 
 from loadtests.client import wait_for
-from loadtests.proxy_bench import KEY, cpu_seconds, interleaved, percentiles_ms, python_load, wrk
+from loadtests.proxy_bench import (
+    KEY,
+    cpu_seconds,
+    interleaved,
+    percentiles_ms,
+    python_load,
+    stop_all,
+    wrk,
+)
 from protocol.loopback import free_port
 
 
@@ -150,10 +158,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             report["agent_conversation_50_turns"] = {"cached": warm, "cold": cold}
         return report
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
+        stop_all(procs)
 
 
 def main() -> None:

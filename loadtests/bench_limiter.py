@@ -26,6 +26,7 @@ import aiohttp
 import yaml
 
 from loadtests.client import wait_for
+from loadtests.proxy_bench import stop_all
 from protocol.loopback import free_port
 
 KEY = "limiter-bench"
@@ -125,10 +126,7 @@ def main() -> None:
     try:
         report = asyncio.run(run_load(a, up, rport, ports))
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(10)
+        stop_all(procs)
     print(json.dumps(report, indent=2))
 
 

@@ -52,6 +52,8 @@ from loadtests.proxy_bench import (
     interleaved,
     percentiles_ms,
     python_load,
+    start_echo_upstreams,
+    stop_all,
     wrk,
 )
 from protocol.loopback import free_port
@@ -81,12 +83,8 @@ class Stack:
         return p
 
     async def start(self) -> None:
-        ups = []
-        for i in range(2):
-            port = free_port()
-            self._spawn([sys.executable, "-m", "loadtests.echo_upstream", "--port", str(port),
-                         "--chunks", "8"], f"upstream-{i}.log")
-            ups.append(f"http://127.0.0.1:{port}")
+        procs, ups = start_echo_upstreams(2, self.work)
+        self.procs += procs
         for u in ups:
             await wait_for(f"{u}/health")
         self.targets["direct"] = f"{ups[0]}/v1"
@@ -136,13 +134,7 @@ class Stack:
         self.targets[name], self.pids[name] = f"http://127.0.0.1:{port}/v1", proc.pid
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(self.procs)
 
 
 async def load(stack: Stack, name: str, clients: int, seconds: float) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import numpy as np
 from gateway.upstream import UpstreamClient
 from loadtests import peers
 from loadtests.client import wait_for
-from loadtests.proxy_bench import cpu_seconds, python_load, wrk
+from loadtests.proxy_bench import cpu_seconds, python_load, start_echo_upstreams, stop_all, wrk
 from protocol.loopback import free_port
 
 JSON = {"Content-Type": "application/json"}
@@ -159,21 +159,11 @@ def _has_granian() -> bool:
     return importlib.util.find_spec("granian") is not None
 
 
-def _upstreams(procs: list[subprocess.Popen[bytes]]) -> list[str]:
-    ups = []
-    for _ in range(2):
-        port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream",
-                                       "--port", str(port)]))
-        ups.append(f"http://127.0.0.1:{port}")
-    return ups
-
-
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-servers-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ups = _upstreams(procs)
+        procs, ups = start_echo_upstreams(2)
         for u in ups:
             await wait_for(f"{u}/health")
         kinds = ["aiohttp", "raw-httptools"] + (["granian"] if _has_granian() else [])
@@ -211,10 +201,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "clients": args.clients, "seconds": args.seconds, "rounds": rounds,
                 "summary": summary}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
+        stop_all(procs)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from protocol.loopback import free_port
 
 # one bearer key for every target: the gateways check it (LiteLLM's proxy refuses to start
 # with a weak master key, so it is a long one), the routers pass it through
@@ -142,3 +145,33 @@ async def python_load(url: str, clients: int, seconds: float) -> Load:
                         errors += 1
         await asyncio.gather(*(worker() for _ in range(clients)))
     return Load(done / seconds, done, errors, f"python aiohttp, {clients} connections")
+
+
+def start_echo_upstreams(n: int, logs: Path | None = None
+                         ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """``n`` echo upstreams (``loadtests.echo_upstream``) on free loopback ports: the
+    processes and their base URLs (without /v1); output to ``logs/upstream-i.log`` if given."""
+    procs, urls = [], []
+    for i in range(n):
+        port = free_port()
+        cmd = [sys.executable, "-m", "loadtests.echo_upstream", "--port", str(port),
+               "--chunks", "8"]
+        if logs is None:
+            procs.append(subprocess.Popen(cmd))
+        else:
+            with open(logs / f"upstream-{i}.log", "wb") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{port}")
+    return procs, urls
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every process, then wait for each (killed after 10 s)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
