@@ -43,8 +43,18 @@ def peer_python(*names: str) -> Path:
     return py
 
 
+def _launch(cmd: list[str], port: int, log: Path, what: str, health: str = "/health",
+            timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``cmd`` (output to ``log``), wait for its ``health`` page on ``port``; the
+    process and its /v1 base URL."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    _wait(proc, f"http://127.0.0.1:{port}{health}", log, what, timeout_s)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
 def _wait(proc: subprocess.Popen[bytes], url: str, log: Path, what: str,
-          timeout_s: float = 60.0) -> None:
+          timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -63,28 +73,20 @@ def start_sglang(workers: Sequence[str], log: Path, policy: str = "cache_aware"
     """sglang-router over ``workers`` (base URLs without /v1); returns it and its /v1 URL."""
     py = peer_python("sglang-router")
     port = free_port()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(port), "--policy", policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), "--log-level", "warn",
-             "--worker-urls", *workers], stdout=f, stderr=subprocess.STDOUT)
-    _wait(proc, f"http://127.0.0.1:{port}/health", log, "sglang-router")
-    return proc, f"http://127.0.0.1:{port}/v1"
+    return _launch([str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                    "--port", str(port), "--policy", policy, "--prometheus-host", "127.0.0.1",
+                    "--prometheus-port", str(free_port()), "--log-level", "warn",
+                    "--worker-urls", *workers], port, log, "sglang-router")
 
 
 def start_vllm_router(workers: Sequence[str], log: Path, policy: str = "round_robin"
                       ) -> tuple[subprocess.Popen[bytes], str]:
     py = peer_python("vllm-router")
     port = free_port()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [str(py.parent / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-             "--policy", policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), "--log-level", "warning",
-             "--worker-urls", *workers], stdout=f, stderr=subprocess.STDOUT)
-    _wait(proc, f"http://127.0.0.1:{port}/health", log, "vllm-router")
-    return proc, f"http://127.0.0.1:{port}/v1"
+    return _launch([str(py.parent / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                    "--policy", policy, "--prometheus-host", "127.0.0.1",
+                    "--prometheus-port", str(free_port()), "--log-level", "warning",
+                    "--worker-urls", *workers], port, log, "vllm-router")
 
 
 def start_litellm(workers: Sequence[str], log: Path, master_key: str, model: str = "m"
@@ -100,9 +102,6 @@ def start_litellm(workers: Sequence[str], log: Path, master_key: str, model: str
             for w in workers],
         "litellm_settings": {"telemetry": False, "drop_params": True},
         "general_settings": {"master_key": master_key}}))
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [str(py.parent / "litellm"), "--config", str(config), "--host", "127.0.0.1",
-             "--port", str(port), "--num_workers", "1"], stdout=f, stderr=subprocess.STDOUT)
-    _wait(proc, f"http://127.0.0.1:{port}/health/liveliness", log, "litellm", 180.0)
-    return proc, f"http://127.0.0.1:{port}/v1"
+    return _launch([str(py.parent / "litellm"), "--config", str(config), "--host", "127.0.0.1",
+                    "--port", str(port), "--num_workers", "1"], port, log, "litellm",
+                   "/health/liveliness", 180.0)
