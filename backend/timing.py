@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from backend.profiles import HardwareProfile, ModelProfile
@@ -130,12 +130,14 @@ class TimingModel:
         )
         return flops, nbytes, overhead
 
-    def step_seconds(self, work: Iterable[tuple[int, int]], num_sampled: int) -> float:
-        """Modelled duration of a step with seeded jitter applied."""
+    def step_seconds(self, work: Iterable[tuple[int, int]], num_sampled: int,
+                     noise: Callable[[], float] | None = None) -> float:
+        """Modelled duration of a step with seeded jitter applied (drawn by ``noise``, by
+        default this model's own ``noise``: the simulator replays draws it kept)."""
         base = self.cost(work, num_sampled).seconds
         if self.jitter <= 0.0 or base == 0.0:
             return base
-        return base * self.noise()
+        return base * (noise or self.noise)()
 
     def noise(self) -> float:
         """The next step's jitter factor (one seeded draw; ``step_seconds`` takes the same)."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -145,8 +147,6 @@ def _start(kind: str, ups: list[str], work: Path) -> tuple[subprocess.Popen[byte
         cmd = [sys.executable, "-m", "loadtests.bench_servers", "--serve", kind, "--port",
                str(port), "--upstream", *ups]
         env_path = str(Path(__file__).resolve().parent.parent)
-    import os
-
     env = {**os.environ, "PYTHONPATH": env_path}
     with open(work / f"{kind}.log", "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -154,8 +154,6 @@ def _start(kind: str, ups: list[str], work: Path) -> tuple[subprocess.Popen[byte
 
 
 def _has_granian() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("granian") is not None
 
 

@@ -150,8 +150,7 @@ class SimEngine:
                 self.step_end = run.ends[0]
                 self.loop.at(run.ends[-1], self._run_end, run, run.gen)
                 return
-        base = self.timing.cost(plan.work(), plan.num_sampled()).seconds
-        duration = base * self._factor() if base > 0.0 else base
+        duration = self.timing.step_seconds(plan.work(), plan.num_sampled(), self._factor)
         self.stats.steps += 1
         self.stats.busy_s += duration
         self.step_end = now + duration
