@@ -165,13 +165,13 @@ def start_echo_upstreams(n: int, logs: Path | None = None
     return procs, urls
 
 
-def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM to every process, then wait for each (killed after 10 s)."""
+def stop_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM to every process, then wait for each (killed after ``timeout_s``)."""
     for p in procs:
         p.terminate()
     for p in procs:
         try:
-            p.wait(10)
+            p.wait(timeout_s)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

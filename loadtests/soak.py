@@ -42,6 +42,7 @@ from backend.textgen import LengthDistribution
 from loadtests import runner, workloads
 from loadtests.client import wait_for
 from loadtests.prompts import PromptMaker
+from loadtests.proxy_bench import stop_all
 from protocol.loopback import free_port
 from protocol.tokenizer import Tokenizer
 
@@ -215,13 +216,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         _write(out, report)
         return report
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs, 30.0)
 
 
 def _write(out: Path, rep: dict[str, Any]) -> None:
