@@ -37,6 +37,8 @@ class KVEvent:
     parent_block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
     salt: str | None = None  # the request's cache salt, on a first block (vLLM's extra_keys)
+    medium: str = "GPU"  # where the block is: GPU, CPU (host offload), POOL (the shared pool)
+    block_size: int = 0  # tokens per block, when the publisher does not know it (the pool)
 
 
 class OutOfBlocks(RuntimeError):

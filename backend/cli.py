@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from backend.config import KV_LINKS, LOOPBACK_PEERS, ROLES, BackendConfig
 from backend.engine import EngineConfig
@@ -48,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--kv-link", choices=sorted(KV_LINKS), default="rdma",
       help="KV transfer link: rdma (400 Gb/s) or tcp (25 Gb/s)")
     a("--kv-link-gbps", type=float, help="KV link bandwidth in Gb/s (overrides --kv-link)")
+    a("--kv-offload-gb", type=float, default=0.0,
+      help="host memory (GB) that keeps KV blocks below the GPU cache, loaded back at the "
+           "hardware profile's PCIe bandwidth instead of recomputed (vLLM's CPU offloading)")
+    a("--kv-pool", metavar="URL",
+      help="a shared KV pool (tokengate kvpool): blocks are put there and fetched over the "
+           "--kv-link by any instance")
     a("--kv-hold-timeout", type=float, default=480.0,
       help="seconds a prefill instance keeps KV nobody pulled")
     a("--load-bandwidth", type=float, default=3.6,
@@ -97,7 +104,24 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         load_bandwidth_bps=ns.load_bandwidth * 1e9, api_key=ns.api_key,
         kv_peers=tuple(ns.kv_peer) if ns.kv_peer else LOOPBACK_PEERS,
         max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults,
-        kv_events=_kv_events(ns.kv_events_config), tokenizer=ns.tokenizer)
+        kv_events=_kv_events(ns.kv_events_config), tokenizer=ns.tokenizer,
+        kv_offload_bytes=_offload(ns.kv_offload_gb), kv_pool_url=_pool_url(ns.kv_pool))
+
+
+def _offload(gb: float) -> float:
+    if gb < 0:
+        raise ValueError("--kv-offload-gb must not be negative")
+    return gb * 1e9
+
+
+def _pool_url(url: str | None) -> str | None:
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username \
+            or parts.password or parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"--kv-pool {url!r}: expected http://HOST:PORT")
+    return url.rstrip("/")
 
 
 def _kv_events(raw: str | None) -> KVEventsConfig | None:
@@ -110,6 +134,34 @@ def _kv_events(raw: str | None) -> KVEventsConfig | None:
     if not isinstance(doc, dict):
         raise ValueError("--kv-events-config must be a JSON object")
     return KVEventsConfig.from_json(doc)
+
+
+def add_kvpool_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("kvpool", help="a KV block pool shared by backend instances "
+                       "(Mooncake Store's role)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9600)
+    p.add_argument("--capacity-gb", type=float, required=True, help="pool capacity in GB")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="publish the pool's KV events over ZMQ (vLLM's keys and format)")
+    p.add_argument("--log-level", default="info")
+
+
+def run_kvpool(ns: argparse.Namespace) -> int:
+    from backend.kvpool import serve
+
+    try:
+        if not ns.capacity_gb > 0:
+            raise ValueError("--capacity-gb must be positive")
+        events = _kv_events(ns.kv_events_config)
+        run_loop(serve(ns.host, ns.port, int(ns.capacity_gb * 1e9), events,
+                       handle_signals=True))
+    except ValueError as exc:
+        print(f"tokengate kvpool: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -53,6 +53,8 @@ class BackendConfig:
     kv_peers: tuple[str, ...] = LOOPBACK_PEERS
     max_body_bytes: int = 64 * 1024 * 1024
     kv_events: KVEventsConfig | None = None  # publish KV events over ZMQ (vLLM's format)
+    kv_offload_bytes: float = 0.0  # host memory for evicted KV blocks (0: none)
+    kv_pool_url: str | None = None  # the shared KV pool (``tokengate kvpool``)
     tokenizer: str | None = None  # a tokenizer (model directory, tokenizer.json, tiktoken)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from backend.block_pool import BlockPool, KVBlock
 from backend.events import KVEventPublisher
 from backend.kv_manager import KVCacheManager
+from backend.kv_offload import KVTiers
+from backend.kv_tiers import TierWalk
 from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -134,6 +136,7 @@ class Engine:
                             config.block_size), self.kv)
         self.timing = TimingModel(model, hardware, jitter=config.jitter, seed=config.seed)
         self.kv_puller: KVPuller | None = None
+        self.tiers: KVTiers | None = None  # host memory and the shared pool (``use_tiers``)
         self.extra_step_s = 0.0  # fault injection: a slow GPU
         self.lag = LagStats()
         self.held: dict[str, HeldKV] = {}
@@ -144,6 +147,11 @@ class Engine:
         self._tasks: set[asyncio.Task[None]] = set()
         self._anchor: float | None = None
         self.failed: BaseException | None = None
+
+    def use_tiers(self, tiers: KVTiers) -> None:
+        """Look prompts up in host memory and the shared pool below the GPU prefix cache."""
+        self.tiers = tiers
+        self.scheduler.tiers = TierWalk(tiers.host, tiers.stats["POOL"])
 
     @property
     def capacity_tokens(self) -> int:
@@ -165,8 +173,23 @@ class Engine:
         if req.request_id in self._entries:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._entries[req.request_id] = _Entry(req, stream, words)
+        if self.tiers is not None and self.tiers.pool_url is not None \
+                and self.config.enable_prefix_caching:
+            self._spawn(self._admit(req))
+            return
         self.scheduler.add(req)
         self._wake.set()
+
+    async def _admit(self, req: Request) -> None:
+        """Ask the pool how much of the prompt it holds, then queue the request."""
+        assert self.tiers is not None
+        self.kv.update_hashes(req)
+        try:
+            await self.tiers.admit(req, req.block_hashes)
+        finally:
+            if req.request_id in self._entries and req.request_id not in self._aborts:
+                self.scheduler.add(req)
+                self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone); takes effect before the next step."""
@@ -215,7 +238,10 @@ class Engine:
     async def _loop(self) -> None:
         while True:
             if self.pool.events:
-                self.kv_events.publish(self.pool.drain_events())
+                events = self.pool.drain_events()
+                if self.tiers is not None:
+                    events += self.tiers.on_computed(events)
+                self.kv_events.publish(events)
             self._apply_aborts()
             self._expire_held(self.clock())
             if not self.scheduler.has_work():
@@ -227,6 +253,8 @@ class Engine:
                     self.observer.on_preempt(req)
             for req in plan.transfers:
                 self._spawn(self._transfer(req))
+            for req in plan.loads:
+                self._spawn(self._load(req))
             if plan.empty:
                 await self._idle()
                 continue
@@ -315,6 +343,18 @@ class Engine:
             log.exception("KV pull for %s failed; recomputing the prompt", req.request_id)
             ok = False
         self.scheduler.remote_kv_ready(req, ok)
+        self._wake.set()
+
+    async def _load(self, req: Request) -> None:
+        blocks = 0
+        hit = req.tier_hit
+        try:
+            if self.tiers is not None and hit is not None:
+                blocks = await self.tiers.load(req, hit)
+        except Exception:
+            log.exception("KV load for %s failed; computing the prompt", req.request_id)
+            blocks = 0
+        self.scheduler.tier_loaded(req, blocks)
         self._wake.set()
 
     def _spawn(self, coro: Awaitable[None]) -> None:

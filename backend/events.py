@@ -65,11 +65,12 @@ def encode_event(e: KVEvent, block_size: int) -> dict[str, Any]:
     if e.kind == "BlockStored":
         return {"type": "BlockStored", "block_hashes": list(e.block_hashes),
                 "parent_block_hash": e.parent_block_hash, "token_ids": list(e.token_ids),
-                "block_size": block_size, "lora_id": None, "medium": "GPU",
+                "block_size": e.block_size or block_size, "lora_id": None, "medium": e.medium,
                 "lora_name": None,
                 "extra_keys": [[e.salt] if e.salt else None] * len(e.block_hashes)}
     if e.kind == "BlockRemoved":
-        return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": "GPU"}
+        return {"type": "BlockRemoved", "block_hashes": list(e.block_hashes),
+                "medium": e.medium}
     return {"type": "AllBlocksCleared"}
 
 

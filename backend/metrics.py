@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from backend.engine import Engine, StepObserver
@@ -61,6 +61,54 @@ class _EngineGauges(Collector):
                           sum(len(h.blocks) for h in e.held.values()))
         yield self._gauge("tokengate_backend_busy_seconds",
                           "Modelled GPU-busy time since start (unscaled).", e.lag.busy_s)
+        if e.tiers is not None:
+            yield from self._tiers(e)
+
+    def _tiers(self, e: Engine) -> Iterator[Metric]:
+        """The lower KV tiers: what a router needs to price a load (capacity, seconds per
+        token, latency) and what they did (vLLM's external prefix-cache counters, ours)."""
+        t = e.tiers
+        walk = e.scheduler.tiers
+        assert t is not None and walk is not None
+        bs = e.config.block_size
+        names = [*self._labels, "medium"]
+        info = GaugeMetricFamily("tokengate_backend_kv_tier_info",
+                                 "A lower KV tier: capacity and load cost.",
+                                 labels=[*names, "capacity_blocks", "seconds_per_token",
+                                         "latency_seconds"])
+        held = GaugeMetricFamily("tokengate_backend_kv_tier_blocks", "Blocks a tier holds.",
+                                 labels=names)
+        lv = list(self._labels.values())
+        if t.host is not None:
+            info.add_metric([*lv, "CPU", str(t.host.capacity),
+                             repr(t.cost.host_seconds_per_token()), "0"], 1.0)
+            held.add_metric([*lv, "CPU"], len(t.host))
+        if t.pool_url is not None:
+            info.add_metric([*lv, "POOL", "0", repr(t.cost.pool_seconds_per_token()),
+                             repr(t.cost.link_latency_s)], 1.0)
+        yield info
+        yield held
+        hits = sum(s.hit_tokens for s in t.stats.values())
+        for name, doc, v in (
+                ("vllm:external_prefix_cache_queries",
+                 "External prefix cache queries (host memory, pool), in tokens.",
+                 walk.queried_blocks * bs),
+                ("vllm:external_prefix_cache_hits",
+                 "External prefix cache hits (host memory, pool), in tokens.", hits)):
+            c = CounterMetricFamily(name, doc, labels=list(self._labels))
+            c.add_metric(lv, v)
+            yield c
+        for name, doc, attr in (
+                ("hit_tokens", "Prompt tokens loaded from a tier instead of computed.",
+                 "hit_tokens"),
+                ("loaded_bytes", "KV bytes loaded from a tier.", "loaded_bytes"),
+                ("loads", "Loads from a tier.", "loads"),
+                ("stored_blocks", "Blocks a tier stored.", "stored_blocks"),
+                ("evicted_blocks", "Blocks a tier evicted.", "evicted_blocks")):
+            c = CounterMetricFamily(f"tokengate_backend_kv_tier_{name}", doc, labels=names)
+            for medium, st in t.stats.items():
+                c.add_metric([*lv, medium], getattr(st, attr))
+            yield c
 
 
 class BackendMetrics:

@@ -66,6 +66,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state.config.kv_events is not None:
         state.engine.kv_events.start(state.config.kv_events)
     loop_task = asyncio.ensure_future(state.engine.run())
+    if state.engine.tiers is not None:
+        state.engine.tiers.start()
 
     async def load() -> None:
         await asyncio.sleep(state.load_seconds)
@@ -80,6 +82,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         # A failed engine loop already logged its exception and failed its requests.
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+    if state.engine.tiers is not None:
+        await state.engine.tiers.close()
     await state.http.close()
     await state.engine.kv_events.close()
     state.executor.shutdown(wait=False, cancel_futures=True)

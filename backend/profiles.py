@@ -41,6 +41,9 @@ class HardwareProfile:
     per_seq_overhead_s: float = 50e-6
     allreduce_latency_s: float = 20e-6
     activation_reserve_bytes: float = 2 * GiB
+    # host memory <-> GPU per GPU (bytes/s): the KV offload tier's load and store bandwidth.
+    # H100/H200 SXM sit on PCIe Gen5 x16 (64 GB/s raw, ~50 GB/s reached by pinned copies)
+    pcie_bandwidth: float = 50e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,8 @@ HARDWARE: dict[str, HardwareProfile] = {
         HardwareProfile("h100-sxm", 989e12, 3.35e12, 79.6 * GiB, 450e9),
         HardwareProfile("h200", 989e12, 4.8e12, 139.8 * GiB, 450e9),
         HardwareProfile("b200", 2250e12, 8.0e12, 178.4 * GiB, 900e9),
-        HardwareProfile("a100-80g", 312e12, 2.039e12, 79.2 * GiB, 300e9, step_overhead_s=2.5e-3),
+        HardwareProfile("a100-80g", 312e12, 2.039e12, 79.2 * GiB, 300e9, step_overhead_s=2.5e-3,
+                        pcie_bandwidth=25e9),
     )
 }
 

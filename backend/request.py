@@ -51,6 +51,9 @@ class Request:
     cache_salt: str | None = None
     remote_decode: bool = False  # prefill side: keep the KV for a decode instance to pull
     remote_prefill: RemotePrefill | None = None
+    pool_prefix: int = 0  # leading prompt blocks the shared KV pool held on arrival
+    tier_hit: Any = None  # backend.kv_tiers.TierHit of a load from host memory or the pool
+    tiers_tried: bool = False  # a lower-tier load was tried (and gave nothing): not again
     token_ids: list[int] = field(init=False)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -13,6 +13,9 @@ Each call to ``schedule`` returns the plan of one step under a token budget
    takes its longest cached prefix; a prompt longer than the remaining budget is chunked.
 3. A decode-side request of a prefill/decode handoff gets blocks for its whole prompt and waits
    for the KV pull (``transfers``) without spending budget.
+4. With lower KV tiers (``tiers``: host memory, the shared pool), a fresh request whose prefix
+   continues past the GPU hit in a lower tier gets blocks for what it will load and waits for
+   the load (``loads``), as vLLM's KV connectors load asynchronously.
 
 ``update`` applies the step's result: computed counts advance and full blocks enter the prefix
 cache; every request whose computed count reached its token count sampled a token this step.
@@ -25,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backend.kv_manager import KVCacheManager
+from backend.kv_tiers import TierWalk
 from backend.request import Request, Status
 
 
@@ -35,6 +39,7 @@ class StepPlan:
     scheduled: list[tuple[Request, int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     transfers: list[Request] = field(default_factory=list)
+    loads: list[Request] = field(default_factory=list)  # loading KV from a lower tier
     sampling: int = 0  # sequences that reach their last known token and sample one
 
     def add(self, req: Request, n: int) -> None:
@@ -72,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.tiers: TierWalk | None = None
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -132,6 +138,22 @@ class Scheduler:
                 plan.transfers.append(req)
                 skipped.append(self.waiting.popleft())
                 continue
+            if self.tiers is not None and rp is None and not req.num_computed_tokens \
+                    and not req.tiers_tried:
+                load = self.tiers.plan(req.block_hashes, len(computed),
+                                       (req.num_tokens - 1) // self.config.block_size,
+                                       req.pool_prefix)
+                if load is not None:
+                    if not kv.allocate_slots(req, load.blocks * self.config.block_size,
+                                             computed):
+                        break
+                    kv.record_lookup(req, hit)
+                    req.num_cached_tokens = hit
+                    req.tier_hit = load
+                    req.status = Status.WAITING_FOR_REMOTE_KVS
+                    plan.loads.append(req)
+                    skipped.append(self.waiting.popleft())
+                    continue
             n = min(req.num_tokens - req.num_computed_tokens - hit, budget)
             if not kv.allocate_slots(req, n, computed):
                 break
@@ -181,6 +203,25 @@ class Scheduler:
             if req.remote_prefill is not None:
                 req.remote_prefill.failed = True
 
+    def tier_loaded(self, req: Request, blocks: int) -> None:
+        """A lower-tier load finished with ``blocks`` blocks past the GPU hit (fewer than
+        planned when the pool no longer had them all): they are computed now, and the rest
+        of the prompt is computed as usual. Nothing loaded: the request starts afresh."""
+        if req.status is not Status.WAITING_FOR_REMOTE_KVS:
+            return  # aborted meanwhile
+        req.status = Status.WAITING
+        hit = req.tier_hit
+        req.tier_hit = None
+        req.tiers_tried = True
+        tokens = (hit.gpu + blocks) * self.config.block_size if hit is not None else 0
+        if tokens == 0:
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            return
+        req.num_computed_tokens = tokens
+        req.num_cached_tokens = tokens
+        self.kv.cache_computed(req, tokens)
+
     def finish(self, req: Request, status: Status, *, keep_blocks: bool = False) -> None:
         """Remove a request from the queues and free its blocks (unless the caller keeps them)."""
         if req.status is Status.RUNNING:
@@ -196,6 +237,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
+        req.tiers_tried = False  # what it computed may be in a lower tier by now
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

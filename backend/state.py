@@ -13,6 +13,8 @@ from aiohttp import web
 from backend.config import BackendConfig, Role
 from backend.engine import Engine
 from backend.faults import Faults
+from backend.kv_offload import KVTiers
+from backend.kv_tiers import HostTier, LoadCost
 from backend.metrics import BackendMetrics
 from backend.profiles import HardwareProfile, ModelProfile, ProfileCatalog, load_profiles
 from backend.textgen import LengthDistribution
@@ -64,7 +66,24 @@ class BackendState:
                     lengths=LengthDistribution.parse(config.output_len), max_model_len=max_len,
                     load_seconds=load_s * config.engine.time_scale, role=config.role)
         ref.append(state)
+        if config.kv_offload_bytes > 0 or config.kv_pool_url:
+            engine.use_tiers(cls._tiers(config, model, hardware, ref[0]))
         return state
+
+    @staticmethod
+    def _tiers(config: BackendConfig, model: ModelProfile, hardware: HardwareProfile,
+               state: BackendState) -> KVTiers:
+        cost = LoadCost(model.kv_bytes_per_token, model.tensor_parallel,
+                        hardware.pcie_bandwidth, config.kv_link_bps, config.kv_link_latency_s)
+        bs = config.engine.block_size
+        host = None
+        if config.kv_offload_bytes > 0:
+            blocks = int(config.kv_offload_bytes // (model.kv_bytes_per_token * bs))
+            if blocks <= 0:
+                raise ValueError("--kv-offload-gb holds less than one KV block")
+            host = HostTier(blocks)
+        return KVTiers(cost, bs, host=host, pool_url=config.kv_pool_url,
+                       time_scale=config.engine.time_scale, session=lambda: state.http)
 
 
 STATE: web.AppKey[BackendState] = web.AppKey("tokengate_backend_state", BackendState)

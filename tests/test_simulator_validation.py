@@ -8,8 +8,8 @@ code trace's real tail moves ~5 % run to run and the simulated TPOT p90 sits 8-1
 in the final run there and 225.9 / 228.7 ms on a slower day (a CI run), against the same
 simulated 201.1 ms. Gaps left to close (the simulator's fixed per-request overhead is one
 machine's, fitted once). A real run is noisy: one
-that misses is re-taken once, and both are printed. Each case replays 80 requests (~40 s) in
-real time."""
+that misses is re-taken once, and both are printed. Each case replays 80 requests (the Azure
+trace 60) in real time."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``tokengate COMMAND``: one entry point for the project's programs, each of which keeps its
-command line in its own package -- ``serve``/``up`` in ``gateway.cli``, ``backend`` in
-``backend.cli``, ``loadtest`` in ``loadtests.cli``, ``simulate`` in ``simulator.cli``. Only
-the chosen program is imported."""
+command line in its own package -- ``serve``/``up`` in ``gateway.cli``, ``backend`` and
+``kvpool`` in ``backend.cli``, ``loadtest`` in ``loadtests.cli``, ``simulate`` in
+``simulator.cli``. Only the chosen program is imported."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokengate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     backend_cli.add_parser(sub)
+    backend_cli.add_kvpool_parser(sub)
     loadtests_cli.add_parser(sub)
     gateway_cli.add_parsers(sub)
     simulator_cli.add_parser(sub)
@@ -28,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.command == "backend":
         return backend_cli.run(ns)
+    if ns.command == "kvpool":
+        return backend_cli.run_kvpool(ns)
     if ns.command == "loadtest":
         return loadtests_cli.run(ns)
     if ns.command == "simulate":
