@@ -75,17 +75,18 @@ class _EngineGauges(Collector):
         info = GaugeMetricFamily("tokengate_backend_kv_tier_info",
                                  "A lower KV tier: capacity and load cost.",
                                  labels=[*names, "capacity_blocks", "seconds_per_token",
-                                         "latency_seconds"])
+                                         "latency_seconds", "block_bytes"])
         held = GaugeMetricFamily("tokengate_backend_kv_tier_blocks", "Blocks a tier holds.",
                                  labels=names)
         lv = list(self._labels.values())
         if t.host is not None:
             info.add_metric([*lv, "CPU", str(t.host.capacity),
-                             repr(t.cost.host_seconds_per_token()), "0"], 1.0)
+                             repr(t.cost.host_seconds_per_token()), "0",
+                             str(t.bytes_per_block)], 1.0)
             held.add_metric([*lv, "CPU"], len(t.host))
         if t.pool_url is not None:
             info.add_metric([*lv, "POOL", "0", repr(t.cost.pool_seconds_per_token()),
-                             repr(t.cost.link_latency_s)], 1.0)
+                             repr(t.cost.link_latency_s), str(t.bytes_per_block)], 1.0)
         yield info
         yield held
         hits = sum(s.hit_tokens for s in t.stats.values())

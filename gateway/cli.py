@@ -63,13 +63,19 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batched-tokens", type=int,
                    help="the backends' per-step token budget (chunked prefill)")
     g.add_argument("--no-quota", action="store_true", help="drop every limit (benchmark runs)")
+    g.add_argument("--kv-offload-gb", type=float,
+                   help="host memory per backend (GB) keeping KV below the GPU cache")
+    g.add_argument("--kv-pool-gb", type=float,
+                   help="start one shared KV pool of this size (GB) and wire every backend "
+                        "of the pool to it")
 
 
 def shape_of(ns: argparse.Namespace) -> PoolShape:
     from gateway.up import PoolShape
 
     return PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd, ns.backend_model,
-                     ns.hardware, ns.no_quota, ns.max_batched_tokens, ns.tensor_parallel)
+                     ns.hardware, ns.no_quota, ns.max_batched_tokens, ns.tensor_parallel,
+                     ns.kv_offload_gb, ns.kv_pool_gb)
 
 
 def _serve_workers(ns: argparse.Namespace) -> int:

@@ -167,6 +167,12 @@ class EngineView:
     prompt_tokens_cached: float = 0.0
     external_prefix_queries: float = 0.0  # a KV connector's tier (LMCache, NIXL…)
     external_prefix_hits: float = 0.0
+    # lower KV tiers the engine reports (the reference backend's tokengate_backend_kv_tier_info)
+    host_blocks: int | None = None  # host-memory offload capacity, blocks
+    host_s_per_token: float = 0.0  # load time from host memory, seconds per token
+    pool_s_per_token: float | None = None  # set: the engine fetches from a shared pool
+    pool_latency_s: float = 0.0
+    block_bytes: int = 0  # KV bytes of one block (sizes the pool's approximate index)
     preemptions: float = 0.0
     waiting_by_reason: dict[str, float] = field(default_factory=dict)
     max_model_len: int | None = None  # from /v1/models (vLLM and the reference backend say)

@@ -30,7 +30,8 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from engines import vllm
-from gateway.config.policy import Policy, load_policy
+from gateway.config.endpoint import KVEvents
+from gateway.config.policy import Model, Policy, load_policy
 from gateway.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
 
@@ -64,6 +65,8 @@ class PoolShape:
     no_quota: bool = False
     max_batched_tokens: int | None = None
     tensor_parallel: int | None = None
+    kv_offload_gb: float | None = None  # host memory per backend for offloaded KV
+    kv_pool_gb: float | None = None  # one shared KV pool for the pool's backends
 
     def apply(self, raw: dict[str, Any]) -> bool:
         """Rewrite the policy document in place; True when anything changed."""
@@ -99,6 +102,13 @@ class PoolShape:
             if flag:
                 m.setdefault("backend", {})[key] = flag
                 changed = True
+        if self.kv_offload_gb:
+            m.setdefault("backend", {})["kv_offload_gb"] = self.kv_offload_gb
+            changed = True
+        if self.kv_pool_gb:
+            m.setdefault("backend", {})["kv_pool_gb"] = self.kv_pool_gb
+            m.setdefault("kv_pool", {"url": "http://127.0.0.1:0"})
+            changed = True
         for flag, key in ((self.strategy, "strategy"), (self.index, "index")):
             if flag:
                 m.setdefault("routing", {})[key] = flag
@@ -128,7 +138,8 @@ def resolve_ports(path: str, shape: PoolShape | None = None, engine: str = "refe
     else:
         changed |= _kv_streams(raw)
     for model in (raw.get("models") or {}).values():
-        for ep in model.get("endpoints") or []:
+        for ep in [*(model.get("endpoints") or []), *([model["kv_pool"]]
+                                                      if model.get("kv_pool") else [])]:
             u = urlsplit(ep["url"])
             if _loopback(u.hostname) and u.port == 0:
                 ep["url"] = urlunsplit(u._replace(netloc=f"{u.hostname}:{free_port()}"))
@@ -168,7 +179,8 @@ def _kv_streams(raw: dict[str, Any]) -> bool:
     for m in (raw.get("models") or {}).values():
         if (m.get("routing") or {}).get("index") != "precise":
             continue
-        for ep in m.get("endpoints") or []:
+        pool = m.get("kv_pool")
+        for ep in [*(m.get("endpoints") or []), *([pool] if pool else [])]:
             if _loopback(urlsplit(ep["url"]).hostname) and "kv_events" not in ep:
                 port = _port_pair()
                 ep["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{port}",
@@ -245,6 +257,9 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
     log_dir.mkdir(parents=True, exist_ok=True)
     urls = []
     for m in policy.models.values():
+        pool = _start_pool(cfg, m, log_dir)
+        if pool is not None:
+            urls.append(pool)
         for ep in m.endpoints:
             u = urlsplit(ep.url)
             if not _loopback(u.hostname) or u.port is None:
@@ -259,14 +274,39 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
             if m.backend.tensor_parallel:
                 cmd += ["--tensor-parallel", str(m.backend.tensor_parallel)]
             if ep.kv_events is not None:
-                cmd += ["--kv-events-config", json.dumps({
-                    "enable_kv_cache_events": True, "publisher": "zmq",
-                    "endpoint": ep.kv_events.endpoint, "replay_endpoint": ep.kv_events.replay,
-                    "topic": ep.kv_events.topic})]
+                cmd += ["--kv-events-config", _events_flag(ep.kv_events)]
+            if m.backend.kv_offload_gb:
+                cmd += ["--kv-offload-gb", str(m.backend.kv_offload_gb)]
+            if pool is not None:
+                cmd += ["--kv-pool", pool]
             cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
             log.close()
             urls.append(f"{u.scheme}://{u.netloc}")
     return urls
+
+
+def _events_flag(kv: KVEvents) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": kv.endpoint, "replay_endpoint": kv.replay,
+                       "topic": kv.topic})
+
+
+def _start_pool(cfg: UpConfig, m: Model, log_dir: Path) -> str | None:
+    """``--kv-pool-gb``: the model's shared KV pool, when it is on loopback."""
+    pool = m.kv_pool
+    if pool is None or not m.backend.kv_pool_gb:
+        return None
+    u = urlsplit(pool.url)
+    if not _loopback(u.hostname) or u.port is None:
+        return None
+    log = open(log_dir / f"kvpool-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
+    cmd = [sys.executable, "-m", "tokengate", "kvpool", "--host", u.hostname or "",
+           "--port", str(u.port), "--capacity-gb", str(m.backend.kv_pool_gb)]
+    if pool.kv_events is not None:
+        cmd += ["--kv-events-config", _events_flag(pool.kv_events)]
+    cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
+    log.close()
+    return f"{u.scheme}://{u.netloc}"
 
 
 def wait_healthy(urls: list[str], timeout_s: float) -> None:

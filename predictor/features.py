@@ -17,10 +17,10 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ``prefill_queue_ms``        the endpoint's virtual prefill queue (live): uncached tokens
                             awaiting a first token, less the head's likely progress, over
                             the prefill rate observed there
-``queue_estimate_ms``       ``prefill_queue_ms`` plus this request's uncached tokens at the
-                            endpoint's observed prefill rate: the virtual queue's answer
-                            for this request's first token (one column the trees can cut,
-                            instead of a sum they would have to learn)
+``queue_estimate_ms``       ``prefill_queue_ms`` plus ``load_ms`` plus this request's uncached
+                            tokens at the endpoint's observed prefill rate: the virtual
+                            queue's answer for this request's first token (one column the
+                            trees can cut, instead of a sum they would have to learn)
 ``prefill_arrivals``        uncached tokens/s recently sent there (live, decayed over 5 s):
                             prefill work that will share a decoding request's steps
 ``step_ms``                 the endpoint's current time between tokens per decoding sequence
@@ -33,6 +33,9 @@ Every row describes (request, endpoint) at decision time. Features, in column or
 ``hw_tflops``               accelerator dense BF16 peak, TFLOP/s (0 when unknown)
 ``prior_ttft_ms``           the roofline prior (``predictor.prior``) for this endpoint, 0 when
 ``prior_tpot_ms``           its hardware is unknown: the models learn log(actual / prior)
+``load_ms``                 the modelled time to load the prompt's prefix held in lower KV
+                            tiers there (host memory over PCIe, the shared pool over the KV
+                            link; ``gateway.routing.tiers``), 0 when none
 ==========================  ====================================================================
 
 Live counters are exact and fresh at each decision; scraped ones are up to one scrape period
@@ -50,7 +53,7 @@ FEATURES: tuple[str, ...] = (
     "prompt_tokens", "uncached_tokens", "expected_output", "kv_usage", "running", "waiting",
     "in_flight", "prefill_tokens", "decoding", "oldest_pending_ms", "prefill_queue_ms",
     "queue_estimate_ms", "prefill_arrivals", "step_ms", "recent_ttft_ms", "recent_tpot_ms",
-    "role", "hw_bandwidth_tbs", "hw_tflops", "prior_ttft_ms", "prior_tpot_ms",
+    "role", "hw_bandwidth_tbs", "hw_tflops", "prior_ttft_ms", "prior_tpot_ms", "load_ms",
 )
 DEFAULT_PREFILL_RATE = 30.0  # tokens/ms (gateway.endpoints' default: an 8B model on an H100)
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
@@ -77,6 +80,9 @@ class EndpointSnapshot:
     role: str = "both"
     hw_bandwidth_tbs: float = 0.0
     hw_tflops: float = 0.0
+    # the request's prefix held in lower KV tiers there: the modelled time to load it (host
+    # memory over PCIe, the shared pool over the KV link), in ms
+    load_ms: float = 0.0
 
 
 def build_matrix(prompt_tokens: int, expected_output: int,
@@ -89,9 +95,10 @@ def build_matrix(prompt_tokens: int, expected_output: int,
     return np.array([(prompt_tokens, u, expected_output, e.kv_usage, e.running, e.waiting,
                       e.in_flight, e.prefill_tokens, e.decoding, e.oldest_pending_ms,
                       e.prefill_queue_ms,
-                      e.prefill_queue_ms + u / (e.prefill_rate or DEFAULT_PREFILL_RATE),
+                      e.prefill_queue_ms + e.load_ms
+                      + u / (e.prefill_rate or DEFAULT_PREFILL_RATE),
                       e.prefill_arrivals, e.step_ms, e.recent_ttft_ms,
                       e.recent_tpot_ms, ROLE_CODE.get(e.role, 0.0), e.hw_bandwidth_tbs,
-                      e.hw_tflops, pt, pp)
+                      e.hw_tflops, pt, pp, e.load_ms)
                      for u, e, (pt, pp) in zip(uncached, endpoints, pri, strict=True)],
                     dtype=np.float64).reshape(len(endpoints), len(FEATURES))

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from backend.block_pool import BlockPool, KVBlock, KVEvent
 from backend.engine import EngineConfig, num_gpu_blocks
+from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierStats, TierWalk
+from backend.kvpool_store import PoolBlock, PoolStore
 from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -88,6 +90,12 @@ class SimEngine:
     incoming: dict[str, Request] = field(default_factory=dict)
     run: DecodeRun | None = None
     _spare: deque[float] = field(default_factory=deque)  # jitter drawn for steps cut off
+    # lower KV tiers (``use_tiers``): host memory of its own, a pool shared with its peers
+    host: HostTier | None = None
+    kv_pool: PoolStore | None = None
+    cost: LoadCost | None = None
+    tier_stats: dict[str, TierStats] = field(default_factory=dict)
+    on_pool_events: Callable[[list[KVEvent], float], None] | None = None
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -100,6 +108,68 @@ class SimEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens,
                                                    cfg.max_num_seqs, cfg.block_size), self.kv)
         self.timing = TimingModel(self.model, self.hardware, jitter=cfg.jitter, seed=cfg.seed)
+
+    def use_tiers(self, host_bytes: float, pool: PoolStore | None) -> None:
+        """Host memory for KV below the GPU cache, and/or the shared pool (as the backend's
+        ``--kv-offload-gb`` and ``--kv-pool``: ``backend.kv_tiers``)."""
+        self.cost = LoadCost(self.model.kv_bytes_per_token, self.model.tensor_parallel,
+                             self.hardware.pcie_bandwidth, self.kv_link_bps,
+                             self.kv_link_latency_s)
+        bs = self.config.block_size
+        if host_bytes > 0:
+            self.host = HostTier(max(int(host_bytes // (self.model.kv_bytes_per_token * bs)),
+                                     1))
+        self.kv_pool = pool
+        self.tier_stats = {CPU: self.host.stats if self.host else TierStats(),
+                           POOL: TierStats()}
+        self.scheduler.tiers = TierWalk(self.host, self.tier_stats[POOL])
+        self.pool.record_events = True
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.model.kv_bytes_per_token * self.config.block_size)
+
+    def _drain(self, at: float) -> None:
+        """The GPU cache's events of a step: stored in the lower tiers, then handed out."""
+        events = self.pool.drain_events()
+        if self.host is not None:
+            events += self.host.store(events)
+        pool = self.kv_pool
+        if pool is not None:
+            nbytes, bs = self.block_bytes, self.config.block_size
+            for e in events:
+                if e.kind == "BlockStored" and e.medium == "GPU":
+                    parent = e.parent_block_hash
+                    for h in e.block_hashes:
+                        pool.put(h, PoolBlock(parent, (), None, nbytes, bs))
+                        parent = h
+            if pool.events and self.on_pool_events is not None:
+                self.on_pool_events(pool.drain_events(), at)
+            elif pool.events and self.on_pool_events is None:
+                pool.events.clear()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events, at)
+
+    def _load(self, req: Request) -> None:
+        hit = req.tier_hit
+        assert hit is not None and self.cost is not None
+        bs = self.config.block_size
+        if hit.pool and self.kv_pool is not None:
+            first = hit.gpu + hit.host
+            hit.fetched = self.kv_pool.fetch(req.block_hashes[first:first + hit.pool])[0]
+        seconds = self.cost.seconds(hit.host * bs, hit.fetched * bs)
+        for medium, blocks in ((CPU, hit.host), (POOL, hit.fetched)):
+            if blocks:
+                st = self.tier_stats[medium]
+                st.loads += 1
+                st.hit_tokens += blocks * bs
+                st.loaded_bytes += blocks * self.block_bytes
+        self.loop.after(seconds, self._loaded, req, hit.host + hit.fetched)
+
+    def _loaded(self, req: Request, blocks: int) -> None:
+        self._cut()
+        self.scheduler.tier_loaded(req, blocks)
+        self._wake()
 
     # -- what the gateway's scrape reads (the backend's /metrics gauges) -------------------
     @property
@@ -118,6 +188,9 @@ class SimEngine:
         self.incoming.pop(req.request_id, None)
         self.hooks[req.request_id] = hooks
         self._cut()
+        if self.kv_pool is not None and self.config.enable_prefix_caching:
+            self.kv.update_hashes(req)
+            req.pool_prefix = self.kv_pool.lookup(req.block_hashes)
         self.scheduler.add(req)
         self._wake()
 
@@ -128,8 +201,8 @@ class SimEngine:
 
     def _step(self) -> None:
         now = self.loop.now
-        if self.pool.events and self.on_kv_events is not None:
-            self.on_kv_events(self.pool.drain_events(), now)
+        if self.pool.events:
+            self._drain(now)
         sched = self.scheduler
         if not sched.has_work():
             self._stepping = False
@@ -138,6 +211,8 @@ class SimEngine:
         self.stats.preemptions += len(plan.preempted)
         for req in plan.transfers:
             self._pull(req)
+        for req in plan.loads:
+            self._load(req)
         if plan.empty:
             self._stepping = False
             return
@@ -229,14 +304,14 @@ class SimEngine:
         else:
             self._tell(run, upto)
         # blocks for the step under way were taken when it was planned, as stepping does
-        kv, events, sink = self.kv, run.events, self.on_kv_events
+        kv, events = self.kv, run.events
         i, step = run.next_event, first + 1
         while i < len(events) and (events[i][0] <= upto or
                                    (events[i][0] == upto + 1 and events[i][1] == ALLOC)):
             j, kind, s = events[i]
             if j != step:
-                if self.pool.events and sink is not None:
-                    sink(self.pool.drain_events(), run.ends[step - 1])
+                if self.pool.events:
+                    self._drain(run.ends[step - 1])
                 step = j
             req = run.batch[s]
             if kind == ALLOC:
@@ -246,8 +321,8 @@ class SimEngine:
             else:
                 kv.cache_computed(req, run.c0[s] + j)
             i += 1
-        if self.pool.events and sink is not None:
-            sink(self.pool.drain_events(), run.ends[step - 1])
+        if self.pool.events:
+            self._drain(run.ends[step - 1])
         run.next_event = i
         for req, c in zip(run.batch, run.c0, strict=True):
             req.num_computed_tokens = c + upto

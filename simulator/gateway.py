@@ -50,6 +50,7 @@ from protocol.kv_hash import BlockHash
 from simulator.engine import Hooks, SimEngine
 from simulator.events import EventLoop
 from simulator.oracle import Hindsight
+from simulator.tiers import tier_view
 
 
 @dataclass(slots=True)
@@ -125,11 +126,15 @@ class SimGateway:
         self.predictions: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
         self._n = 0
         self.fit_wait_s = 0.0
+        pool_url = model.kv_pool.url if model.kv_pool is not None else None
         for url, eng in engines.items():
             eng.on_streamed = self._streamed(url)
             if self.router.precise:
                 eng.on_kv_events = self._kv_sink(url)
                 eng.pool.record_events = True
+                if pool_url is not None and eng.kv_pool is not None:
+                    eng.on_pool_events = self._kv_sink(pool_url)
+            tier_view(eng, self.states[url].engine, self.fleet.tiers, pool_url)
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="sim-train")
 
     def start(self, outstanding: int) -> None:
@@ -169,7 +174,8 @@ class SimGateway:
         index = self.fleet.precise
 
         def sink(events: list[KVEvent], at: float) -> None:
-            decoded = [EngineEvent(e.kind, list(e.block_hashes)) for e in events]
+            decoded = [EngineEvent(e.kind, list(e.block_hashes), medium=e.medium)
+                       for e in events]
             due = at + self.delays.kv_event_s
             if due <= self.loop.now:  # published by a decode run applied late: it is in
                 index.apply(url, decoded)

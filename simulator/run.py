@@ -28,6 +28,7 @@ import yaml
 
 from backend.config import KV_LINKS
 from backend.engine import EngineConfig
+from backend.kvpool_store import PoolStore
 from backend.profiles import ProfileCatalog
 from backend.timing import TimingModel
 from gateway import clock as clk
@@ -118,8 +119,11 @@ def engines_for(m: Model, loop: EventLoop, root: int, jitter: float,
                                 role=e.role, kv_link_bps=KV_LINKS["rdma"],
                                 fast_forward=fast_forward)
                for e in m.endpoints}
+    pool = PoolStore(int(m.backend.kv_pool_gb * 1e9)) if m.backend.kv_pool_gb else None
     for eng in engines.values():
         eng.peers = engines
+        if m.backend.kv_offload_gb or pool is not None:
+            eng.use_tiers(m.backend.kv_offload_gb * 1e9, pool)
     return engines
 
 
@@ -276,12 +280,23 @@ def _stats(gw: SimGateway, engines: dict[str, SimEngine], virtual_s: float, wall
                     "busy": e.stats.busy_s / virtual_s if virtual_s > 0 else 0.0,
                     "prefix_hit_rate": q.hits / q.queries if q.queries else 0.0,
                     "preemptions": e.stats.preemptions, "kv_transfers": e.stats.transfers,
-                    "num_gpu_blocks": e.pool.num_blocks}
+                    "num_gpu_blocks": e.pool.num_blocks,
+                    "tiers": {m: {"hit_tokens": t.hit_tokens, "loaded_bytes": t.loaded_bytes,
+                                  "loads": t.loads} for m, t in e.tier_stats.items()}}
+    queries = sum(e.kv.stats.queries for e in engines.values())
+    hits = {"GPU": sum(e.kv.stats.hits for e in engines.values())}
+    moved: dict[str, float] = {}
+    for e in engines.values():
+        for m, t in e.tier_stats.items():
+            hits[m] = hits.get(m, 0) + t.hit_tokens
+            moved[m] = moved.get(m, 0.0) + t.loaded_bytes
     p = gw.predictor
     return {"wall_s": wall_s, "build_s": build_s, "virtual_s": virtual_s,
             "speedup": virtual_s / wall_s if wall_s > 0 else 0.0, "events": loop.processed,
             "fit_wait_s": gw.fit_wait_s,
             "engines": per, "slo_actions": gw.slo_actions,
+            "kv_tiers": {"hit_rate": {m: h / queries if queries else 0.0
+                                      for m, h in hits.items()}, "loaded_bytes": moved},
             "predictor": {"source": p.source, "trainings": p.trainings,
                           "ttft_from_first": _mape(gw.predictions["ttft"]),
                           "tpot_from_first": _mape(gw.predictions["tpot"])}}

@@ -51,6 +51,11 @@ class Decoder:
             raise self.fail(path, f"expected a positive integer, got {raw!r}")
         return raw
 
+    def boolean(self, raw: Any, path: str) -> bool:
+        if not isinstance(raw, bool):
+            raise self.fail(path, f"expected true or false, got {raw!r}")
+        return raw
+
     def string(self, raw: Any, path: str) -> str:
         if not isinstance(raw, str) or not raw:
             raise self.fail(path, f"expected a non-empty string, got {raw!r}")

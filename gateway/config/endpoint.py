@@ -32,6 +32,25 @@ class Endpoint:
     kv_events: KVEvents | None = None  # the engine's KV event stream (the precise index)
 
 
+@dataclass(frozen=True, slots=True)
+class KVPool:
+    """The shared KV pool a model's engines put blocks into and fetch from
+    (``tokengate kvpool``, Mooncake Store's role): its URL (the gateway reads its capacity
+    from ``/metrics``) and, for the precise index, its KV event stream."""
+
+    url: str
+    kv_events: KVEvents | None = None
+
+
+def parse_kv_pool(d: Decoder, raw: Any, p: str) -> KVPool:
+    m = d.mapping(raw, p, {"url", "kv_events"}, {"url"})
+    url = d.string(m["url"], f"{p}.url").rstrip("/")
+    if not url.startswith(("http://", "https://")) or "@" in urlsplit(url).netloc:
+        raise d.fail(f"{p}.url", f"expected an http(s) URL without credentials, got {url!r}")
+    kve = _kv_events(d, m["kv_events"], f"{p}.kv_events") if "kv_events" in m else None
+    return KVPool(url, kve)
+
+
 def parse_endpoint(d: Decoder, e: Any, p: str) -> Endpoint:
     em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware",
                           "tls_ca_file", "kv_events"}, {"url"})

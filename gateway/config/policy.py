@@ -23,7 +23,7 @@ import yaml
 
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
-from gateway.config.endpoint import Endpoint, parse_endpoint
+from gateway.config.endpoint import Endpoint, KVPool, parse_endpoint, parse_kv_pool
 from gateway.config.resilience import (
     ClientLimits,
     Retries,
@@ -81,6 +81,8 @@ class BackendSpec:
     hardware: str | None = None
     max_num_batched_tokens: int | None = None  # the engine's per-step token budget
     tensor_parallel: int | None = None  # GPUs per instance (default: the model profile's)
+    kv_offload_gb: float = 0.0  # host memory per instance for KV below the GPU cache
+    kv_pool_gb: float = 0.0  # a shared KV pool for the pool's instances (``up`` starts it)
 
     @property
     def sim_hardware(self) -> str:
@@ -105,6 +107,7 @@ class Model:
     backend: BackendSpec = field(default_factory=BackendSpec)
     routing: Routing = field(default_factory=Routing)
     scaling: Scaling | None = None  # a pool that grows and shrinks (gateway.scaling)
+    kv_pool: KVPool | None = None  # the shared KV pool its engines use
 
     @property
     def upstream_name(self) -> str:
@@ -203,7 +206,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
                               "price", "fallback",
                               "default_max_tokens", "max_context", "tokens_per_message",
                               "tokens_per_name", "reply_priming_tokens", "limits", "backend",
-                              "routing", "scaling"})
+                              "routing", "scaling", "kv_pool"})
     scaling = parse_scaling(d, m["scaling"], f"{path}.scaling") if "scaling" in m else None
     eps_raw = m.get("endpoints", [])
     launched = scaling is not None and scaling.launcher is not None
@@ -230,14 +233,24 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     kw["limits"] = _limits(d, m.get("limits"), f"{path}.limits")
     if "backend" in m:
         bm = d.mapping(m["backend"], f"{path}.backend",
-                       {"model", "hardware", "max_num_batched_tokens", "tensor_parallel"})
+                       {"model", "hardware", "max_num_batched_tokens", "tensor_parallel",
+                        "kv_offload_gb", "kv_pool_gb"})
         bkw: dict[str, Any] = {
             k: d.integer(v, f"{path}.backend.{k}")
             if k in ("max_num_batched_tokens", "tensor_parallel")
+            else d.number(v, f"{path}.backend.{k}", positive=False)
+            if k in ("kv_offload_gb", "kv_pool_gb")
             else d.string(v, f"{path}.backend.{k}") for k, v in bm.items()}
+        for k in ("kv_offload_gb", "kv_pool_gb"):
+            if bkw.get(k, 0) < 0:
+                raise d.fail(f"{path}.backend.{k}", "must not be negative")
         kw["backend"] = BackendSpec(**bkw)
     if "routing" in m:
         kw["routing"] = parse_routing(d, m["routing"], f"{path}.routing")
+    if "kv_pool" in m:
+        kw["kv_pool"] = parse_kv_pool(d, m["kv_pool"], f"{path}.kv_pool")
+    if kw.get("backend", BackendSpec()).kv_pool_gb and "kv_pool" not in kw:
+        raise d.fail(f"{path}.backend.kv_pool_gb", "needs the model's kv_pool (its url)")
     return Model(name, tuple(eps), scaling=scaling, **kw)
 
 

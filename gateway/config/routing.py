@@ -28,6 +28,9 @@ class Routing:
     remote_prefill_min_tokens: int = 256  # skip remote prefill below this many uncached
     scrape_interval_ms: int = 200
     seed: int = 0
+    # price a prefix by where it is: GPU (free), host memory (PCIe), the pool (the KV link);
+    # false: only what is on GPU counts as cached (GPU-only routing, for comparison)
+    kv_tiers: bool = True
 
 
 # The routing plugins a policy may name (``gateway.routing.plugins`` registers exactly these;
@@ -44,7 +47,7 @@ def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
     """The ``routing:`` section of a model, decoded strictly with the policy's decoder."""
     m = d.mapping(raw, path, {"strategy", "filters", "scorers", "picker", "index", "block_size",
                               "hash_namespace", "load_factor", "remote_prefill_min_tokens",
-                              "scrape_interval_ms", "seed"})
+                              "scrape_interval_ms", "seed", "kv_tiers"})
     kw: dict[str, Any] = {}
     if "strategy" in m:
         kw["strategy"] = d.choice(m["strategy"], f"{path}.strategy", set(STRATEGIES))
@@ -70,6 +73,8 @@ def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
         kw["load_factor"] = d.number(m["load_factor"], f"{path}.load_factor")
         if kw["load_factor"] < 1.0:
             raise d.fail(f"{path}.load_factor", "must be at least 1")
+    if "kv_tiers" in m:
+        kw["kv_tiers"] = d.boolean(m["kv_tiers"], f"{path}.kv_tiers")
     if "hash_namespace" in m:
         kw["hash_namespace"] = d.string(m["hash_namespace"], f"{path}.hash_namespace")
     return Routing(**kw)

@@ -22,10 +22,11 @@ from collections.abc import Iterable
 
 import aiohttp
 
-from gateway.config.endpoint import KVEvents
+from gateway.config.endpoint import KVEvents, KVPool
 from gateway.endpoints import EndpointState
 from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.prefix import ApproxIndex, PreciseIndex
+from gateway.routing.tiers import TierIndex, read_pool_capacity, read_tier_info
 
 log = logging.getLogger("tokengate.routing")
 _LINE = re.compile(r"^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})?\s+"
@@ -77,6 +78,9 @@ class Fleet:
         self.endpoints: dict[str, EndpointState] = {}
         self.approx = ApproxIndex()
         self.precise = PreciseIndex()
+        self.tiers = TierIndex()
+        self.kv_pools: dict[str, KVPool] = {}  # the shared KV pools policies name, by URL
+        self.pool_capacity: dict[str, float] = {}  # their capacities in bytes (scraped)
         self.interval_s = interval_s
         self.trip_after = trip_after
         self.cooldown_s = cooldown_s
@@ -104,6 +108,7 @@ class Fleet:
             if url not in keep:
                 del self.endpoints[url]
                 self.approx.forget(url)
+                self.tiers.forget(url)
                 self.precise_urls.pop(url, None)
                 self.kv_events.drop(url)
                 self.precise.clear(url)
@@ -117,6 +122,35 @@ class Fleet:
                 log.warning("routing.index is precise but endpoint %s has no kv_events: its "
                             "cache is invisible to routing", url)
             self.precise_urls[url] = cfg
+
+    def want_pool(self, pool: KVPool, root: int, precise: bool) -> None:
+        """Know this shared KV pool: its capacity (scraped) and, for a precise index, its
+        KV events, kept in the precise index under the pool's URL."""
+        self.kv_pools[pool.url] = pool
+        if precise:
+            self.precise.set_root(pool.url, root)
+            if pool.kv_events is None and pool.url not in self.precise_urls:
+                log.warning("routing.index is precise but kv_pool %s has no kv_events: what "
+                            "it holds is invisible to routing", pool.url)
+            self.precise_urls[pool.url] = pool.kv_events
+
+    async def scrape_pool(self, url: str) -> None:
+        if url in self.pool_capacity and self.scrapes % 25:
+            return  # its capacity is known: read it again every ~25 scrapes
+        try:
+            async with self._http().get(url + "/metrics") as r:
+                if r.status != 200:
+                    return
+                text = await r.text()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return
+        cap = read_pool_capacity(text)
+        if cap is None:
+            return
+        self.pool_capacity[url] = cap
+        sizes = [e.engine.block_bytes for e in self.endpoints.values() if e.engine.block_bytes]
+        if sizes:
+            self.tiers.set_pool_capacity(url, max(int(cap // max(sizes)), 1))
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -135,6 +169,10 @@ class Fleet:
             e.health.count_failure(time.monotonic(), self.trip_after, self.cooldown_s)
             return False
         m = parse_vllm_metrics(text)
+        host = e.engine.host_blocks
+        read_tier_info(text, e.engine)
+        if e.engine.host_blocks and e.engine.host_blocks != host:
+            self.tiers.set_host_capacity(e.url, e.engine.host_blocks)
         e.engine.running = m.get("vllm:num_requests_running", 0.0)
         e.engine.waiting = m.get("vllm:num_requests_waiting", 0.0)
         e.engine.kv_usage = m.get("vllm:kv_cache_usage_perc",
@@ -154,6 +192,7 @@ class Fleet:
             # The engine restarted: its cache is empty whatever the index remembers.
             log.warning("endpoint %s restarted: forgetting what its cache held", e.url)
             self.approx.forget(e.url)
+            self.tiers.forget(e.url)
             self.precise.clear(e.url)
             v.max_model_len, v.models_read_at = None, -math.inf
         v.started_at = started if started is not None else v.started_at
@@ -216,8 +255,9 @@ class Fleet:
     async def scrape_loop(self) -> None:
         while True:
             eps = list(self.endpoints.values())
-            if eps:
-                await asyncio.gather(*(self.scrape(e) for e in eps))
+            if eps or self.kv_pools:
+                await asyncio.gather(*(self.scrape(e) for e in eps),
+                                     *(self.scrape_pool(u) for u in self.kv_pools))
             for url, cfg in self.precise_urls.items():
                 if cfg is not None:
                     self.kv_events.follow(url, cfg, self.precise.apply, self.precise.clear)

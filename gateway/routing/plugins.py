@@ -49,6 +49,9 @@ class Candidate:
     row: npt.NDArray[np.float64] | None = None  # predictor features
     matched_blocks: int = 0  # leading prompt blocks the index says it holds
     index_blocks: int = 0  # blocks the prefix index holds for this endpoint (its "tree size")
+    host_tokens: int = 0  # of cached_tokens, those to load from host memory there
+    pool_tokens: int = 0  # and those to fetch from the shared KV pool
+    load_ms: float = 0.0  # the modelled time of those loads
 
 
 @dataclass(slots=True)

@@ -131,6 +131,16 @@ def _longest(held: Mapping[int, Any] | set[int], hashes: Sequence[int]) -> int:
     return lo
 
 
+def continued(held: Mapping[int, Any] | set[int] | None, hashes: Sequence[int], start: int,
+              end: int) -> int:
+    """The first index from ``start`` (below ``end``) whose block ``held`` lacks."""
+    i = start
+    if held:
+        while i < end and hashes[i] in held:
+            i += 1
+    return i
+
+
 class ApproxIndex:
     """What each endpoint probably caches, from the gateway's own decisions.
 
@@ -202,6 +212,10 @@ class ApproxIndex:
     def forget(self, endpoint: str) -> None:
         self._seen.pop(endpoint, None)
 
+    def held(self, endpoint: str) -> dict[int, int] | None:
+        """The endpoint's blocks (hash → tick); read-only for callers."""
+        return self._seen.get(endpoint)
+
     def size(self, endpoint: str) -> int:
         return len(self._seen.get(endpoint, ()))
 
@@ -250,6 +264,13 @@ class PreciseIndex:
         e = self._engines.get(endpoint)
         held = e.held.get(GPU) if e is not None else None
         return _longest(held, hashes) if held else 0
+
+    def walk(self, endpoint: str, medium: str, hashes: Sequence[int], start: int, end: int
+             ) -> int:
+        """Past ``start``, how far ``hashes`` continue in ``medium`` there (a lower tier's
+        LRU need not hold whole prefixes, so this walks rather than bisects)."""
+        e = self._engines.get(endpoint)
+        return continued(e.held.get(medium) if e is not None else None, hashes, start, end)
 
     def record(self, endpoint: str, hashes: Sequence[int], matched: int = 0) -> None:
         """Decisions do not change the precise view: the engine's events will."""

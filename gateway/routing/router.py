@@ -98,6 +98,9 @@ class Router:
         if self.precise:
             fleet.want_precise({e.url: e.kv_events for e in self.model.endpoints},
                                root_hash(self.namespace))
+        self.kv_pool = self.model.kv_pool.url if self.model.kv_pool is not None else None
+        if self.model.kv_pool is not None:
+            fleet.want_pool(self.model.kv_pool, root_hash(self.namespace), self.precise)
 
     @property
     def index(self) -> Any:
@@ -143,11 +146,24 @@ class Router:
                     ) -> list[Candidate]:
         index = self.index
         out = []
+        bs = req.block_size
+        tiered = self.model.routing.kv_tiers and self._tree is None and bool(req.hashes)
+        precise = self.fleet.precise if self.precise else None
+        last = max(req.prompt_tokens - 1, 0)
         for e in eps:
             blocks = index.matched(e.url, req.hashes) if req.hashes else 0
-            cached = min(blocks * req.block_size, max(req.prompt_tokens - 1, 0))
-            out.append(Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks,
-                                 index_blocks=index.size(e.url)))
+            cached = min(blocks * bs, last)
+            c = Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks,
+                          index_blocks=index.size(e.url))
+            if tiered and cached < last:
+                t = self.fleet.tiers.lookup(e.url, e.engine, req.hashes, blocks, last // bs,
+                                            self.kv_pool, precise)
+                if t.host or t.pool:
+                    c.host_tokens, c.pool_tokens = t.host * bs, t.pool * bs
+                    c.load_ms = t.load_ms(e.engine, bs)
+                    c.cached_tokens = min(cached + c.host_tokens + c.pool_tokens, last)
+                    c.uncached_tokens = req.prompt_tokens - c.cached_tokens
+            out.append(c)
         return out
 
     def _predict(self, req: RequestInfo, cands: list[Candidate], role: str | None = None
@@ -167,7 +183,7 @@ class Router:
                 prefill_queue_ms=e.live.prefill_queue_ms(now), prefill_rate=e.live.prefill_rate,
                 prefill_arrivals=e.live.arrival_rate(now), step_ms=e.live.current_step_ms(now),
                 recent_ttft_ms=e.live.recent_ttft_ms, recent_tpot_ms=e.live.recent_tpot_ms,
-                role=role or e.role, hw_bandwidth_tbs=bw, hw_tflops=tf))
+                role=role or e.role, hw_bandwidth_tbs=bw, hw_tflops=tf, load_ms=c.load_ms))
         priors = [self._prior(req, c, s) for c, s in zip(cands, snaps, strict=True)]
         x = build_matrix(req.prompt_tokens, req.expected_output,
                          [c.uncached_tokens for c in cands], snaps, priors)
@@ -199,10 +215,11 @@ class Router:
         v = c.ep.engine
         held = v.kv_usage * v.num_gpu_blocks * v.block_size \
             if v.num_gpu_blocks and v.block_size and v.running else None
-        return r.estimate(req.prompt_tokens, c.uncached_tokens, req.expected_output,
-                          max(s.decoding, s.running - (s.in_flight - s.decoding)), queued,
-                          s.prefill_arrivals, s.role,
-                          held / v.running if held is not None else None)
+        ttft, tpot = r.estimate(req.prompt_tokens, c.uncached_tokens, req.expected_output,
+                                max(s.decoding, s.running - (s.in_flight - s.decoding)),
+                                queued, s.prefill_arrivals, s.role,
+                                held / v.running if held is not None else None)
+        return ttft + c.load_ms, tpot
 
     def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
                cfg: PluginConfig, role: str | None = None
@@ -253,3 +270,7 @@ class Router:
         if d.prefill is not None:
             self.index.record(d.prefill.ep.url, req.hashes, d.prefill.matched_blocks)
         self.index.record(d.endpoint.ep.url, req.hashes, d.endpoint.matched_blocks)
+        if not self.precise and self._tree is None:
+            computed = d.prefill if d.prefill is not None else d.endpoint
+            self.fleet.tiers.record(computed.ep.url, computed.ep.engine, req.hashes,
+                                    self.kv_pool)
