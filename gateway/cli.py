@@ -68,6 +68,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-pool-gb", type=float,
                    help="start one shared KV pool of this size (GB) and wire every backend "
                         "of the pool to it")
+    g.add_argument("--gpu-only-routing", action="store_true",
+                   help="route as if only GPU-resident prefixes were cached (comparison runs)")
 
 
 def shape_of(ns: argparse.Namespace) -> PoolShape:
@@ -75,7 +77,7 @@ def shape_of(ns: argparse.Namespace) -> PoolShape:
 
     return PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd, ns.backend_model,
                      ns.hardware, ns.no_quota, ns.max_batched_tokens, ns.tensor_parallel,
-                     ns.kv_offload_gb, ns.kv_pool_gb)
+                     ns.kv_offload_gb, ns.kv_pool_gb, ns.gpu_only_routing)
 
 
 def _serve_workers(ns: argparse.Namespace) -> int:

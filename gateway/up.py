@@ -67,6 +67,7 @@ class PoolShape:
     tensor_parallel: int | None = None
     kv_offload_gb: float | None = None  # host memory per backend for offloaded KV
     kv_pool_gb: float | None = None  # one shared KV pool for the pool's backends
+    gpu_only_routing: bool = False  # routing.kv_tiers false: price GPU-resident prefixes only
 
     def apply(self, raw: dict[str, Any]) -> bool:
         """Rewrite the policy document in place; True when anything changed."""
@@ -108,6 +109,9 @@ class PoolShape:
         if self.kv_pool_gb:
             m.setdefault("backend", {})["kv_pool_gb"] = self.kv_pool_gb
             m.setdefault("kv_pool", {"url": "http://127.0.0.1:0"})
+            changed = True
+        if self.gpu_only_routing:
+            m.setdefault("routing", {})["kv_tiers"] = False
             changed = True
         for flag, key in ((self.strategy, "strategy"), (self.index, "index")):
             if flag:

@@ -31,7 +31,8 @@ def predict_ttft_ms(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     # Waiting requests the gateway did not send itself (other clients) cost ~ a prompt each.
     others = np.maximum(x[:, F["waiting"]] - x[:, F["in_flight"]], 0.0) * x[:, F["prompt_tokens"]]
     busy = (x[:, F["decoding"]] + x[:, F["running"]]) * STEP_MS_PER_SEQ
-    out: npt.NDArray[np.float64] = TTFT_BASE_MS + (queued + others) * per_token + busy
+    out: npt.NDArray[np.float64] = TTFT_BASE_MS + (queued + others) * per_token + busy \
+        + x[:, F["load_ms"]]  # the prefix in lower KV tiers: loaded, not computed
     prior = x[:, F["prior_ttft_ms"]]
     return np.where(prior > 0, prior, out)
 

@@ -59,6 +59,14 @@ def base() -> dict[str, Any]:
     (lambda d: d["tenants"].update(other={"keys": d["tenants"]["demo"]["keys"]}),
      r"already given to tenant 'demo'"),
     (lambda d: d["tenants"]["demo"].update(limits={"burst": 10}), r"burst applies to tpm"),
+    (lambda d: d["models"]["demo-large"].update(kv_pool={"url": "http://u:p@h:1"}),
+     r"kv_pool\.url: expected an http\(s\) URL without credentials"),
+    (lambda d: d["models"]["demo-large"].update(backend={"kv_pool_gb": 10}),
+     r"backend\.kv_pool_gb: needs the model's kv_pool"),
+    (lambda d: d["models"]["demo-large"].update(backend={"kv_offload_gb": -1}),
+     r"backend\.kv_offload_gb: must not be negative"),
+    (lambda d: d["models"]["demo-large"].update(routing={"kv_tiers": "yes"}),
+     r"routing\.kv_tiers: expected true or false"),
 ])
 def test_errors_name_the_path(mutate: Any, message: str) -> None:
     doc = base()

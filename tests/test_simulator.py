@@ -196,3 +196,42 @@ def test_tokengate_simulate_runs_from_the_command_line(tmp_path: Path) -> None:
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["completed"] == 30 and rep["config"]["strategy"] == "dynamo_kv"
     assert main(["simulate", "--requests", "3", "--out", str(tmp_path)]) == 2
+
+
+def test_simulated_tiers_load_what_gpu_memory_evicted_in_the_modelled_time() -> None:
+    from backend.kvpool_store import PoolStore
+
+    loop = EventLoop()
+    cfg = EngineConfig(num_gpu_blocks=64, jitter=0.0)  # 1,024 tokens of GPU memory
+    pool = PoolStore(10**12)
+    a = SimEngine("a", MODEL, HW, cfg, loop, root=1)
+    b = SimEngine("b", MODEL, HW, EngineConfig(num_gpu_blocks=64, jitter=0.0), loop, root=1)
+    a.use_tiers(1e9, pool)
+    b.use_tiers(0.0, pool)
+    first: dict[str, float] = {}
+
+    def submit(eng: SimEngine, rid: str, ids: list[int], at: float) -> None:
+        def token(r: Request, now: float, is_first: bool) -> None:
+            if is_first:
+                first[rid] = now - at
+        loop.at(at, lambda: eng.submit(Request(rid, ids, 2, 2, at),
+                                      Hooks(token, lambda *_: None)))
+
+    doc = [5] * 800 + [6]
+    submit(a, "cold", doc, 0.0)
+    submit(a, "evict", [9] * 900, 1.0)  # takes GPU memory the document had
+    submit(a, "host", doc[:-1] + [7], 2.0)  # GPU lost it: loaded from host memory
+    submit(b, "pool", doc[:-1] + [8], 3.0)  # another engine: fetched from the pool
+    loop.run()
+    bs = cfg.block_size
+    blocks = 800 // bs
+    host_tokens = a.tier_stats["CPU"].hit_tokens  # what the GPU no longer had
+    assert host_tokens > 600 and host_tokens + a.kv.stats.hits == blocks * bs
+    assert b.tier_stats["POOL"].hit_tokens == blocks * bs
+    assert a.cost is not None and b.cost is not None
+    host_s, pool_s = a.cost.seconds(host_tokens, 0), b.cost.seconds(0, blocks * bs)
+    tail = TimingModel(MODEL, HW, jitter=0.0).step_seconds([(801 - blocks * bs, blocks * bs)],
+                                                           1)
+    assert first["host"] == pytest.approx(host_s + tail, rel=1e-6)
+    assert first["pool"] == pytest.approx(pool_s + tail, rel=1e-6)
+    assert first["cold"] > 2 * first["host"]
