@@ -124,7 +124,7 @@ def test_a_request_found_in_host_memory_waits_for_its_load_then_computes_the_res
     host.store(s.kv.pool.drain_events())  # the engine stores what the step computed
     s.finish(first, Status.FINISHED_STOPPED)
     s.kv.pool.reset_cache()  # GPU memory forgets: only host memory has the prefix now
-    again = Request("b", list(range(160)) + [1, 2], 4, 4, 0.0)
+    again = Request("b", [*list(range(160)), 1, 2], 4, 4, 0.0)
     s.add(again)
     plan = s.schedule(1.0)
     assert plan.loads == [again] and plan.empty

@@ -220,8 +220,8 @@ def test_simulated_tiers_load_what_gpu_memory_evicted_in_the_modelled_time() -> 
     doc = [5] * 800 + [6]
     submit(a, "cold", doc, 0.0)
     submit(a, "evict", [9] * 900, 1.0)  # takes GPU memory the document had
-    submit(a, "host", doc[:-1] + [7], 2.0)  # GPU lost it: loaded from host memory
-    submit(b, "pool", doc[:-1] + [8], 3.0)  # another engine: fetched from the pool
+    submit(a, "host", [*doc[:-1], 7], 2.0)  # GPU lost it: loaded from host memory
+    submit(b, "pool", [*doc[:-1], 8], 3.0)  # another engine: fetched from the pool
     loop.run()
     bs = cfg.block_size
     blocks = 800 // bs
