@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-predictor bench-accuracy bench-vllm calibration soak clean
+.PHONY: install vllm run test lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-predictor bench-accuracy bench-vllm calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,9 @@ bench-limiter: install
 
 bench-routing: install
 	$(BIN)/python -m loadtests.bench_routing $(ARGS)
+
+bench-tiers: install
+	$(BIN)/python -m simulator.bench_tiers $(ARGS)
 
 bench-peers: install redis-server
 	$(BIN)/python -m loadtests.bench_peers $(ARGS)

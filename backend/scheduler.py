@@ -129,14 +129,10 @@ class Scheduler:
                 need = req.num_tokens - hit
                 if not kv.allocate_slots(req, need, computed):
                     break
-                kv.record_lookup(req, hit)
                 req.num_computed_tokens = 0
-                req.num_cached_tokens = hit
                 rp.started = True
                 rp.hit_tokens = hit
-                req.status = Status.WAITING_FOR_REMOTE_KVS
-                plan.transfers.append(req)
-                skipped.append(self.waiting.popleft())
+                skipped.append(self._awaits_kv(req, hit, plan.transfers))
                 continue
             if self.tiers is not None and rp is None and not req.num_computed_tokens \
                     and not req.tiers_tried:
@@ -147,12 +143,8 @@ class Scheduler:
                     if not kv.allocate_slots(req, load.blocks * self.config.block_size,
                                              computed):
                         break
-                    kv.record_lookup(req, hit)
-                    req.num_cached_tokens = hit
                     req.tier_hit = load
-                    req.status = Status.WAITING_FOR_REMOTE_KVS
-                    plan.loads.append(req)
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(self._awaits_kv(req, hit, plan.loads))
                     continue
             n = min(req.num_tokens - req.num_computed_tokens - hit, budget)
             if not kv.allocate_slots(req, n, computed):
@@ -171,6 +163,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return plan
+
+    def _awaits_kv(self, req: Request, hit: int, into: list[Request]) -> Request:
+        """The head of the queue waits for KV to arrive (a pull or a load), its GPU hit
+        counted; it leaves the queue (the caller puts it back behind the others)."""
+        self.kv.record_lookup(req, hit)
+        req.num_cached_tokens = hit
+        req.status = Status.WAITING_FOR_REMOTE_KVS
+        into.append(req)
+        return self.waiting.popleft()
 
     def update(self, plan: StepPlan) -> list[Request]:
         """Apply a finished step; return the requests that sampled a token, in batch order."""
