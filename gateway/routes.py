@@ -140,6 +140,11 @@ def _engine_fields(state: GatewayState, e: EndpointState) -> dict[str, Any]:
         "external_prefix_cache_hits": v.external_prefix_hits,
         "preemptions": v.preemptions, "waiting_by_reason": v.waiting_by_reason,
         "max_model_len": v.max_model_len,
+        "kv_tiers": {"host_blocks": v.host_blocks, "host_seconds_per_token": v.host_s_per_token,
+                     "host_blocks_indexed": max(state.fleet.precise.size(e.url, "CPU"),
+                                                state.fleet.tiers.approx_host.size(e.url)),
+                     "pool": v.pool_s_per_token is not None,
+                     "pool_seconds_per_token": v.pool_s_per_token},
         "scraped_ago_s": round(time.monotonic() - v.scraped_at, 3) if v.scraped_at else None},
         "kv_events": None if sub is None else {
             "endpoint": sub.config.endpoint, "replay": sub.config.replay,

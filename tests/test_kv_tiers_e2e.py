@@ -106,6 +106,10 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
         # a host-memory hit is only looked for past the GPU hit: the GPU had lost it
         assert tier_hits(home, "CPU") - before >= 2900 and cached2 >= 2900
         assert t2 < 0.5 * recompute, (t2, recompute)
+        rows = httpx.get(f"{gw.url}/admin/endpoints", headers=ADMIN).json()["big"]["endpoints"]
+        tiers = next(r for r in rows if r["url"] == f"{home.url}/v1")["engine"]["kv_tiers"]
+        assert tiers["host_blocks"] == int(2e9 // (131072 * 16)) and tiers["pool"]
+        assert tiers["host_blocks_indexed"] > 0
         # its instance drained: the other one fetches the history from the pool
         r = httpx.post(f"{gw.url}/admin/drain", json={"url": f"{home.url}/v1"},
                        headers=ADMIN)
