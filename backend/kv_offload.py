@@ -29,7 +29,9 @@ from backend.request import Request
 
 log = logging.getLogger("tokengate.backend.kv_tiers")
 _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+_LOOKUP_TIMEOUT = aiohttp.ClientTimeout(total=0.5)  # on a request's path: short
 PUT_BATCH = 4096  # blocks per put
+BACKOFF_S = 1.0  # after a failure the pool is not asked for this long
 
 
 class KVTiers:
@@ -49,6 +51,7 @@ class KVTiers:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._warned = False
+        self._down_until = 0.0
 
     @property
     def bytes_per_block(self) -> int:
@@ -95,11 +98,13 @@ class KVTiers:
 
     async def _post(self, path: str, doc: dict[str, Any]) -> dict[str, Any] | None:
         session = self._session()
-        if session is None or self.pool_url is None:
-            return None
+        loop = asyncio.get_running_loop()
+        if session is None or self.pool_url is None or loop.time() < self._down_until:
+            return None  # an outage costs requests one short timeout, not one each
         try:
             async with session.post(f"{self.pool_url}/v1/kv/{path}", json=doc,
-                                    timeout=_TIMEOUT) as r:
+                                    timeout=_TIMEOUT if path == "put" else _LOOKUP_TIMEOUT
+                                    ) as r:
                 if r.status != 200:
                     raise aiohttp.ClientError(f"HTTP {r.status}")
                 out = await r.json()
@@ -109,6 +114,7 @@ class KVTiers:
                 return out
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self.pool_errors += 1
+            self._down_until = loop.time() + BACKOFF_S
             if not self._warned:
                 log.warning("KV pool %s: %s failed (%s); computing instead until it answers",
                             self.pool_url, path, exc)

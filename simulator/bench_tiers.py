@@ -58,7 +58,8 @@ class Workload:
     spec: WorkloadSpec
 
 
-def workloads_for(quick: bool) -> dict[str, Workload]:
+def workloads_for(quick: bool, sessions_rate: float = 1.0) -> dict[str, Workload]:
+    """``sessions_rate``: conversations started per second (for 1,000 s)."""
     scale = 0.25 if quick else 1.0
     return {
         "mooncake": Workload("mooncake", WorkloadSpec(
@@ -67,9 +68,9 @@ def workloads_for(quick: bool) -> dict[str, Workload]:
             # capacity (``prefill_load``; 0.43 at the trace's own pace)
             requests=int(3993 * scale), time_scale=0.66)),
         "sessions": Workload("sessions", WorkloadSpec(
-            "sessions", requests=None, rate=1.0, sessions=workloads.SessionSpec(
-                sessions=int(1000 * scale), turns=6, agent_types=3, system_tokens=1000,
-                task_tokens=8000, tool_tokens=200,
+            "sessions", requests=None, rate=sessions_rate, sessions=workloads.SessionSpec(
+                sessions=int(1000 * scale * sessions_rate), turns=6, agent_types=3,
+                system_tokens=1000, task_tokens=8000, tool_tokens=200,
                 output=workloads.parse_lengths("uniform:32:256", "output"),
                 think_time_s=120.0), seed=3)),
     }
@@ -172,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--index", choices=("precise", "approximate"), default="precise")
     ap.add_argument("--quick", action="store_true", help="a quarter of each workload")
+    ap.add_argument("--sessions-rate", type=float, default=1.0,
+                    help="conversations started per second, for 1,000 s")
     a = ap.parse_args(argv)
     # the simulated fleet has no KV event sockets to configure: its events are wired in
     logging.getLogger("tokengate.routing").setLevel(logging.ERROR)
-    ws = workloads_for(a.quick)
+    ws = workloads_for(a.quick, a.sessions_rate)
     rows = []
     for name in a.workloads.split(","):
         for config in a.configs.split(","):

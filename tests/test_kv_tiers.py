@@ -252,3 +252,10 @@ def test_backend_tier_flags_become_its_configuration() -> None:
     cfg = backend_cli.backend_config(parser.parse_args(
         ["backend", "--kv-offload-gb", "64", "--kv-pool", "http://127.0.0.1:9600/"]))
     assert (cfg.kv_offload_bytes, cfg.kv_pool_url) == (64e9, "http://127.0.0.1:9600")
+
+
+def test_a_gpu_cache_reset_leaves_the_host_memory_index() -> None:
+    idx = PreciseIndex(same_hashes=True)
+    ev = [stored(1, 2), stored(1, 2, medium=CPU), KVEvent("AllBlocksCleared")]
+    idx.apply("e", decode_batch(msgpack.packb([0.0, [encode_event(e, 16) for e in ev], 0]))[1])
+    assert idx.size("e") == 0 and idx.size("e", CPU) == 2

@@ -133,3 +133,18 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
 def metric_line(text: str, name: str) -> float:
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
 
+
+
+def test_a_pool_that_does_not_answer_costs_one_short_timeout_not_the_service(
+        backend_factory: Factory) -> None:
+    b = backend_factory(served_model_name="llama-3-8b",
+                        kv_pool_url=f"http://127.0.0.1:{free_port()}")  # nothing listens
+    for i in range(3):
+        r = httpx.post(f"{b.url}/v1/completions", timeout=10, json={
+            "model": "llama-3-8b", "prompt": f"{i} " + DOCUMENT[:2000], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    tiers = b.state.engine.tiers
+    assert tiers is not None
+    # the first lookup failed; the ones right after it were not even tried (backoff)
+    assert 1 <= tiers.pool_errors < 3
+    assert metric(b, "vllm:prompt_tokens_total") > 3 * 300  # computed, every one

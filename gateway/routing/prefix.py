@@ -300,8 +300,10 @@ class PreciseIndex:
                     if not any(ours in s for s in e.held.values()):
                         del e.ours[h]
             elif kind == "AllBlocksCleared":
-                e.ours.clear()
-                e.held.clear()
+                # the medium's cache was reset (a GPU reset leaves host memory as it is)
+                e.held.pop(medium, None)
+                if not e.held:
+                    e.ours.clear()
 
     def _stored(self, e: _EngineBlocks, ev: Any, root: int, medium: str) -> None:
         if ev.lora_name is not None or ev.lora_id is not None:
