@@ -342,18 +342,19 @@ def test_feature_matrix_columns() -> None:
                          prefill_rate=20.0,
                          prefill_arrivals=900.0, step_ms=11.0, recent_ttft_ms=80.0,
                          recent_tpot_ms=9.0, role="decode",
-                         hw_bandwidth_tbs=3.35, hw_tflops=989.0),
+                         hw_bandwidth_tbs=3.35, hw_tflops=989.0, load_ms=7.5),
         EndpointSnapshot()])
     assert x.shape == (2, len(FEATURES))
     row = dict(zip(FEATURES, x[0], strict=True))
     assert row == {"prompt_tokens": 1000, "uncached_tokens": 400, "expected_output": 64,
                    "kv_usage": 0.5, "running": 3, "waiting": 1, "in_flight": 2,
                    "prefill_tokens": 800, "decoding": 1, "oldest_pending_ms": 12.5,
-                   "prefill_queue_ms": 40.0, "queue_estimate_ms": 40.0 + 400 / 20.0,
+                   "prefill_queue_ms": 40.0, "queue_estimate_ms": 40.0 + 7.5 + 400 / 20.0,
                    "prefill_arrivals": 900.0, "step_ms": 11.0,
                    "recent_ttft_ms": 80.0, "recent_tpot_ms": 9.0, "role": 2.0,
                    "hw_bandwidth_tbs": 3.35,
-                   "hw_tflops": 989.0, "prior_ttft_ms": 0.0, "prior_tpot_ms": 0.0}
+                   "hw_tflops": 989.0, "prior_ttft_ms": 0.0, "prior_tpot_ms": 0.0,
+                   "load_ms": 7.5}
 
 
 def test_router_builds_features_from_live_and_scraped_state() -> None:
