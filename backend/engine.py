@@ -151,7 +151,7 @@ class Engine:
     def use_tiers(self, tiers: KVTiers) -> None:
         """Look prompts up in host memory and the shared pool below the GPU prefix cache."""
         self.tiers = tiers
-        self.scheduler.tiers = TierWalk(tiers.host, tiers.stats["POOL"])
+        self.scheduler.tiers = TierWalk(tiers.host)
 
     @property
     def capacity_tokens(self) -> int:

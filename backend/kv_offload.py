@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from backend.block_pool import KVEvent
-from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierHit, TierStats
+from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierHit, TierStats, computed_blocks
 from backend.request import Request
 
 log = logging.getLogger("tokengate.backend.kv_tiers")
@@ -45,7 +45,6 @@ class KVTiers:
         self.time_scale = time_scale
         self.stats = {CPU: host.stats if host is not None else TierStats(), POOL: TierStats()}
         self.pool_errors = 0
-        self.queries = 0  # prompt tokens looked up past the GPU (vLLM's external queries)
         self._session = session
         self._puts: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
@@ -62,15 +61,9 @@ class KVTiers:
         """The GPU pool's events of one step; returns the host tier's."""
         out = self.host.store(events) if self.host is not None else []
         if self.pool_url is not None:
-            for e in events:
-                if e.kind == "BlockStored" and e.medium == "GPU":
-                    parent = e.parent_block_hash
-                    bs = self.block_size
-                    for i, h in enumerate(e.block_hashes):
-                        self._puts.append({"hash": h, "parent": parent,
-                                           "token_ids": list(e.token_ids[i * bs:(i + 1) * bs]),
-                                           "salt": e.salt if i == 0 else None})
-                        parent = h
+            self._puts.extend({"hash": h, "parent": parent, "token_ids": list(ids), "salt": salt}
+                              for h, parent, ids, salt in computed_blocks(events,
+                                                                          self.block_size))
             if self._puts:
                 self._wake.set()
         return out
@@ -144,9 +137,5 @@ class KVTiers:
         if seconds > 0:
             await asyncio.sleep(seconds * self.time_scale)
         for medium, tokens in ((CPU, host_tokens), (POOL, pool_tokens)):
-            if tokens:
-                s = self.stats[medium]
-                s.loads += 1
-                s.hit_tokens += tokens
-                s.loaded_bytes += tokens * self.cost.kv_bytes_per_token
+            self.stats[medium].count_load(tokens, tokens * self.cost.kv_bytes_per_token)
         return hit.host + hit.fetched

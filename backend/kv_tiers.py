@@ -26,10 +26,11 @@ sequential, as a fetch from the pool lands in host memory before it crosses PCIe
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from backend.block_pool import KVEvent
+from backend.profiles import HardwareProfile, ModelProfile
 from protocol.kv_hash import BlockHash
 
 CPU = "CPU"
@@ -46,6 +47,13 @@ class TierStats:
     stored_blocks: int = 0
     evicted_blocks: int = 0
 
+    def count_load(self, tokens: int, nbytes: float) -> None:
+        """A load of ``tokens`` tokens (``nbytes`` of KV) from this tier, if any."""
+        if tokens:
+            self.loads += 1
+            self.hit_tokens += tokens
+            self.loaded_bytes += nbytes
+
 
 @dataclass(frozen=True, slots=True)
 class LoadCost:
@@ -56,6 +64,12 @@ class LoadCost:
     pcie_bytes_per_s: float = 50e9  # per GPU
     link_bits_per_s: float = 400e9
     link_latency_s: float = 100e-6
+
+    @classmethod
+    def of(cls, model: ModelProfile, hardware: HardwareProfile, link_bits_per_s: float,
+           link_latency_s: float) -> LoadCost:
+        return cls(model.kv_bytes_per_token, model.tensor_parallel, hardware.pcie_bandwidth,
+                   link_bits_per_s, link_latency_s)
 
     def host_seconds_per_token(self) -> float:
         return self.kv_bytes_per_token / max(self.tensor_parallel, 1) / self.pcie_bytes_per_s
@@ -107,10 +121,8 @@ class HostTier:
     def store(self, events: Iterable[KVEvent]) -> list[KVEvent]:
         out: list[KVEvent] = []
         for e in events:
-            if e.kind == "AllBlocksCleared" and e.medium == "GPU":
-                continue  # a GPU cache reset leaves host memory as it is
             if e.kind != "BlockStored" or e.medium != "GPU":
-                continue
+                continue  # a GPU cache reset (AllBlocksCleared) leaves host memory as it is
             new = []
             for h in e.block_hashes:
                 if h in self._lru:
@@ -147,7 +159,6 @@ class TierWalk:
     """The lookup order GPU → host → pool for one request's prompt."""
 
     host: HostTier | None = None
-    pool_stats: TierStats = field(default_factory=TierStats)
     queried_blocks: int = 0  # blocks looked up past the GPU hit (vLLM's external queries)
 
     def plan(self, hashes: Sequence[BlockHash], gpu_blocks: int, max_blocks: int,
@@ -168,3 +179,16 @@ class TierWalk:
         if host is not None and n_host:
             host.touch(hashes[gpu_blocks:i])
         return TierHit(gpu_blocks, n_host, n_pool)
+
+
+def computed_blocks(events: Iterable[KVEvent], block_size: int
+                    ) -> Iterator[tuple[int, int | None, tuple[int, ...], str | None]]:
+    """(hash, parent, token ids, salt) of every block the GPU cache's events say it just
+    registered, in order: what goes to the pool."""
+    for e in events:
+        if e.kind == "BlockStored" and e.medium == "GPU":
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                yield (h, parent, e.token_ids[i * block_size:(i + 1) * block_size],
+                       e.salt if i == 0 else None)
+                parent = h

@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from backend.block_pool import KVEvent
-
-POOL = "POOL"
+from backend.kv_tiers import POOL
 
 
 @dataclass(frozen=True, slots=True)

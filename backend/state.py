@@ -73,8 +73,7 @@ class BackendState:
     @staticmethod
     def _tiers(config: BackendConfig, model: ModelProfile, hardware: HardwareProfile,
                state: BackendState) -> KVTiers:
-        cost = LoadCost(model.kv_bytes_per_token, model.tensor_parallel,
-                        hardware.pcie_bandwidth, config.kv_link_bps, config.kv_link_latency_s)
+        cost = LoadCost.of(model, hardware, config.kv_link_bps, config.kv_link_latency_s)
         bs = config.engine.block_size
         host = None
         if config.kv_offload_bytes > 0:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from backend.block_pool import BlockPool, KVBlock, KVEvent
 from backend.engine import EngineConfig, num_gpu_blocks
-from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierStats, TierWalk
+from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierStats, TierWalk, computed_blocks
 from backend.kvpool_store import PoolBlock, PoolStore
 from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
@@ -112,9 +112,8 @@ class SimEngine:
     def use_tiers(self, host_bytes: float, pool: PoolStore | None) -> None:
         """Host memory for KV below the GPU cache, and/or the shared pool (as the backend's
         ``--kv-offload-gb`` and ``--kv-pool``: ``backend.kv_tiers``)."""
-        self.cost = LoadCost(self.model.kv_bytes_per_token, self.model.tensor_parallel,
-                             self.hardware.pcie_bandwidth, self.kv_link_bps,
-                             self.kv_link_latency_s)
+        self.cost = LoadCost.of(self.model, self.hardware, self.kv_link_bps,
+                                self.kv_link_latency_s)
         bs = self.config.block_size
         if host_bytes > 0:
             self.host = HostTier(max(int(host_bytes // (self.model.kv_bytes_per_token * bs)),
@@ -122,7 +121,7 @@ class SimEngine:
         self.kv_pool = pool
         self.tier_stats = {CPU: self.host.stats if self.host else TierStats(),
                            POOL: TierStats()}
-        self.scheduler.tiers = TierWalk(self.host, self.tier_stats[POOL])
+        self.scheduler.tiers = TierWalk(self.host)
         self.pool.record_events = True
 
     @property
@@ -137,16 +136,11 @@ class SimEngine:
         pool = self.kv_pool
         if pool is not None:
             nbytes, bs = self.block_bytes, self.config.block_size
-            for e in events:
-                if e.kind == "BlockStored" and e.medium == "GPU":
-                    parent = e.parent_block_hash
-                    for h in e.block_hashes:
-                        pool.put(h, PoolBlock(parent, (), None, nbytes, bs))
-                        parent = h
-            if pool.events and self.on_pool_events is not None:
-                self.on_pool_events(pool.drain_events(), at)
-            elif pool.events and self.on_pool_events is None:
-                pool.events.clear()
+            for h, parent, _, _ in computed_blocks(events, bs):
+                pool.put(h, PoolBlock(parent, (), None, nbytes, bs))
+            published = pool.drain_events()
+            if published and self.on_pool_events is not None:
+                self.on_pool_events(published, at)
         if events and self.on_kv_events is not None:
             self.on_kv_events(events, at)
 
@@ -159,11 +153,7 @@ class SimEngine:
             hit.fetched = self.kv_pool.fetch(req.block_hashes[first:first + hit.pool])[0]
         seconds = self.cost.seconds(hit.host * bs, hit.fetched * bs)
         for medium, blocks in ((CPU, hit.host), (POOL, hit.fetched)):
-            if blocks:
-                st = self.tier_stats[medium]
-                st.loads += 1
-                st.hit_tokens += blocks * bs
-                st.loaded_bytes += blocks * self.block_bytes
+            self.tier_stats[medium].count_load(blocks * bs, blocks * self.block_bytes)
         self.loop.after(seconds, self._loaded, req, hit.host + hit.fetched)
 
     def _loaded(self, req: Request, blocks: int) -> None:
