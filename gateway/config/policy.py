@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from gateway.config.backend_spec import BackendSpec, parse_backend
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
 from gateway.config.endpoint import Endpoint, KVPool, parse_endpoint, parse_kv_pool
@@ -69,24 +70,6 @@ class Price:
 
     def cost(self, prompt: float, output: float) -> float:
         return (prompt * self.input_per_1k + output * self.output_per_1k) / 1000.0
-
-
-@dataclass(frozen=True, slots=True)
-class BackendSpec:
-    """How ``tokengate up`` simulates this model with reference backends."""
-
-    model: str = "llama-3-8b"
-    # What a simulated (reference) backend models; for the routing brain, the hardware of an
-    # endpoint the policy says nothing about is unknown, not an H100.
-    hardware: str | None = None
-    max_num_batched_tokens: int | None = None  # the engine's per-step token budget
-    tensor_parallel: int | None = None  # GPUs per instance (default: the model profile's)
-    kv_offload_gb: float = 0.0  # host memory per instance for KV below the GPU cache
-    kv_pool_gb: float = 0.0  # a shared KV pool for the pool's instances (``up`` starts it)
-
-    @property
-    def sim_hardware(self) -> str:
-        return self.hardware or "h100-sxm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,19 +215,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
     kw["limits"] = _limits(d, m.get("limits"), f"{path}.limits")
     if "backend" in m:
-        bm = d.mapping(m["backend"], f"{path}.backend",
-                       {"model", "hardware", "max_num_batched_tokens", "tensor_parallel",
-                        "kv_offload_gb", "kv_pool_gb"})
-        bkw: dict[str, Any] = {
-            k: d.integer(v, f"{path}.backend.{k}")
-            if k in ("max_num_batched_tokens", "tensor_parallel")
-            else d.number(v, f"{path}.backend.{k}", positive=False)
-            if k in ("kv_offload_gb", "kv_pool_gb")
-            else d.string(v, f"{path}.backend.{k}") for k, v in bm.items()}
-        for k in ("kv_offload_gb", "kv_pool_gb"):
-            if bkw.get(k, 0) < 0:
-                raise d.fail(f"{path}.backend.{k}", "must not be negative")
-        kw["backend"] = BackendSpec(**bkw)
+        kw["backend"] = parse_backend(d, m["backend"], f"{path}.backend")
     if "routing" in m:
         kw["routing"] = parse_routing(d, m["routing"], f"{path}.routing")
     if "kv_pool" in m:
