@@ -13,6 +13,11 @@ $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# xds-protos (Envoy's protos, for `tokengate epp`) ships old copies of the OpenTelemetry
+	# and Google API protos into the same folders: put the real packages' files back.
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps \
+	  "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
+	  "googleapis-common-protos==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("googleapis-common-protos"))')"
 	touch $@
 
 install: $(BIN)/tokengate

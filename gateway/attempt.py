@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
@@ -64,6 +65,18 @@ class Sent:
     @property
     def ttft_origin(self) -> float:
         return self.started_at if self.started_at is not None else self.sent_at
+
+
+class Routed(Protocol):
+    """What settlement and the response headers read of a routed request: a ``Sent``, or
+    the EPP's pick (``gateway.epp.pick.Picked``), which Envoy sends."""
+
+    @property
+    def decision(self) -> Decision: ...
+    @property
+    def prefill_used(self) -> bool: ...
+    @property
+    def ttft_origin(self) -> float: ...
 
 
 def request_headers(ctx: RequestContext, pool: EndpointPool, ep: EndpointState
@@ -178,7 +191,6 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
     request's own faults (400, 413, 422) are not; anything else is the upstream's fault. The
     upstream's body goes to the log only; the client gets our message (with the upstream's
     ``code``/``param`` when they are plain identifiers)."""
-    status = up.status
     asked = up.headers.get("retry-after")
     try:
         body = await up.read(_ERROR_BODY_LIMIT)
@@ -186,6 +198,13 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
         body = b""
     finally:
         up.release()
+    return judge_failure(up.status, asked, body, ep, pool)
+
+
+def judge_failure(status: int, asked: str | None, body: bytes, ep: EndpointState,
+                  pool: EndpointPool) -> Failure:
+    """``answer_failure`` on an answer already read (``asked``: its ``retry-after``)."""
+    body = body[:_ERROR_BODY_LIMIT]
     log.warning("endpoint %s answered %d: %s", ep.url, status,
                 body[:500].decode("utf-8", "replace"))
     if status in RETRY_STATUSES:

@@ -1,5 +1,5 @@
-"""``tokengate serve`` and ``tokengate up``: the gateway's command line (argument parsing only;
-the one place its environment is read)."""
+"""``tokengate serve``, ``tokengate epp`` and ``tokengate up``: the gateway's command line
+(argument parsing only; the one place its environment is read)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default="info")
+    e = sub.add_parser("epp", help="run tokengate as the Endpoint Picker (ext_proc) behind "
+                       "Envoy: the Gateway API Inference Extension's protocol")
+    e.add_argument("--policy", required=True, help="policy YAML (see policies/)")
+    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--port", type=int, default=9002, help="ext_proc and gRPC health")
+    e.add_argument("--http-port", type=int, default=9090, help="/metrics, /ready, /admin/*")
+    e.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"),
+                   help="shared quotas and state across EPP replicas (env TOKENGATE_REDIS_URL)")
+    e.add_argument("--drain-timeout", type=float, default=30.0)
+    e.add_argument("--log-level", default="info")
     u = sub.add_parser("up", help="start the demo stack: reference backends and the gateway")
     u.add_argument("--policy", default=str(_DEMO_POLICY))
     u.add_argument("--host", default="127.0.0.1")
@@ -115,6 +125,12 @@ def run(ns: argparse.Namespace) -> int:
     try:
         if ns.command == "serve":
             return _serve_workers(ns)
+        if ns.command == "epp":
+            from gateway.epp.server import EPPConfig, serve_epp
+
+            run_loop(serve_epp(EPPConfig(ns.policy, ns.host, ns.port, ns.http_port, ns.redis,
+                                         ns.drain_timeout), handle_signals=True))
+            return 0
         from gateway.up import UpConfig, up
 
         shape = shape_of(ns)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
@@ -22,7 +23,7 @@ from gateway import disagg, quota, slo
 from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_failure
 from gateway.config.policy import Model
 from gateway.context import RequestContext
-from gateway.endpoints import EndpointState
+from gateway.endpoints import EndpointPool, EndpointState
 from gateway.relay import relay_body
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
@@ -34,6 +35,7 @@ from gateway.upstream import UpstreamError
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
+T = TypeVar("T")
 
 # Fields only the gateway may set on an upstream request: a client's are dropped (a client's
 # ``kv_transfer_params`` would make a decode engine pull KV from an address it names).
@@ -63,9 +65,11 @@ def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = Non
     return orjson.dumps(body)
 
 
-async def _route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
-                 reserved: int) -> tuple[Router, RequestInfo, Decision] | APIError:
-    """Hold while the pool wakes from zero, then the first decision (held to the SLO)."""
+async def route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                reserved: int, exclude: Callable[[EndpointPool], Sequence[EndpointState]]
+                | None = None) -> tuple[Router, RequestInfo, Decision] | APIError:
+    """Hold while the pool wakes from zero, then the first decision (held to the SLO),
+    never on an endpoint ``exclude`` names (an EPP's proxy may narrow the candidates)."""
     router = ctx.view.routers[m.name]
     scaler = state.scalers.get(m.name)
     if scaler is not None:
@@ -85,7 +89,8 @@ async def _route(state: GatewayState, ctx: RequestContext, m: Model, prompt_toke
         prompt_text=g.prompt_text, salt=g.cache_salt,
         prompt_tokens=prompt_tokens, expected_output=reserved,
         slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
-    first = await slo.decide(state, ctx.route, m, router, info)
+    first = await slo.decide(state, ctx.route, m, router, info,
+                             exclude(router.pool) if exclude is not None else ())
     state.metrics.routing_seconds.observe(time.perf_counter() - t0)
     if isinstance(first, APIError):
         return first
@@ -99,7 +104,7 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     would."""
     span = ctx.trace.child("tokengate.route", {"tokengate.model": m.name}) \
         if ctx.trace is not None else None
-    routed = await _route(state, ctx, m, prompt_tokens, reserved)
+    routed = await route(state, ctx, m, prompt_tokens, reserved)
     if isinstance(routed, APIError):
         if ctx.trace is not None:
             ctx.trace.end(span, {"error.type": routed.code}, error=routed.message)
@@ -206,14 +211,18 @@ def _decision_attrs(router: Router, d: Decision, info: RequestInfo) -> dict[str,
                                [None if math.isnan(c.tpot_ms) else c.tpot_ms for c in cands])}
 
 
-async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admission
-                       ) -> tuple[quota.Admission, Sent, str | None] | APIError:
-    """``open_model`` on the admitted model, then down its fallback chain when every endpoint
-    failed before the first byte; the admission that is being served (the fallback's, whose
-    own quota was reserved, when it failed over), and why it failed over."""
+Opener = Callable[[GatewayState, RequestContext, Model, int, int], Awaitable[T | APIError]]
+
+
+async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admission,
+                       opener: Opener[T]) -> tuple[quota.Admission, T, str | None] | APIError:
+    """``opener`` (``open_model``: route and send; the EPP's: route only) on the admitted
+    model, then down its fallback chain when every endpoint failed before the first byte (or
+    none was available); the admission that is being served (the fallback's, whose own quota
+    was reserved, when it failed over), and why it failed over."""
     policy = ctx.view.policy
     failover = "quota" if adm.failover_from else None
-    opened = await open_model(state, ctx, adm.model, adm.prompt_tokens, adm.expected_output)
+    opened = await opener(state, ctx, adm.model, adm.prompt_tokens, adm.expected_output)
     if not isinstance(opened, APIError):
         return adm, opened, failover
     if not ctx.route.failover or opened.code in ("overloaded",) or opened.status == 400:
@@ -229,7 +238,7 @@ async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admi
         if not nxt.decision.allowed or nxt.model is not fb:
             refund_later(ctx, nxt)
             continue
-        attempt_ = await open_model(state, ctx, fb, nxt.prompt_tokens, nxt.expected_output)
+        attempt_ = await opener(state, ctx, fb, nxt.prompt_tokens, nxt.expected_output)
         if isinstance(attempt_, APIError):
             refund_later(ctx, nxt)
             continue

@@ -6,7 +6,7 @@ the request is settled exactly once, whatever happens after admission: the respo
 ``finally`` hands it to ``settle.finish`` with what was served, and anything that ends the
 request before that -- the client leaving (which cancels this handler) while it waits for its
 first token, queues for its SLO or is held during a scale-from-zero, a timeout, a parse error,
-no endpoint, any exception -- returns it whole here (``_settle_leftovers``), as if refused.
+no endpoint, any exception -- returns it whole here (``settle_leftovers``), as if refused.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 
 from aiohttp import web
 
 from gateway import quota, slo
 from gateway.config.policy import Policy
 from gateway.context import RequestContext
-from gateway.dispatch import open_request
+from gateway.dispatch import open_model, open_request
 from gateway.http_guard import read_body
 from gateway.limiter.store import StoreUnavailable
 from gateway.respond import respond
@@ -33,26 +34,27 @@ from protocol.errors import APIError, bad
 from protocol.validate import Kind, load_json, validate
 
 log = logging.getLogger("tokengate.gateway")
+Headers = Mapping[str, str]  # a request's headers, case-insensitive (aiohttp's or the EPP's)
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
 
 
-def bearer(request: web.Request) -> str | None:
+def bearer(headers: Headers) -> str | None:
     """The credentials of ``Authorization: Bearer …`` (the scheme is case-insensitive, RFC
     9110 §11.1), or None."""
-    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+    scheme, _, token = headers.get("Authorization", "").strip().partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
 
 
-def request_id(request: web.Request) -> str:
+def request_id(headers: Headers) -> str:
     """The client's ``X-Request-Id`` when it is printable ASCII (≤ 128), else a new one."""
-    rid = request.headers.get("X-Request-Id")
+    rid = headers.get("X-Request-Id")
     return rid if rid is not None and _REQUEST_ID.match(rid) else uuid.uuid4().hex
 
 
-def authenticate(request: web.Request, policy: Policy) -> str:
+def authenticate(headers: Headers, policy: Policy) -> str:
     """The tenant of the request's bearer key (401 otherwise)."""
-    token = bearer(request)
+    token = bearer(headers)
     if token is None:
         raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: "
                        "Bearer KEY'.", code="invalid_api_key")
@@ -64,17 +66,21 @@ def authenticate(request: web.Request, policy: Policy) -> str:
     return found[0]
 
 
-
-async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
-    received = time.perf_counter()
-    state = request.app[GATEWAY]
+def gate(state: GatewayState, headers: Headers) -> str:
+    """The tenant, before any body is read: 503 while draining, 401 without a valid key."""
     if state.draining:
         raise APIError(503, "the gateway is shutting down", type="service_unavailable",
                        code="draining", headers={"retry-after": "1"})
+    return authenticate(headers, state.view.policy)
+
+
+def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: Kind,
+          received: float) -> RequestContext:
+    """Everything between the body and admission, for any front (``serve``'s HTTP handler,
+    the EPP): parse and validate the body, find the route, read the SLO and priority
+    headers, start the trace."""
     view = state.view
     policy = view.policy
-    tenant = authenticate(request, policy)
-    raw = await read_body(request, policy.settings.client.body_timeout_s)
     body = load_json(raw)
     g = validate(kind, body)
     messages = body.get("messages")
@@ -85,35 +91,52 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     if route is None:
         raise APIError(404, f"The model `{g.model}` does not exist or you do not have access "
                        "to it.", param="model", code="model_not_found")
-    ctx = RequestContext(state, view, kind, tenant, route, body, g, request_id(request),
+    ctx = RequestContext(state, view, kind, tenant, route, body, g, request_id(headers),
                          received, raw)
-    ctx.slo = (slo.header(request, "x-slo-ttft-ms", route.slo_ttft_ms),
-               slo.header(request, "x-slo-tpot-ms", route.slo_tpot_ms))
-    ctx.priority = slo.priority(request, policy.tenants[tenant].priority)
-    ctx.trace = state.tracer.request(kind, g.model, request.headers, {
+    ctx.slo = (slo.header(headers, "x-slo-ttft-ms", route.slo_ttft_ms),
+               slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
+    ctx.priority = slo.priority(headers, policy.tenants[tenant].priority)
+    ctx.trace = state.tracer.request(kind, g.model, headers, {
         "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
         "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,
         "tokengate.priority": ctx.priority})
+    return ctx
+
+
+def end_trace(ctx: RequestContext, exc: APIError | None) -> None:
+    """Close the request's root span (with the error it was answered with, if any)."""
+    if ctx.trace is None:
+        return
+    if exc is not None:
+        ctx.trace.root.set_attribute("http.response.status_code", exc.status)
+        ctx.trace.end(ctx.trace.root, {"error.type": exc.code or str(exc.status)},
+                      error=exc.message)
+    else:
+        ctx.trace.end(ctx.trace.root)
+    ctx.trace = None
+
+
+async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
+    received = time.perf_counter()
+    state = request.app[GATEWAY]
+    tenant = gate(state, request.headers)
+    raw = await read_body(request, state.view.policy.settings.client.body_timeout_s)
+    ctx = begin(state, tenant, request.headers, raw, kind, received)
     try:
         return await _serve(request, state, ctx)
     except APIError as exc:
-        if ctx.trace is not None:
-            ctx.trace.root.set_attribute("http.response.status_code", exc.status)
-            ctx.trace.end(ctx.trace.root, {"error.type": exc.code or str(exc.status)},
-                          error=exc.message)
-            ctx.trace = None
+        end_trace(ctx, exc)
         raise
     finally:
-        if ctx.trace is not None:
-            ctx.trace.end(ctx.trace.root)
+        end_trace(ctx, None)
 
 
 async def _serve(request: web.Request, state: GatewayState, ctx: RequestContext
                  ) -> web.StreamResponse:
     route = ctx.route
-    adm = await _admit(state, ctx)
+    adm = await admit(state, ctx)
     try:
-        opened = await open_request(state, ctx, adm)
+        opened = await open_request(state, ctx, adm, open_model)
         if isinstance(opened, APIError):
             state.metrics.series("requests", route.name, adm.model.name, ctx.tenant_label,
                                  str(opened.status)).inc()
@@ -121,10 +144,10 @@ async def _serve(request: web.Request, state: GatewayState, ctx: RequestContext
         served, sent, failover = opened
         return await respond(request, ctx, served, sent, failover)
     finally:
-        _settle_leftovers(ctx)
+        settle_leftovers(ctx)
 
 
-async def _admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
+async def admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     span = ctx.trace.child("tokengate.admission") if ctx.trace is not None else None
     try:
         adm = await _reserve(state, ctx)
@@ -168,7 +191,7 @@ async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     return adm
 
 
-def _settle_leftovers(ctx: RequestContext) -> None:
+def settle_leftovers(ctx: RequestContext) -> None:
     """Return every reservation the request still holds that no response will settle (runs
     in ``finally``, also when the handler is cancelled: the refund is a background task)."""
     for adm in ctx.admissions:

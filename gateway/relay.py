@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
 
 from gateway.migrate import Live, shift_usage
 from gateway.upstream import (
@@ -52,6 +51,13 @@ class RelayResult:
     stream_id: bytes | None = None  # the completion id the client sees
     done: bool = False  # the upstream's ``[DONE]`` arrived
     body: bytes | None = None  # a non-streamed answer, as relayed
+
+
+class Sink(Protocol):
+    """Where a relayed stream is written: the client's response, or what the EPP hands back
+    to Envoy."""
+
+    async def write(self, data: bytes) -> None: ...
 
 
 class Tally(Protocol):
@@ -156,7 +162,7 @@ class _Stall:
 
 async def relay_stream(
     lines: AsyncIterator[bytes],
-    resp: web.StreamResponse,
+    resp: Sink,
     *,
     upstream_model: str,
     served_model: str,

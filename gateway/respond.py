@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from gateway import quota
-from gateway.attempt import Sent, continue_stream
+from gateway.attempt import Routed, Sent, continue_stream
 from gateway.context import RequestContext
 from gateway.migrate import Live
 from gateway.relay import RelayResult, relay_stream
@@ -23,7 +23,7 @@ _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be move
                      b'"migration_failed"}}\n\ndata: [DONE]\n\n')
 
 
-def headers(ctx: RequestContext, adm: quota.Admission, sent: Sent, failover: str | None
+def headers(ctx: RequestContext, adm: quota.Admission, sent: Routed, failover: str | None
             ) -> dict[str, str]:
     d = sent.decision
     h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,

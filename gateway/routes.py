@@ -40,7 +40,7 @@ def _dumps(o: Any) -> str:
 async def models(request: web.Request) -> web.Response:
     state = request.app[GATEWAY]
     policy = state.view.policy
-    tenant = pipeline.authenticate(request, policy)
+    tenant = pipeline.authenticate(request.headers, policy)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "tokengate"}
             for m in policy.models_for(tenant)]
     return web.json_response({"object": "list", "data": data}, dumps=_dumps)
@@ -82,7 +82,7 @@ async def metrics(request: web.Request) -> web.Response:
 def _admin(request: web.Request) -> GatewayState:
     state = request.app[GATEWAY]
     digest = state.view.admin_digest
-    token = pipeline.bearer(request)
+    token = pipeline.bearer(request.headers)
     got = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest() if token else ""
     if digest is None or not hmac.compare_digest(got, digest):
         raise APIError(401, "admin endpoints need the admin key", code="invalid_api_key")

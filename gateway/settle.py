@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from gateway import quota
-from gateway.attempt import Sent
+from gateway.attempt import Routed
 from gateway.context import RequestContext
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult
@@ -38,7 +38,7 @@ log = logging.getLogger("tokengate.gateway")
 TPOT_MIN_TOKENS = 8
 
 
-def observe(ctx: RequestContext, r: RelayResult, sent: Sent) -> None:
+def observe(ctx: RequestContext, r: RelayResult, sent: Routed) -> None:
     """Feed the predictor what this request saw, against the features it was routed on."""
     if not ctx.parsed.stream or r.first_token_at is None or r.broken:
         return
@@ -145,7 +145,8 @@ def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
     t.end(span, error=err)
 
 
-async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent: Sent) -> None:
+async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent: Routed
+                 ) -> None:
     """Settle quota and record metrics for a proxied request (runs even after a disconnect)."""
     state = ctx.state
     m = adm.model.name

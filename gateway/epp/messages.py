@@ -1,0 +1,112 @@
+"""Envoy's ext_proc messages as the EPP reads and writes them (``envoy.service.ext_proc.v3``,
+from ``xds-protos``): a request's headers as a case-insensitive mapping, header mutations,
+the streamed body answers of ``FULL_DUPLEX_STREAMED`` mode, the dynamic metadata GIE's
+protocol names, and our OpenAI-shaped errors as immediate responses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from protocol.errors import APIError
+
+# GIE's endpoint picker protocol (v1.0): the chosen endpoint, in a header and in dynamic
+# metadata under this namespace (same key, same value); the subset a proxy may narrow to.
+DESTINATION = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
+SERVED = "x-gateway-destination-endpoint-served"
+
+
+def header_map(h: pb.HttpHeaders) -> CIMultiDictProxy[str]:
+    """The headers Envoy sent (pseudo-headers such as ``:path`` included), case-insensitive.
+    Envoy fills ``raw_value`` (bytes); older ones ``value``."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for hv in h.headers.headers:
+        out.add(hv.key, hv.raw_value.decode("utf-8", "surrogateescape") if hv.raw_value
+                else hv.value)
+    return CIMultiDictProxy(out)
+
+
+def mutation(set_: Mapping[str, str], remove: Iterable[str] = ()) -> pb.HeaderMutation:
+    return pb.HeaderMutation(
+        set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in set_.items()],
+        remove_headers=list(remove))
+
+
+def request_headers(set_: Mapping[str, str], remove: Iterable[str], destination: str
+                    ) -> pb.ProcessingResponse:
+    """The answer to the request's headers, sent once its body was read and routed: the
+    destination in the header and in ``envoy.lb`` metadata; the route cache cleared, so a
+    route that matches on the destination (or the rewritten model) sees it."""
+    md = struct_pb2.Struct()
+    md.update({LB_NAMESPACE: {DESTINATION: destination}})
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=mutation({**set_, DESTINATION: destination}, remove),
+            clear_route_cache=True)),
+        dynamic_metadata=md)
+
+
+def response_headers(set_: Mapping[str, str], remove: Iterable[str] = ()
+                     ) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=mutation(set_, remove))))
+
+
+def body(data: bytes, end: bool, *, response: bool) -> pb.ProcessingResponse:
+    """A streamed body answer (``FULL_DUPLEX_STREAMED``: what we return replaces what Envoy
+    sent; ``end`` closes the body)."""
+    common = pb.CommonResponse(body_mutation=pb.BodyMutation(
+        streamed_response=pb.StreamedBodyResponse(body=data, end_of_stream=end)))
+    if response:
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def trailers(*, response: bool) -> pb.ProcessingResponse:
+    if response:
+        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+def immediate(status: int, payload: bytes, headers: Mapping[str, str],
+              details: str) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),
+        headers=mutation({"content-type": "application/json", **headers}),
+        body=payload, details=details))
+
+
+def error(exc: APIError, extra: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
+    """Our error, answered by Envoy in place of the upstream's response: OpenAI's shape,
+    its status, its headers (``retry-after``, rate-limit headers)."""
+    payload = orjson.dumps({"error": {"message": exc.message, "type": exc.type,
+                                      "param": exc.param, "code": exc.code}})
+    return immediate(exc.status, payload, {**(extra or {}), **exc.headers},
+                     f"tokengate_{exc.code or exc.status}")
+
+
+def subset(req: pb.ProcessingRequest, headers: Mapping[str, str]) -> set[str] | None:
+    """The ``ip:port`` candidates the proxy narrowed this request to, from the filter
+    metadata it sent (``envoy.lb.subset_hint``) or the subset header; None: any."""
+    found: list[str] = []
+    ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is not None and SUBSET_HEADER in ns.fields:
+        v = ns.fields[SUBSET_HEADER]
+        found = ([x.string_value for x in v.list_value.values] if v.HasField("list_value")
+                 else v.string_value.split(","))
+    elif headers.get(SUBSET_HEADER):
+        found = headers[SUBSET_HEADER].split(",")
+    picked = {x.strip() for x in found if x.strip()}
+    return picked or None

@@ -1,0 +1,104 @@
+"""The EPP's routing step: the same decision ``tokengate serve`` takes (hold while the pool
+wakes from zero, route, hold to the SLO; the prefill endpoint too, whose prefill runs here as
+llm-d's EPP has its sidecar run it), narrowed to the proxy's subset, but nothing is sent:
+Envoy sends. What comes back is where to send, and the exact body and headers to send."""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from gateway import disagg
+from gateway.config.policy import Model
+from gateway.context import RequestContext
+from gateway.dispatch import Opener, route, upstream_body
+from gateway.endpoints import EndpointPool, EndpointState, Ticket
+from gateway.routing.plugins import RequestInfo
+from gateway.routing.router import Decision, Router
+from gateway.state import GatewayState
+from protocol.errors import APIError
+
+
+@dataclass(slots=True)
+class Picked:
+    """Where Envoy sends the request, and what routing decided and promised for it."""
+
+    decision: Decision
+    router: Router
+    pool: EndpointPool
+    ticket: Ticket  # this request's share of the endpoint's live counters
+    info: RequestInfo
+    destination: str  # ip:port
+    path: str  # the upstream path (the endpoint's base path, then the API's)
+    body: bytes
+    prefill_used: bool
+    started_at: float  # the prefill's start when prefilled elsewhere, else the pick's end
+
+    @property
+    def ttft_origin(self) -> float:
+        return self.started_at
+
+
+@functools.lru_cache(maxsize=1024)
+def hostport(url: str) -> str:
+    """``ip:port`` of an endpoint URL, as ``ORIGINAL_DST`` takes it (a host name is resolved
+    once: the cluster connects to addresses, not names)."""
+    u = urlsplit(url)
+    host = u.hostname or "127.0.0.1"
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = ipaddress.ip_address(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                                  [0][4][0])
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def outside(allowed: set[str] | None
+            ) -> Callable[[EndpointPool], Sequence[EndpointState]] | None:
+    """The ``exclude`` of ``dispatch.route`` for the proxy's subset (None: no subset)."""
+    if allowed is None:
+        return None
+    return functools.partial(_outside, allowed)
+
+
+def _outside(allowed: set[str], pool: EndpointPool) -> Sequence[EndpointState]:
+    return [e for e in pool.endpoints if hostport(e.url) not in allowed]
+
+
+def picker(allowed: set[str] | None) -> Opener[Picked]:
+    """An ``Opener`` for ``dispatch.open_request`` that picks within ``allowed``."""
+    async def pick(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                   reserved: int) -> Picked | APIError:
+        return await pick_model(state, ctx, m, prompt_tokens, reserved, allowed)
+    return pick
+
+
+async def pick_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                     reserved: int, allowed: set[str] | None) -> Picked | APIError:
+    routed = await route(state, ctx, m, prompt_tokens, reserved, outside(allowed))
+    if isinstance(routed, APIError):
+        return routed
+    router, info, d = routed
+    pool = router.pool
+    kv = None
+    started_at = time.perf_counter()
+    if d.prefill is not None:
+        state.metrics.series("routing_decisions", m.name, router.strategy, d.prefill.ep.url,
+                             "prefill").inc()
+        kv = await disagg.remote_prefill(state, ctx.route.timeouts, ctx.kind, ctx.request_id,
+                                         ctx.body, m, pool, d)
+    state.metrics.series("routing_decisions", m.name, router.strategy, d.endpoint.ep.url,
+                         "decode" if d.prefill else "sole").inc()
+    ep = d.endpoint.ep
+    prefill_tokens = 0 if kv is not None else d.endpoint.uncached_tokens
+    ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
+    api = "/chat/completions" if ctx.kind == "chat" else "/completions"
+    return Picked(d, router, pool, ticket, info, hostport(ep.url),
+                  urlsplit(ep.url).path.rstrip("/") + api, upstream_body(ctx, m, kv),
+                  kv is not None, started_at if kv is not None else time.perf_counter())

@@ -1,0 +1,112 @@
+"""``tokengate epp``: tokengate as the Endpoint Picker of the Gateway API Inference Extension,
+behind Envoy's ext_proc filter.
+
+One process, one event loop: the ext_proc gRPC service (``envoy.service.ext_proc.v3``) and
+gRPC health checking (``grpc.health.v1``: SERVING while it takes requests) on ``--port``, and
+``tokengate serve``'s own HTTP app on ``--http-port`` for ``/metrics``, ``/ready`` and
+``/admin/*`` (and the OpenAI API itself, for clients that bypass the proxy). Both share one
+gateway state: the policy (reloaded on SIGHUP), the rate store (Redis: replicas of the EPP
+share quotas, predictor and prefix hints, the active-active setup GIE's EPP lacks), the
+fleet's scrapes and KV events. SIGTERM/SIGINT: health turns NOT_SERVING, new requests get 503,
+requests in flight may finish for up to ``drain_timeout_s``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gateway.epp.exchange import Exchange
+from gateway.process import ServeConfig, in_flight, make_state
+from gateway.routes import build_app
+from gateway.state import GatewayState
+
+log = logging.getLogger("tokengate.epp")
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """One ext_proc stream per HTTP request Envoy proxies."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self.streams = 0  # open exchanges (draining waits for them)
+
+    async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext[object, object]
+                      ) -> AsyncIterator[pb.ProcessingResponse]:
+        ex = Exchange(self.state)
+        self.streams += 1
+        try:
+            async for req in requests:
+                for resp in await ex.on(req):
+                    yield resp
+                if ex.done:
+                    break
+        finally:
+            self.streams -= 1
+            ex.close()
+
+
+@dataclass(slots=True)
+class EPPConfig:
+    policy: str
+    host: str = "127.0.0.1"
+    port: int = 9002  # GIE's EPP port
+    http_port: int = 9090  # GIE's EPP metrics port
+    redis_url: str | None = None
+    drain_timeout_s: float = 30.0
+
+
+async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
+                    stop: asyncio.Event | None = None, handle_signals: bool = False) -> None:
+    state, watcher = make_state(ServeConfig(cfg.policy, cfg.host, cfg.http_port,
+                                            cfg.redis_url))
+    runner = web.AppRunner(build_app(state, watcher), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.http_port)
+    await site.start()
+    processor = Processor(state)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    checker = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    cfg.port = bound
+    await server.start()
+    for name in ("", SERVICE):
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("EPP listening on %s:%d (ext_proc, health), HTTP on %d (policy %s, store %s)",
+             cfg.host, cfg.port, cfg.http_port, cfg.policy, type(state.store).__name__)
+    stop = stop or asyncio.Event()
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+        state.draining = True
+        for name in ("", SERVICE):
+            await checker.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        while (processor.streams or in_flight(state)) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        log.info("drained (%d exchanges open); stopping", processor.streams)
+    finally:
+        await server.stop(grace=1.0)
+        await runner.cleanup()
+        state.tracer.shutdown()
