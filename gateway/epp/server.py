@@ -27,8 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange
 from gateway.process import ServeConfig, in_flight, make_state
-from gateway.routes import build_app
 from gateway.reload import PolicyWatcher
+from gateway.routes import build_app
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokengate.epp")
