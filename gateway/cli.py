@@ -54,6 +54,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     u.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="what serves the loopback endpoints: reference backends, or real vLLM "
                         "instances (the tiny model of 'make vllm'; KV events and NIXL wired)")
+    u.add_argument("--envoy", action="store_true",
+                   help="put a real Envoy on --port, with tokengate as its endpoint picker "
+                        "(ext_proc; deploy/envoy/envoy-epp.yaml)")
     add_shape_args(u)
 
 
@@ -136,7 +139,7 @@ def run(ns: argparse.Namespace) -> int:
         shape = shape_of(ns)
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape, replicas=ns.replicas,
-                             engine=ns.engine)))
+                             engine=ns.engine, envoy=ns.envoy)))
     except (PolicyError, ValueError, RuntimeError, OSError) as exc:
         print(f"tokengate {ns.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,12 +1,10 @@
 """``tokengate up``: the whole demo stack in one command.
 
-Starts a reference backend (a child process) for every loopback endpoint of the policy — each
-model's ``backend:`` section says which model and hardware profile it simulates; with
-``--engine vllm`` a real vLLM instance instead (``engines.vllm``) — waits until
-they have loaded, runs the gateway in front, prints the two lines a user pastes into a shell,
-and on Ctrl-C or SIGTERM drains the gateway and stops every child. An endpoint written with
-port 0 gets a free port (the policy is then served from a rewritten copy).
-"""
+Starts a reference backend (a child process) for every loopback endpoint of the policy (its
+model's ``backend:`` section says what it simulates; ``--engine vllm``: real vLLM), waits
+until they have loaded, runs the gateway in front (``--envoy``: a real Envoy, tokengate its
+EPP), prints the two lines a user pastes into a shell, and on Ctrl-C or SIGTERM drains the
+gateway and stops every child. Port-0 endpoints get free ports (in a rewritten policy)."""
 
 from __future__ import annotations
 
@@ -32,6 +30,7 @@ import yaml
 from engines import vllm
 from gateway.config.endpoint import KVEvents
 from gateway.config.policy import Model, Policy, load_policy
+from gateway.epp.front import behind_envoy
 from gateway.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
 
@@ -47,6 +46,7 @@ class UpConfig:
     shape: PoolShape | None = None
     replicas: int = 1  # gateway processes, sharing --redis, each on its own port
     engine: str = "reference"  # or "vllm": real vLLM instances (engines.vllm)
+    envoy: bool = False  # a real Envoy on the port, tokengate its EPP (gateway.epp.front)
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engines: list[subprocess.Popen[bytes]] = field(default_factory=list)  # real vLLMs
 
@@ -378,13 +378,15 @@ async def up(cfg: UpConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
         serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url)
         replicas = start_replicas(cfg, path)
-        task = asyncio.ensure_future(serve(serve_cfg, ready=ready, stop=stop))
+        task = asyncio.ensure_future(behind_envoy(path, cfg.host, cfg.port, cfg.redis_url,
+                                                  ready=ready, stop=stop) if cfg.envoy
+                                     else serve(serve_cfg, ready=ready, stop=stop))
         await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
-        demo = hashlib.sha256(DEMO_KEY.encode()).hexdigest() in policy.key_index
-        key = DEMO_KEY if demo else "<a key of your policy>"
+        key = (DEMO_KEY if hashlib.sha256(DEMO_KEY.encode()).hexdigest() in policy.key_index
+               else "<a key of your policy>")
         print(f"OPENAI_BASE_URL=http://{cfg.host}:{serve_cfg.port}/v1", flush=True)
         print(f"OPENAI_API_KEY={key}", flush=True)
         if replicas:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import wait_healthy
 
 
@@ -148,7 +149,9 @@ def start_up(port: int, *args: str) -> subprocess.Popen[str]:
     return proc
 
 
-def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> None:
+@pytest.mark.parametrize("envoy", [False, True], ids=["gateway", "envoy-epp"])
+def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
+                                                           envoy: bool) -> None:
     import hashlib
     from pathlib import Path
 
@@ -167,10 +170,14 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object) -> 
                              "model_limits": {"big": {"tpm": 100}}}},
         "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
     port = free_port()
-    proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01")
+    proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01",
+                    *(["--envoy"] if envoy else []))
     try:
         children = [pid for pid in children_of(proc.pid) if b"backend" in _cmdline(pid)]
         assert len(children) >= 2
+        proxies = [pid for pid in children_of(proc.pid) if b"envoy" in _cmdline(pid)]
+        assert len(proxies) == (1 if envoy else 0)
+        children += proxies
         import openai
         from test_gateway_e2e import assert_quota_failover
 
