@@ -95,7 +95,7 @@ class Exchange:
     # -- the request ---------------------------------------------------------------------
 
     async def _request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        h = self.headers = messages.header_map(req.request_headers)
+        h = self.headers = messages.with_objective(messages.header_map(req.request_headers))
         path = h.get(":path", "").split("?", 1)[0]
         method = h.get(":method", "")
         if path == "/v1/models" and method == "GET":

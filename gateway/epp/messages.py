@@ -23,6 +23,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
+# GIE names a request's InferenceObjective in this header; ours are named after the
+# priorities they stand for (deploy/k8s/gie/objectives.yaml), so the name is the priority.
+OBJECTIVE = "x-gateway-inference-objective"
 
 
 def header_map(h: pb.HttpHeaders) -> CIMultiDictProxy[str]:
@@ -32,6 +35,17 @@ def header_map(h: pb.HttpHeaders) -> CIMultiDictProxy[str]:
     for hv in h.headers.headers:
         out.add(hv.key, hv.raw_value.decode("utf-8", "surrogateescape") if hv.raw_value
                 else hv.value)
+    return CIMultiDictProxy(out)
+
+
+def with_objective(h: CIMultiDictProxy[str]) -> CIMultiDictProxy[str]:
+    """``h``, with the objective's priority as ``x-priority`` when only an objective is named
+    (an explicit ``x-priority`` wins)."""
+    objective = h.get(OBJECTIVE)
+    if objective is None or "x-priority" in h:
+        return h
+    out = CIMultiDict(h)
+    out["x-priority"] = objective
     return CIMultiDictProxy(out)
 
 

@@ -44,18 +44,25 @@ class Picked:
         return self.started_at
 
 
-@functools.lru_cache(maxsize=1024)
+_RESOLVED: dict[tuple[str, int], tuple[str, float]] = {}
+RESOLVE_TTL_S = 5.0  # a pod's DNS name (a StatefulSet's) follows the pod when it moves
+
+
 def hostport(url: str) -> str:
-    """``ip:port`` of an endpoint URL, as ``ORIGINAL_DST`` takes it (a host name is resolved
-    once: the cluster connects to addresses, not names)."""
+    """``ip:port`` of an endpoint URL, as ``ORIGINAL_DST`` takes it: the cluster connects to
+    addresses, so a host name is resolved (again after ``RESOLVE_TTL_S``)."""
     u = urlsplit(url)
     host = u.hostname or "127.0.0.1"
     port = u.port or (443 if u.scheme == "https" else 80)
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        ip = ipaddress.ip_address(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                                  [0][4][0])
+        cached = _RESOLVED.get((host, port))
+        now = time.monotonic()
+        if cached is None or cached[1] < now:
+            addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            cached = _RESOLVED[(host, port)] = (str(addr), now + RESOLVE_TTL_S)
+        ip = ipaddress.ip_address(cached[0])
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
