@@ -52,7 +52,7 @@ async def _lines(lines: list[bytes]) -> AsyncIterator[bytes]:
 async def _once(lines: list[bytes], events: int) -> tuple[float, RelayResult]:
     sink = _Sink()
     t0 = time.perf_counter()
-    res = await relay_stream(_lines(lines), sink,  # type: ignore[arg-type]
+    res = await relay_stream(_lines(lines), sink,
                              upstream_model="up-model", served_model="served",
                              pass_usage=False)
     return (time.perf_counter() - t0) / events * 1e6, res

@@ -74,8 +74,9 @@ class OTLPReceiver:
                     for a in s.attributes:
                         v = a.value
                         kind = v.WhichOneof("value")
-                        attrs[a.key] = ([getattr(x, x.WhichOneof("value")) for x in
-                                         v.array_value.values] if kind == "array_value"
+                        attrs[a.key] = ([getattr(x, x.WhichOneof("value") or "string_value")
+                                         for x in v.array_value.values]
+                                        if kind == "array_value"
                                         else getattr(v, kind) if kind else None)
                     out.append(ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(),
                                             s.parent_span_id.hex(), attrs))

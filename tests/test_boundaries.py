@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests", "engines",
             "simulator")
 # Micro-benchmarks of one component may import that component (the brief allows it).
-# (bench_servers puts the gateway's UpstreamClient behind each candidate inbound server.)
+# (bench_servers puts the gateway's UpstreamClient behind each candidate inbound server;
+# bench_envoy runs Envoy with gateway.epp.envoy's configurations and drives it over HTTP.)
 COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay",
-                        "loadtests.bench_servers"}
+                        "loadtests.bench_servers", "loadtests.bench_envoy"}
 
 
 def _modules() -> dict[str, Path]:
