@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-predictor bench-accuracy bench-vllm calibration soak clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-predictor bench-accuracy bench-vllm calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,15 @@ redis-server:
 	         "or put redis-server on PATH"; exit 1; }; }
 
 unit: install redis-server vllm
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
-test: lint typecheck unit
+# The lint and type checks run while real vLLM installs (pip, mostly waiting on the disk),
+# then the suite.
+test: install
+	$(MAKE) --no-print-directory -j2 checks vllm
+	$(MAKE) --no-print-directory unit
+
+checks: lint typecheck
 
 soak: install
 	$(BIN)/python -m loadtests.soak --minutes 10 $(ARGS)
