@@ -6,6 +6,7 @@ proxy's subset and objective are read from where GIE's protocol puts them."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -42,7 +43,7 @@ async def chunked(body: bytes, cuts: list[int]) -> tuple[bytes, RelayResult]:
                                               served_model="m", pass_usage=False))
     out = b""
     bounds = [0, *sorted(set(cuts)), len(body)]
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         feed.push(body[a:b], i == len(bounds) - 2)
         drained = asyncio.ensure_future(feed.drained.wait())
         await asyncio.wait((drained, task), return_when=asyncio.FIRST_COMPLETED)
