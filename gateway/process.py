@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,28 @@ def _mape(metrics: GatewayMetrics, predictor: OnlinePredictor, target: str) -> N
         metrics.series("predictor_mape", target).set(value)
 
 
+def announce(stop: asyncio.Event | None, watcher: PolicyWatcher, handle_signals: bool,
+             ready: asyncio.Event | None) -> asyncio.Event:
+    """The event that stops the server (with ``handle_signals``, SIGTERM and SIGINT set it and
+    SIGHUP reloads the policy); ``ready`` is set: the server is listening."""
+    stop = stop or asyncio.Event()
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+    if ready is not None:
+        ready.set()
+    return stop
+
+
+async def drain(timeout_s: float, busy: Callable[[], bool]) -> None:
+    """Wait while ``busy()``, for up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while busy() and time.monotonic() < deadline:  # noqa: ASYNC110 - polls counters
+        await asyncio.sleep(0.05)
+
+
 def in_flight(state: GatewayState) -> int:
     return sum(e.live.in_flight for p in state.view.pools.values() for e in p.endpoints)
 
@@ -116,20 +139,11 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
     await web.SockSite(runner, sock, backlog=2048).start()
     log.info("gateway listening on http://%s:%d (policy %s, store %s)", cfg.host, cfg.port,
              cfg.policy, type(state.store).__name__)
-    stop = stop or asyncio.Event()
-    if handle_signals:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, watcher.reload)
-    if ready is not None:
-        ready.set()
+    stop = announce(stop, watcher, handle_signals, ready)
     try:
         await stop.wait()
         state.draining = True
-        deadline = time.monotonic() + cfg.drain_timeout_s
-        while in_flight(state) and time.monotonic() < deadline:  # noqa: ASYNC110 - polls counters
-            await asyncio.sleep(0.05)
+        await drain(cfg.drain_timeout_s, lambda: in_flight(state) > 0)
         log.info("drained (%d still in flight); stopping", in_flight(state))
     finally:
         if cfg.predictor_path and state.predictor.models is not None:

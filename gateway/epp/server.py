@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -26,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange
-from gateway.process import ServeConfig, in_flight, make_state
+from gateway.process import ServeConfig, announce, drain, in_flight, make_state
 from gateway.reload import PolicyWatcher
 from gateway.routes import build_app
 from gateway.state import GatewayState
@@ -98,22 +96,13 @@ async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
         await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("EPP listening on %s:%d (ext_proc, health), HTTP on %d (policy %s, store %s)",
              cfg.host, cfg.port, cfg.http_port, cfg.policy, type(state.store).__name__)
-    stop = stop or asyncio.Event()
-    if handle_signals:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, watcher.reload)
-    if ready is not None:
-        ready.set()
+    stop = announce(stop, watcher, handle_signals, ready)
     try:
         await stop.wait()
         state.draining = True
         for name in ("", SERVICE):
             await checker.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + cfg.drain_timeout_s
-        while (processor.streams or in_flight(state)) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+        await drain(cfg.drain_timeout_s, lambda: processor.streams > 0 or in_flight(state) > 0)
         log.info("drained (%d exchanges open); stopping", processor.streams)
     finally:
         await server.stop(grace=1.0)
