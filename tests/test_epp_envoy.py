@@ -20,8 +20,10 @@ from conftest import RunningBackend
 from epp_stack import RunningEPP, start_epp
 from gateway_stack import RunningGateway, start_gateway, write_policy
 from ledger import AUTH, NOW, charged, policy
+from redis_servers import RedisServer
 from test_gateway_e2e import assert_quota_failover, policy_doc
 
+from backend.faults import FaultConfig
 from gateway.epp.pick import hostport
 from gateway.limiter.memory import MemoryStore
 from protocol.loopback import free_port
@@ -194,5 +196,47 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_was_streamed(
         assert requests == 1
         # what the EPP relayed: at least what the client read, far below the reservation
         assert prompt + got <= tokens < prompt + 200, (tokens, prompt, got)
+    finally:
+        epp.close()
+
+
+def test_epp_replicas_share_one_quota_through_redis(backend_factory: Factory,
+                                                    tmp_path: Path) -> None:
+    """Active-active: two EPP replicas (each behind its own Envoy) on one Redis hold tenant
+    b to its 3 requests a minute together."""
+    b = backend_factory(model="llama-3.2-1b", served_model_name="llama-3.2-1b", time_scale=0.02)
+    redis = RedisServer(tmp_path / "redis")
+    path = write_policy(tmp_path / "policy.yaml", policy_doc([f"{b.url}/v1"], [f"{b.url}/v1"]))
+    one = start_epp(path, redis_url=redis.url)
+    try:
+        two = start_epp(path, redis_url=redis.url)
+        try:
+            with client(one.url, "key-b") as c1, client(two.url, "key-b") as c2:
+                for c in (c1, c2, c1):
+                    c.completions.create(model="small", prompt="x", max_tokens=1)
+                for c in (c2, c1):
+                    with pytest.raises(openai.RateLimitError) as limited:
+                        c.completions.create(model="small", prompt="x", max_tokens=1)
+                    assert limited.value.response.headers["x-ratelimit-remaining-requests"] \
+                        == "0"
+        finally:
+            two.close()
+    finally:
+        one.close()
+        redis.stop()
+
+
+def test_clients_that_leave_before_the_first_token_are_charged_nothing(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    b = backend_factory(served_model_name="up", time_scale=0.02, faults=FaultConfig(stall_s=3.0))
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", policy([f"{b.url}/v1"])))
+    epp.state.store = MemoryStore(clock=lambda: NOW)
+    try:
+        for stream in (True, False):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{epp.url}/v1/completions", headers=AUTH, timeout=0.5, json={
+                    "model": "m", "prompt": "hello " * 20, "max_tokens": 50, "stream": stream})
+        time.sleep(0.5)
+        assert charged(epp) == (0.0, 0.0)  # type: ignore[arg-type]
     finally:
         epp.close()
