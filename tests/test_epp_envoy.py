@@ -21,7 +21,9 @@ from epp_stack import RunningEPP, start_epp
 from gateway_stack import RunningGateway, start_gateway, write_policy
 from ledger import AUTH, NOW, charged, policy
 from redis_servers import RedisServer
+from test_backend_pd import metric
 from test_gateway_e2e import assert_quota_failover, policy_doc
+from test_gateway_routing import doc, stream
 
 from backend.faults import FaultConfig
 from gateway.epp.pick import hostport
@@ -238,5 +240,28 @@ def test_clients_that_leave_before_the_first_token_are_charged_nothing(
                     "model": "m", "prompt": "hello " * 20, "max_tokens": 50, "stream": stream})
         time.sleep(0.5)
         assert charged(epp) == (0.0, 0.0)  # type: ignore[arg-type]
+    finally:
+        epp.close()
+
+
+def test_prefill_then_decode_through_envoy(backend_factory: Factory, tmp_path: Path) -> None:
+    """The EPP picks both: the prefill runs from the EPP, the decode request Envoy sends
+    carries its ``kv_transfer_params``, and the decode endpoint pulls the prompt's KV."""
+    p = backend_factory(role="prefill", served_model_name="llama-3-8b")
+    d = backend_factory(role="decode", served_model_name="llama-3-8b")
+    policy_ = doc([{"url": f"{p.url}/v1", "role": "prefill"},
+                   {"url": f"{d.url}/v1", "role": "decode"}], {"remote_prefill_min_tokens": 64})
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", policy_))
+    try:
+        with client(epp.url) as c:
+            headers, chunks = stream(c)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 8
+        assert headers["x-tokengate-prefill-endpoint"] == f"{p.url}/v1"
+        assert headers["x-tokengate-endpoint"] == f"{d.url}/v1"
+        assert headers[SERVED] == hostport(f"{d.url}/v1")
+        assert metric(p, "vllm:prompt_tokens_total") == usage.prompt_tokens
+        assert metric(d, "tokengate_backend_kv_transfer_tokens_total") == usage.prompt_tokens
+        assert metric(d, "vllm:prompt_tokens_total") == 1
     finally:
         epp.close()
