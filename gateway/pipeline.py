@@ -104,16 +104,17 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
 
 
 def end_trace(ctx: RequestContext, exc: APIError | None) -> None:
-    """Close the request's root span (with the error it was answered with, if any)."""
+    """Close the request's root span. Answered with an error, the trace is done; otherwise it
+    stays on ``ctx``: settlement (a background task) adds its spans after this."""
     if ctx.trace is None:
         return
     if exc is not None:
         ctx.trace.root.set_attribute("http.response.status_code", exc.status)
         ctx.trace.end(ctx.trace.root, {"error.type": exc.code or str(exc.status)},
                       error=exc.message)
+        ctx.trace = None
     else:
         ctx.trace.end(ctx.trace.root)
-    ctx.trace = None
 
 
 async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:

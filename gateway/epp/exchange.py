@@ -68,6 +68,7 @@ class Exchange:
         self.relay: asyncio.Task[RelayResult] | None = None
         self.done = False  # an immediate response went out: Envoy ends the exchange
         self.finished = False  # settlement started
+        self.traced = False  # the root span was ended
 
     async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         which = req.WhichOneof("request")
@@ -265,7 +266,7 @@ class Exchange:
             extra["x-request-id"] = self.ctx.request_id
             self.state.metrics.series("requests", self.ctx.route.name, self.ctx.parsed.model,
                                       self.ctx.tenant_label, str(exc.status)).inc()
-            pipeline.end_trace(self.ctx, exc)
+            self._end_trace(exc)
         self._release()
         return messages.error(exc, extra)
 
@@ -292,7 +293,7 @@ class Exchange:
             p.pool.succeeded(ep)
         self.adm.settling = True
         state.spawn(finish(self.ctx, self.adm, r, p))
-        pipeline.end_trace(self.ctx, None)
+        self._end_trace(None)
 
     def close(self) -> None:
         """The ext_proc stream ended (Envoy is done, or reset it: the client left)."""
@@ -302,5 +303,9 @@ class Exchange:
             self.result.client_gone = True  # the answer had begun: settle what was streamed
             self._finish()
         self._release()
-        if self.ctx is not None:
-            pipeline.end_trace(self.ctx, None)
+        self._end_trace(None)
+
+    def _end_trace(self, exc: APIError | None) -> None:
+        if self.ctx is not None and not self.traced:
+            self.traced = True
+            pipeline.end_trace(self.ctx, exc)
