@@ -102,16 +102,10 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     """Route, then send to the chosen endpoint, re-deciding without it until one answers (or
     says it is the client's fault), within the retry policy; the last error when none
     would."""
-    span = ctx.trace.child("tokengate.route", {"tokengate.model": m.name}) \
-        if ctx.trace is not None else None
-    routed = await route(state, ctx, m, prompt_tokens, reserved)
+    routed = await traced_route(state, ctx, m, prompt_tokens, reserved)
     if isinstance(routed, APIError):
-        if ctx.trace is not None:
-            ctx.trace.end(span, {"error.type": routed.code}, error=routed.message)
         return routed
     router, info, first = routed
-    if ctx.trace is not None:
-        ctx.trace.end(span, _decision_attrs(router, first, info))
     pool = router.pool
     t = ctx.route.timeouts
     g = ctx.parsed
@@ -133,25 +127,9 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         tried.append(ep)
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
-        kv = None
         started_at = time.perf_counter()
-        if decision.prefill is not None:
-            state.metrics.series("routing_decisions", m.name, router.strategy,
-                                 decision.prefill.ep.url, "prefill").inc()
-            pspan = ctx.trace.child("tokengate.prefill", _server_attrs(
-                decision.prefill.ep.url, m), kind=SpanKind.CLIENT) if ctx.trace else None
-            kv = await disagg.remote_prefill(
-                state, t, ctx.kind, ctx.request_id, ctx.body, m, pool, decision,
-                ctx.trace.headers(pspan) if ctx.trace and pspan else None)
-            if ctx.trace is not None:
-                ctx.trace.end(pspan, {"tokengate.prefill.ok": kv is not None},
-                              error=None if kv is not None else "prefill failed: decode alone")
-        if ctx.trace is not None:
-            ctx.trace.upstream = ctx.trace.child(
-                f"{'chat' if ctx.kind == 'chat' else 'text_completion'} {m.upstream_name}",
-                {**_server_attrs(ep.url, m), "tokengate.phase": "decode" if kv is not None
-                 else "prefill+decode", "tokengate.attempt": len(tried)},
-                kind=SpanKind.CLIENT)
+        kv = await prefill(state, ctx, m, router, decision)
+        upstream_span(ctx, m, ep.url, kv is not None, len(tried))
         prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
         ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
         sent_at = time.perf_counter()
@@ -192,6 +170,50 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         return Sent(ans.up, decision, pool, ticket, sent_at, kv is not None, ans.lines, info,
                     started_at if kv is not None else None, relayed)
     return last
+
+
+async def traced_route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                       reserved: int, exclude: Callable[[EndpointPool], Sequence[EndpointState]]
+                       | None = None) -> tuple[Router, RequestInfo, Decision] | APIError:
+    """``route``, inside the request's ``tokengate.route`` span."""
+    span = ctx.trace.child("tokengate.route", {"tokengate.model": m.name}) \
+        if ctx.trace is not None else None
+    routed = await route(state, ctx, m, prompt_tokens, reserved, exclude)
+    if ctx.trace is not None:
+        if isinstance(routed, APIError):
+            ctx.trace.end(span, {"error.type": routed.code}, error=routed.message)
+        else:
+            ctx.trace.end(span, _decision_attrs(routed[0], routed[2], routed[1]))
+    return routed
+
+
+async def prefill(state: GatewayState, ctx: RequestContext, m: Model, router: Router,
+                  decision: Decision) -> dict[str, Any] | None:
+    """The remote prefill when routing picked a prefill endpoint (counted, in its span): the
+    ``kv_transfer_params`` for decode, or None (decode computes the prompt itself)."""
+    if decision.prefill is None:
+        return None
+    state.metrics.series("routing_decisions", m.name, router.strategy,
+                         decision.prefill.ep.url, "prefill").inc()
+    pspan = ctx.trace.child("tokengate.prefill", _server_attrs(
+        decision.prefill.ep.url, m), kind=SpanKind.CLIENT) if ctx.trace else None
+    kv = await disagg.remote_prefill(
+        state, ctx.route.timeouts, ctx.kind, ctx.request_id, ctx.body, m, router.pool,
+        decision, ctx.trace.headers(pspan) if ctx.trace and pspan else None)
+    if ctx.trace is not None:
+        ctx.trace.end(pspan, {"tokengate.prefill.ok": kv is not None},
+                      error=None if kv is not None else "prefill failed: decode alone")
+    return kv
+
+
+def upstream_span(ctx: RequestContext, m: Model, url: str, prefilled: bool, n: int) -> None:
+    """Open the span of the call to the engine (settlement ends it); its context goes to the
+    engine in the request's headers, so the engine's spans join the trace."""
+    if ctx.trace is not None:
+        ctx.trace.upstream = ctx.trace.child(
+            f"{'chat' if ctx.kind == 'chat' else 'text_completion'} {m.upstream_name}",
+            {**_server_attrs(url, m), "tokengate.phase": "decode" if prefilled
+             else "prefill+decode", "tokengate.attempt": n}, kind=SpanKind.CLIENT)
 
 
 def _server_attrs(url: str, m: Model) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from test_gateway_routing import doc, stream
 from backend.faults import FaultConfig
 from gateway.epp.pick import hostport
 from gateway.limiter.memory import MemoryStore
+from loadtests.otlp_receiver import OTLPReceiver
 from protocol.loopback import free_port
 
 Factory = Callable[..., RunningBackend]
@@ -265,3 +266,32 @@ def test_prefill_then_decode_through_envoy(backend_factory: Factory, tmp_path: P
         assert metric(d, "vllm:prompt_tokens_total") == 1
     finally:
         epp.close()
+
+
+def test_one_trace_through_envoy_and_the_epp(backend_factory: Factory, tmp_path: Path) -> None:
+    """The client's trace continues in the EPP: root, admission, route, the call to the
+    engine (whose context the request Envoy sends carries) and settlement, one trace."""
+    b = backend_factory(served_model_name="llama-3-8b", time_scale=0.02)
+    otlp = OTLPReceiver()
+    d = policy_doc([f"{b.url}/v1"], [f"{b.url}/v1"])
+    d["settings"]["tracing"] = {"otlp_endpoint": otlp.endpoint}
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
+    try:
+        parent = f"{time.time_ns():032x}"[-32:]
+        with client(epp.url) as c:
+            list(c.chat.completions.create(
+                model="big", messages=[{"role": "user", "content": "trace me"}], max_tokens=3,
+                stream=True, extra_headers={"traceparent": f"00-{parent}-00f067aa0ba902b7-01"}))
+        names = {"chat big", "tokengate.admission", "tokengate.route", "tokengate.settlement",
+                 "chat llama-3-8b"}
+        spans = [s for s in otlp.wait_for(lambda got: names <= {
+            s.name for s in got if s.trace_id == parent}, 30) if s.trace_id == parent]
+        root = next(s for s in spans if s.name == "chat big")
+        assert root.parent_id == "00f067aa0ba902b7"
+        assert all(s.parent_id == root.span_id for s in spans if s is not root)
+        upstream = next(s for s in spans if s.name == "chat llama-3-8b")
+        assert upstream.attributes["server.port"] == int(b.url.rsplit(":", 1)[1])
+        assert upstream.attributes["gen_ai.usage.output_tokens"] == 3
+    finally:
+        epp.close()
+        otlp.close()

@@ -146,6 +146,8 @@ class Exchange:
         auth = {k.lower(): v for k, v in picked.pool.auth_headers(ep).items()}
         set_ = {":path": picked.path, "content-length": str(len(picked.body)),
                 "x-request-id": ctx.request_id, **auth}
+        if ctx.trace is not None and ctx.trace.upstream is not None:
+            set_.update(ctx.trace.headers(ctx.trace.upstream))  # the engine's spans join
         self.state.metrics.overhead.observe(time.perf_counter() - self.received)
         return [messages.request_headers(set_, () if auth else ("authorization",),
                                          picked.destination),

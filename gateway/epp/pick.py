@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gateway import disagg
 from gateway.config.policy import Model
 from gateway.context import RequestContext
-from gateway.dispatch import Opener, route, upstream_body
+from gateway.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
@@ -88,18 +87,14 @@ def picker(allowed: set[str] | None) -> Opener[Picked]:
 
 async def pick_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
                      reserved: int, allowed: set[str] | None) -> Picked | APIError:
-    routed = await route(state, ctx, m, prompt_tokens, reserved, outside(allowed))
+    routed = await traced_route(state, ctx, m, prompt_tokens, reserved, outside(allowed))
     if isinstance(routed, APIError):
         return routed
     router, info, d = routed
     pool = router.pool
-    kv = None
     started_at = time.perf_counter()
-    if d.prefill is not None:
-        state.metrics.series("routing_decisions", m.name, router.strategy, d.prefill.ep.url,
-                             "prefill").inc()
-        kv = await disagg.remote_prefill(state, ctx.route.timeouts, ctx.kind, ctx.request_id,
-                                         ctx.body, m, pool, d)
+    kv = await prefill(state, ctx, m, router, d)
+    upstream_span(ctx, m, d.endpoint.ep.url, kv is not None, 1)
     state.metrics.series("routing_decisions", m.name, router.strategy, d.endpoint.ep.url,
                          "decode" if d.prefill else "sole").inc()
     ep = d.endpoint.ep
