@@ -16,7 +16,7 @@ from gateway.attempt import Routed, Sent, continue_stream
 from gateway.context import RequestContext
 from gateway.migrate import Live
 from gateway.relay import RelayResult, relay_stream
-from gateway.settle import finish
+from gateway.settle import hand_back
 
 _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '
                      b'endpoint", "type": "server_error", "param": null, "code": '
@@ -59,17 +59,8 @@ async def respond(request: web.Request, ctx: RequestContext, adm: quota.Admissio
         raise
     finally:
         s = current[0]
-        ep = s.decision.endpoint.ep
         s.up.release()
-        s.pool.release(s.ticket)
-        state.metrics.series("in_flight", ep.url).dec()
-        if result.broken:
-            s.pool.failed(ep, transport=True)
-            state.fleet.suspect(ep)
-        elif result.status == 200 and not result.client_gone:
-            s.pool.succeeded(ep)
-        adm.settling = True
-        state.spawn(finish(ctx, adm, result, s))
+        hand_back(ctx, adm, result, s, s.pool, s.ticket)
 
 
 async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admission,

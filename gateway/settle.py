@@ -26,6 +26,7 @@ import orjson
 from gateway import quota
 from gateway.attempt import Routed
 from gateway.context import RequestContext
+from gateway.endpoints import EndpointPool, Ticket
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult
 
@@ -143,6 +144,23 @@ def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
         **usage, "tokengate.reserved_tokens": adm.prompt_tokens + adm.expected_output,
         "tokengate.charged_tokens": sum(used) if used else 0, "tokengate.refunded": used is None})
     t.end(span, error=err)
+
+
+def hand_back(ctx: RequestContext, adm: quota.Admission, r: RelayResult, routed: Routed,
+              pool: EndpointPool, ticket: Ticket) -> None:
+    """The end of an answer, however it ended: the endpoint's counters go back, its health
+    is judged by how the answer went, and settlement starts in the background (once)."""
+    state = ctx.state
+    ep = routed.decision.endpoint.ep
+    pool.release(ticket)
+    state.metrics.series("in_flight", ep.url).dec()
+    if r.broken:
+        pool.failed(ep, transport=True)
+        state.fleet.suspect(ep)
+    elif r.status == 200 and not r.client_gone:
+        pool.succeeded(ep)
+    adm.settling = True
+    state.spawn(finish(ctx, adm, r, routed))
 
 
 async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent: Routed

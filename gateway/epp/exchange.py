@@ -35,7 +35,7 @@ from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.pick import Picked, picker
 from gateway.relay import RelayResult, relay_body, relay_stream
 from gateway.respond import headers as client_headers
-from gateway.settle import finish
+from gateway.settle import hand_back
 from gateway.state import GatewayState
 from gateway.upstream import UpstreamProtocolError
 from protocol.errors import APIError
@@ -284,17 +284,8 @@ class Exchange:
         if self.finished or self.picked is None or self.adm is None or self.ctx is None:
             return
         self.finished = True
-        p, r, state = self.picked, self.result, self.state
-        ep = p.decision.endpoint.ep
-        p.pool.release(p.ticket)
-        state.metrics.series("in_flight", ep.url).dec()
-        if r.broken:
-            p.pool.failed(ep, transport=True)
-            state.fleet.suspect(ep)
-        elif r.status == 200 and not r.client_gone:
-            p.pool.succeeded(ep)
-        self.adm.settling = True
-        state.spawn(finish(self.ctx, self.adm, r, p))
+        hand_back(self.ctx, self.adm, self.result, self.picked, self.picked.pool,
+                  self.picked.ticket)
         self._end_trace(None)
 
     def close(self) -> None:
