@@ -41,7 +41,7 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _CLIENT_STATUSES = frozenset({400, 413, 422})  # the request's content was refused
 _MESSAGE_LIMIT = 400
 _IDENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_ERROR_BODY_LIMIT = 64 * 1024
+ERROR_BODY_LIMIT = 64 * 1024  # what is read of an error answer
 
 
 @dataclass(slots=True)
@@ -73,6 +73,10 @@ class Routed(Protocol):
 
     @property
     def decision(self) -> Decision: ...
+    @property
+    def pool(self) -> EndpointPool: ...
+    @property
+    def ticket(self) -> Ticket: ...
     @property
     def prefill_used(self) -> bool: ...
     @property
@@ -193,7 +197,7 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
     ``code``/``param`` when they are plain identifiers)."""
     asked = up.headers.get("retry-after")
     try:
-        body = await up.read(_ERROR_BODY_LIMIT)
+        body = await up.read(ERROR_BODY_LIMIT)
     except (UpstreamError, TimeoutError):
         body = b""
     finally:
@@ -204,7 +208,7 @@ async def answer_failure(up: UpstreamResponse, ep: EndpointState, pool: Endpoint
 def judge_failure(status: int, asked: str | None, body: bytes, ep: EndpointState,
                   pool: EndpointPool) -> Failure:
     """``answer_failure`` on an answer already read (``asked``: its ``retry-after``)."""
-    body = body[:_ERROR_BODY_LIMIT]
+    body = body[:ERROR_BODY_LIMIT]
     log.warning("endpoint %s answered %d: %s", ep.url, status,
                 body[:500].decode("utf-8", "replace"))
     if status in RETRY_STATUSES:

@@ -60,7 +60,7 @@ async def respond(request: web.Request, ctx: RequestContext, adm: quota.Admissio
     finally:
         s = current[0]
         s.up.release()
-        hand_back(ctx, adm, result, s, s.pool, s.ticket)
+        hand_back(ctx, adm, result, s)
 
 
 async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admission,

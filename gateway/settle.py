@@ -26,7 +26,6 @@ import orjson
 from gateway import quota
 from gateway.attempt import Routed
 from gateway.context import RequestContext
-from gateway.endpoints import EndpointPool, Ticket
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult
 
@@ -146,13 +145,13 @@ def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
     t.end(span, error=err)
 
 
-def hand_back(ctx: RequestContext, adm: quota.Admission, r: RelayResult, routed: Routed,
-              pool: EndpointPool, ticket: Ticket) -> None:
+def hand_back(ctx: RequestContext, adm: quota.Admission, r: RelayResult, routed: Routed
+              ) -> None:
     """The end of an answer, however it ended: the endpoint's counters go back, its health
     is judged by how the answer went, and settlement starts in the background (once)."""
     state = ctx.state
-    ep = routed.decision.endpoint.ep
-    pool.release(ticket)
+    ep, pool = routed.decision.endpoint.ep, routed.pool
+    pool.release(routed.ticket)
     state.metrics.series("in_flight", ep.url).dec()
     if r.broken:
         pool.failed(ep, transport=True)
