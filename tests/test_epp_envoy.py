@@ -19,7 +19,7 @@ import pytest
 from conftest import RunningBackend
 from epp_stack import RunningEPP, start_epp
 from gateway_stack import RunningGateway, start_gateway, write_policy
-from ledger import AUTH, NOW, charged, policy
+from ledger import AUTH, NOW, charged, policy, settled
 from redis_servers import RedisServer
 from test_backend_pd import metric
 from test_gateway_e2e import assert_quota_failover, policy_doc
@@ -114,6 +114,16 @@ def test_the_openai_client_sees_through_envoy_what_it_sees_through_serve(
                         headers={"Authorization": "Bearer admin-key"}).text
     assert 'tokengate_failovers_total{from_model="big",reason="quota",to_model="small"} 1.0' \
         in metrics
+    # and both count the session's requests alike: each once, by model and outcome
+    settled(gw)  # settlement (which counts served requests) runs in the background
+    settled(epp)  # type: ignore[arg-type]
+    assert requests_total(epp.http_url) == requests_total(gw.url) != {}
+
+
+def requests_total(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("tokengate_requests_total{")}
 
 
 def test_the_endpoint_that_serves_is_the_one_the_epp_picked(

@@ -27,7 +27,7 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from gateway import pipeline, quota
-from gateway.attempt import judge_failure
+from gateway.attempt import ERROR_BODY_LIMIT, judge_failure
 from gateway.context import RequestContext
 from gateway.dispatch import open_request
 from gateway.epp import messages
@@ -200,7 +200,7 @@ class Exchange:
         if self.picked is None or self.adm is None:
             return [messages.body(data, end, response=True)]
         if self.result.status != 200:
-            if len(self.response) < 65536:
+            if len(self.response) < ERROR_BODY_LIMIT:
                 self.response += data
             return [self._upstream_failed()] if end else []
         if self.feed is None or self.relay is None:
@@ -241,22 +241,27 @@ class Exchange:
 
     def _upstream_failed(self) -> pb.ProcessingResponse:
         """A non-200 answer (or Envoy's own reply, when the endpoint could not be reached),
-        judged as ``tokengate serve`` judges one; the reservation goes back whole."""
-        assert self.picked is not None
+        judged as ``tokengate serve`` judges one (and counted, as serve counts a failed
+        attempt's answer); the reservation goes back whole."""
+        assert self.picked is not None and self.ctx is not None and self.adm is not None
         p, status = self.picked, self.result.status
         ep = p.decision.endpoint.ep
         if status >= 500 and UPSTREAM_TIME not in self.upstream_headers:
             p.pool.failed(ep, transport=True)
             self.state.fleet.suspect(ep)
             self.state.metrics.series("upstream_errors", ep.url, "connect").inc()
-            return self._refuse(APIError(502, "the upstream could not be reached",
-                                         type="server_error", code="upstream_unavailable"))
-        f = judge_failure(status, self.upstream_headers.get("retry-after"),
-                          bytes(self.response), ep, p.pool)
-        if f.endpoint_fault:
-            p.pool.failed(ep, transport=False)
-            self.state.metrics.series("upstream_errors", ep.url, f.kind).inc()
-        return self._refuse(f.error)
+            error = APIError(502, "the upstream could not be reached", type="server_error",
+                             code="upstream_unavailable")
+        else:
+            f = judge_failure(status, self.upstream_headers.get("retry-after"),
+                              bytes(self.response), ep, p.pool)
+            if f.endpoint_fault:
+                p.pool.failed(ep, transport=False)
+                self.state.metrics.series("upstream_errors", ep.url, f.kind).inc()
+            error = f.error
+        self.state.metrics.series("requests", self.ctx.route.name, self.adm.model.name,
+                                  self.ctx.tenant_label, str(error.status)).inc()
+        return self._refuse(error)
 
     # -- the end -------------------------------------------------------------------------
 
@@ -266,8 +271,6 @@ class Exchange:
         extra = {}
         if self.ctx is not None:
             extra["x-request-id"] = self.ctx.request_id
-            self.state.metrics.series("requests", self.ctx.route.name, self.ctx.parsed.model,
-                                      self.ctx.tenant_label, str(exc.status)).inc()
             self._end_trace(exc)
         self._release()
         return messages.error(exc, extra)
@@ -284,8 +287,7 @@ class Exchange:
         if self.finished or self.picked is None or self.adm is None or self.ctx is None:
             return
         self.finished = True
-        hand_back(self.ctx, self.adm, self.result, self.picked, self.picked.pool,
-                  self.picked.ticket)
+        hand_back(self.ctx, self.adm, self.result, self.picked)
         self._end_trace(None)
 
     def close(self) -> None:
@@ -293,7 +295,9 @@ class Exchange:
         if self.relay is not None and not self.relay.done():
             self.relay.cancel()
         if self.result.status == 200 and not self.finished:
-            self.result.client_gone = True  # the answer had begun: settle what was streamed
+            # The answer had begun: settle what was streamed. A stream whose [DONE] was
+            # relayed was whole (the client closed on it before Envoy's end of stream came).
+            self.result.client_gone = not self.result.done
             self._finish()
         self._release()
         self._end_trace(None)
