@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import orjson
 from opentelemetry.trace import SpanKind
 
-from gateway import disagg, quota, slo
+from gateway import admission, disagg, quota, slo
 from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_failure
 from gateway.config.policy import Model
 from gateway.context import RequestContext
@@ -254,11 +254,12 @@ async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admi
         if name not in ctx.route.models:
             continue
         fb = policy.models[name]
-        nxt = await quota.admit(state.store, policy, ctx.tenant, ctx.route, fb,
-                                ctx.count_prompt, ctx.expected_output)
-        ctx.admissions.append(nxt)
+        # Raises 503 limiter_unavailable when the store is gone (the pipeline refunds what
+        # this request holds); an admission is recorded in ctx.admissions.
+        nxt = await admission.reserve(state, ctx, fb)
         if not nxt.decision.allowed or nxt.model is not fb:
-            refund_later(ctx, nxt)
+            if nxt.decision.allowed:
+                refund_later(ctx, nxt)
             continue
         attempt_ = await opener(state, ctx, fb, nxt.prompt_tokens, nxt.expected_output)
         if isinstance(attempt_, APIError):

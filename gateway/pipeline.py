@@ -21,12 +21,11 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from gateway import quota, slo
+from gateway import admission, quota, slo
 from gateway.config.policy import Policy
 from gateway.context import RequestContext
 from gateway.dispatch import open_model, open_request
 from gateway.http_guard import read_body
-from gateway.limiter.store import StoreUnavailable
 from gateway.respond import respond
 from gateway.settle import refund_later
 from gateway.state import GATEWAY, GatewayState
@@ -95,7 +94,7 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
                          received, raw)
     ctx.slo = (slo.header(headers, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
-    ctx.priority = slo.priority(headers, policy.tenants[tenant].priority)
+    ctx.priority = slo.priority(headers, policy.tenants[tenant])
     ctx.trace = state.tracer.request(kind, g.model, headers, {
         "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
         "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,
@@ -166,27 +165,11 @@ async def admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
 
 
 async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
-    policy, route, tenant = ctx.view.policy, ctx.route, ctx.tenant
-    try:
-        adm = await quota.admit(state.store, policy, tenant, route,
-                                policy.models[ctx.parsed.model], ctx.count_prompt,
-                                ctx.expected_output)
-    except StoreUnavailable:
-        state.metrics.series("limiter", "all", "unavailable").inc()
-        raise APIError(503, "rate limiting is unavailable", type="service_unavailable",
-                       code="limiter_unavailable", headers={"retry-after": "1"}) from None
-    if state.store.stats.fallbacks:
-        state.metrics.limiter_fallbacks.inc(state.store.stats.fallbacks)
-        state.store.stats.fallbacks = 0
-    for refused in adm.refused:
-        if refused.denied is not None:
-            state.metrics.series("limiter", refused.denied.scope.split(":")[0], "denied").inc()
+    adm = await admission.reserve(state, ctx, ctx.view.policy.models[ctx.parsed.model])
     if not adm.decision.allowed:
-        state.metrics.series("requests", route.name, ctx.parsed.model, ctx.tenant_label,
+        state.metrics.series("requests", ctx.route.name, ctx.parsed.model, ctx.tenant_label,
                              "429").inc()
         raise quota.rate_limit_error(adm.decision)
-    ctx.admissions.append(adm)
-    state.metrics.series("limiter", "all", "admitted").inc()
     if adm.failover_from:
         state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()
     return adm

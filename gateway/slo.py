@@ -1,7 +1,8 @@
 """Per-request SLOs and priority classes, applied to a routing decision.
 
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (defaults per route) and ``x-priority: critical |
-standard | flex`` (default per tenant). A request that no endpoint is predicted to serve within
+standard | flex`` (default per tenant, and capped by it: a header can lower a tenant's band,
+never raise it past its policy's ``max_priority``). A request that no endpoint is predicted to serve within
 its SLO is routed best-effort, queued up to the route's ``queue_ms`` while the decision is
 re-taken, or failed over to the fallback model (``code: slo_unattainable`` tells the pipeline
 to walk the chain), as the route's ``on_slo_miss`` says. Critical requests are never held back;
@@ -16,7 +17,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-from gateway.config.policy import Model, Route
+from gateway.config.policy import PRIORITY_RANK, Model, Route, Tenant
 from gateway.endpoints import EndpointState
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
@@ -40,14 +41,19 @@ def header(headers: Mapping[str, str], name: str, default: float | None) -> floa
     return v
 
 
-def priority(headers: Mapping[str, str], default: str) -> str:
+def priority(headers: Mapping[str, str], tenant: Tenant) -> str:
+    """The request's band: ``x-priority`` (or an InferenceObjective, which the EPP reads as
+    one) may lower the tenant's ``priority``, never raise it above its ceiling (the policy's
+    ``max_priority``, else its ``priority``): a higher band asked for is served at the
+    ceiling."""
     raw = headers.get("x-priority")
     if raw is None:
-        return default
-    if raw not in ("critical", "standard", "flex"):
+        return tenant.priority
+    if raw not in PRIORITY_RANK:
         raise bad(f"header x-priority must be critical, standard or flex, got {raw!r}",
                   "x-priority")
-    return raw
+    ceiling = tenant.priority_ceiling
+    return raw if PRIORITY_RANK[raw] <= PRIORITY_RANK[ceiling] else ceiling
 
 
 def misses(d: Decision, info: RequestInfo) -> bool:

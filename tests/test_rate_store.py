@@ -163,7 +163,7 @@ def test_lua_scripts_ship_as_package_data() -> None:
     import gateway.limiter
 
     lua = Path(gateway.limiter.__file__).parent / "lua"
-    assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua"}
+    assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua", "void.lua"}
 
 
 def test_redis_store_under_uvloop(redis_server: RedisServer) -> None:

@@ -103,13 +103,23 @@ class Key:
     sha256: str
 
 
+PRIORITY_RANK = {"flex": 0, "standard": 1, "critical": 2}
+
+
 @dataclass(frozen=True, slots=True)
 class Tenant:
     name: str
     keys: tuple[Key, ...]
     limits: Limits = field(default_factory=Limits)
     model_limits: Mapping[str, Limits] = field(default_factory=dict)
+    # The band its requests get by default, and the highest they may ask for (x-priority, an
+    # InferenceObjective) unless ``max_priority`` grants a higher one explicitly.
     priority: Literal["critical", "standard", "flex"] = "standard"
+    max_priority: Literal["critical", "standard", "flex"] | None = None
+
+    @property
+    def priority_ceiling(self) -> str:
+        return self.max_priority or self.priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +236,8 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
 
 
 def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
-    m = d.mapping(raw, path, {"keys", "limits", "model_limits", "priority"}, {"keys"})
+    m = d.mapping(raw, path, {"keys", "limits", "model_limits", "priority", "max_priority"},
+                  {"keys"})
     if not isinstance(m["keys"], list) or not m["keys"]:
         raise d.fail(f"{path}.keys", "expected a non-empty list of keys")
     keys = []
@@ -241,10 +252,14 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
     if not isinstance(ml, Mapping):
         raise d.fail(f"{path}.model_limits", "expected a mapping of model to limits")
     model_limits = {str(k): _limits(d, v, f"{path}.model_limits.{k}") for k, v in ml.items()}
-    priority = d.choice(m.get("priority", "standard"), f"{path}.priority",
-                        {"critical", "standard", "flex"})
+    bands = {"critical", "standard", "flex"}
+    priority = d.choice(m.get("priority", "standard"), f"{path}.priority", bands)
+    ceiling = d.choice(m["max_priority"], f"{path}.max_priority", bands) \
+        if "max_priority" in m else None
+    if ceiling is not None and PRIORITY_RANK[ceiling] < PRIORITY_RANK[priority]:
+        raise d.fail(f"{path}.max_priority", f"is below the tenant's priority ({priority})")
     return Tenant(name, tuple(keys), _limits(d, m.get("limits"), f"{path}.limits"), model_limits,
-                  priority)
+                  priority, ceiling)
 
 
 def _settings(d: Decoder, raw: Any) -> Settings:

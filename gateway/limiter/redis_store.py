@@ -17,14 +17,27 @@ Adjustments are made idempotent by a marker: one hash per reservation
 script, so a retried settlement step applies once. The hash expires with the reservation's
 life (``Reservation.life_s``: the route's hold + queue + total timeouts plus a minute), the
 longest its settlement can take, so Redis holds at most request rate × that many of them.
+
+Calls whose outcome is unknown (the reply timed out or the connection dropped: the command
+may have run, or may still run when a stalled Redis resumes) are made good, in the
+background, until they succeed or the reservation's life ends (``Owed``):
+
+* a reservation is *voided* by id (``void.lua``): given back if it ran, and refused should it
+  run later -- exactly once either way; the caller has already answered 503 or served from
+  its local limiter;
+* a settlement step is sent again: its marker makes it apply once whether or not the first
+  send ran. ``adjust`` counts it as done (the settlement records it), since it will be.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
 
@@ -50,6 +63,18 @@ _ERRORS = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError,
            rexc.ClusterError, rexc.RedisClusterException, OSError, TimeoutError, RespError)
 
 
+log = logging.getLogger("tokengate.limiter")
+
+
+@dataclass(slots=True)
+class Owed:
+    """A call whose outcome was lost, to be made good (it is idempotent) until ``until``."""
+
+    call: Callable[[], Awaitable[object]]
+    until: float  # monotonic
+    what: str
+
+
 def _script(name: str) -> str:
     return (files("gateway.limiter") / "lua" / name).read_text()
 
@@ -69,7 +94,11 @@ class RedisStore:
         self._cluster = cluster
         self._reserve_src = _script("reserve.lua")
         self._adjust_src = _script("adjust.lua")
+        self._void_src = _script("void.lua")
         self._sha: dict[str, str] = {}
+        self.owed: dict[tuple[str, str], Owed] = {}  # (reservation, step or scope) -> call
+        self._paying: asyncio.Task[None] | None = None
+        self.retry_s = (0.05, 1.0)  # the first and the longest pause between attempts
         self._init_lock: asyncio.Lock | None = None
         self._initialized = not cluster
         self.stats = StoreStats()
@@ -115,14 +144,27 @@ class RedisStore:
     async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
                       life_s: float = DEFAULT_LIFE_S) -> Decision:
         if not self._cluster:
-            return await self._reserve_group(charges, reservation_id, life_s)
+            try:
+                return await self._reserve_group(charges, reservation_id, life_s)
+            except StoreUnavailable:
+                self._void_later(Reservation(reservation_id, tuple(charges), life_s))
+                raise
         groups: dict[str, list[Charge]] = defaultdict(list)
         for c in charges:
             groups[c.scope].append(c)
         done: list[Charge] = []
         states: list[BucketState] = []
         for group in groups.values():
-            d = await self._reserve_group(group, reservation_id, life_s)
+            try:
+                d = await self._reserve_group(group, reservation_id, life_s)
+            except StoreUnavailable:
+                # Each group is its own reservation (marker in its own slot): void what ran,
+                # and the one whose answer was lost.
+                for g in groups.values():
+                    self._void_later(Reservation(reservation_id, tuple(g), life_s))
+                    if g is group:
+                        break
+                raise
             states.extend(d.states)
             if not d.allowed:
                 if done:
@@ -133,6 +175,57 @@ class RedisStore:
         return Decision(True, Reservation(reservation_id, tuple(charges), life_s),
                         tuple(states))
 
+    def _marker(self, reservation_id: str, scope: str) -> str:
+        return f"{_key(scope)}:s:{reservation_id}"
+
+    async def void(self, reservation: Reservation) -> int:
+        """Give a reservation back if it ran, and make sure it never runs after this (its
+        charges all in one slot: one group of a cluster's). 1: given back, 2: it had not run,
+        0: already voided."""
+        cs = reservation.charges
+        keys = [self._marker(reservation.id, cs[0].scope), *(_key(c.scope) for c in cs)]
+        args: list[Any] = [len(cs), max(1, math.ceil(reservation.life_s * 1000))]
+        for c in cs:
+            args += [c.limit.kind, repr(c.limit.interval), repr(c.cost), _ttl_ms(c)]
+        return int(await self._eval(self._void_src, keys, args))
+
+    def _void_later(self, reservation: Reservation) -> None:
+        if reservation.charges:
+            self._owe((reservation.id, "void:" + reservation.charges[0].scope),
+                      lambda: self.void(reservation), reservation.life_s,
+                      f"void {reservation.id}")
+
+    def _owe(self, key: tuple[str, str], call: Callable[[], Awaitable[object]],
+             life_s: float, what: str) -> None:
+        self.owed[key] = Owed(call, time.monotonic() + life_s, what)
+        self.stats.owed = len(self.owed)
+        if self._paying is None or self._paying.done():
+            self._paying = asyncio.ensure_future(self._pay())
+
+    async def _pay(self) -> None:
+        """Make good what is owed, oldest first, backing off while the store is away."""
+        pause = self.retry_s[0]
+        while self.owed:
+            await asyncio.sleep(pause)
+            for key, o in list(self.owed.items()):
+                try:
+                    await o.call()
+                except StoreUnavailable:
+                    if time.monotonic() >= o.until:
+                        del self.owed[key]
+                        self.stats.abandoned += 1
+                        log.error("gave up on %s: the rate store was away past its life",
+                                  o.what)
+                        continue
+                    break  # still away: wait, then start again from the oldest
+                del self.owed[key]
+                self.stats.compensated += 1
+            else:
+                pause = self.retry_s[0]
+                continue
+            pause = min(pause * 2, self.retry_s[1])
+        self.stats.owed = len(self.owed)
+
     async def _reserve_group(self, charges: Sequence[Charge], reservation_id: str,
                              life_s: float) -> Decision:
         args: list[Any] = [len(charges)]
@@ -140,7 +233,9 @@ class RedisStore:
             lim = c.limit
             args += [lim.kind, repr(lim.interval), repr(lim.tolerance), repr(lim.burst),
                      repr(c.cost), _ttl_ms(c)]
-        raw = await self._eval(self._reserve_src, [_key(c.scope) for c in charges], args)
+        args.append(max(1, math.ceil(life_s * 1000)))
+        keys = [*(_key(c.scope) for c in charges), self._marker(reservation_id, charges[0].scope)]
+        raw = await self._eval(self._reserve_src, keys, args)
         allowed, index, now = int(raw[0]), int(raw[1]), float(raw[2])
         retry = float(raw[3])
         tats = [float(x) for x in raw[4:]]
@@ -172,14 +267,31 @@ class RedisStore:
         for scope, items in groups.items():
             marker_scope = scope or (reservation.charges[0].scope if reservation.charges
                                      else "none")
-            keys = [f"{_key(marker_scope)}:s:{reservation.id}",
+            keys = [self._marker(reservation.id, marker_scope),
                     *(_key(c.scope) for c, _ in items)]
             args: list[Any] = [len(items), step, max(1, math.ceil(reservation.life_s * 1000))]
             for c, d in items:
                 args += [c.limit.kind, repr(c.limit.interval), repr(d), _ttl_ms(c)]
-            applied = bool(int(await self._eval(self._adjust_src, keys, args,
-                                                refund))) or applied
+            try:
+                applied = bool(int(await self._eval(self._adjust_src, keys, args,
+                                                    refund))) or applied
+            except StoreUnavailable:
+                # Lost or not, the step is marked: sending it again applies it once.
+                async def again(keys: list[str] = keys, args: list[Any] = args) -> object:
+                    return await self._eval(self._adjust_src, keys, args)
+
+                self._owe((reservation.id, f"{step}:{marker_scope}"), again,
+                          reservation.life_s, f"step {step} of {reservation.id}")
+                applied = True
         return applied
 
     async def close(self) -> None:
+        if self._paying is not None and not self._paying.done():
+            self.retry_s = (0.0, 0.0)  # one more pass at once, then give up what is left
+            try:
+                await asyncio.wait_for(asyncio.shield(self._paying), 2.0)
+            except TimeoutError:
+                self._paying.cancel()
+            for o in self.owed.values():
+                log.error("closing with %s still owed to the rate store", o.what)
         await self._r.aclose()

@@ -74,6 +74,9 @@ class Decision:
 class StoreStats:
     round_trips: int = 0
     fallbacks: int = 0  # decisions served by a local limiter because the store was unreachable
+    owed: int = 0  # calls whose outcome was lost, waiting to be made good (voids, steps)
+    compensated: int = 0  # such calls made good since start
+    abandoned: int = 0  # such calls given up on: the store stayed away past their life
 
 
 class RateStore(Protocol):

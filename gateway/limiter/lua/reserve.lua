@@ -1,10 +1,17 @@
 -- Reserve on several GCRA buckets at once, all or nothing, at Redis server time.
--- KEYS[i]: the hash of the i-th charge's scope. ARGV[1]: n; then, per charge, 6 values:
--- field (limit kind), interval (s/unit), tolerance (s), burst (units), cost (units), ttl (ms).
+-- KEYS[i]: the hash of the i-th charge's scope; KEYS[n + 1]: the reservation's marker (the
+-- hash its settlement steps are recorded in). ARGV[1]: n; then, per charge, 6 values:
+-- field (limit kind), interval (s/unit), tolerance (s), burst (units), cost (units), ttl (ms);
+-- then the marker's life (ms).
 -- Returns {allowed (1/0), denied index (0 if allowed), now, retry_after, tat_1 .. tat_n}.
+-- A reservation that was voided (void.lua: its caller gave up waiting for this answer) is
+-- refused without touching anything; one that is allowed marks itself reserved ('r'), so a
+-- later void knows to give it back.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local n = tonumber(ARGV[1])
+local marker = KEYS[n + 1]
+local voided = redis.call('HEXISTS', marker, 'void') == 1
 local pending = {}
 local tats = {}
 local denied, retry = 0, 0
@@ -16,7 +23,9 @@ for i = 1, n do
   local interval, tol = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local burst, cost = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   tats[i] = tat
-  if denied == 0 then
+  if voided then
+    denied, retry = 1, -1
+  elseif denied == 0 then
     if cost > burst then
       denied, retry = i, -1
     else
@@ -48,4 +57,6 @@ for i = 1, n do
   if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
   out[#out + 1] = v
 end
+redis.call('HSET', marker, 'r', '1')
+redis.call('PEXPIRE', marker, ARGV[2 + n * 6])
 return out
