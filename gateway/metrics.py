@@ -39,6 +39,14 @@ class GatewayMetrics:
                                ["endpoint"], registry=r)
         self.upstream_errors = Counter("tokengate_upstream_errors", "Upstream failures.",
                                        ["endpoint", "kind"], registry=r)
+        self.usage_rejected = Counter(
+            "tokengate_usage_rejected", "Usage an endpoint reported that settlement refused "
+            "(out of bounds of the gateway's own count), by field.", ["endpoint", "field"],
+            registry=r)
+        self.abandoned = Counter(
+            "tokengate_abandoned", "Requests whose client left before the answer ended, by "
+            "how far the engine had got (queued: no token yet; generating).",
+            ["model", "phase"], registry=r)
         self.retries = Counter("tokengate_retries", "Retries on another endpoint: made, or "
                                "denied by the attempts limit or the retry budget.",
                                ["model", "outcome"], registry=r)

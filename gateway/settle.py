@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -93,23 +94,66 @@ async def _text_tokens(ctx: RequestContext, adm: quota.Admission, body: bytes) -
     return sum([await counter.generated(p) for p in parts])
 
 
-async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult
-                 ) -> tuple[int, int] | None:
-    """(prompt, completion) tokens to charge, or None when nothing was served."""
+# Reported usage is believed only within these bounds of the gateway's own count; outside them
+# it is logged, counted (``tokengate_usage_rejected_total``), held against the endpoint's
+# health, and replaced by the gateway's count.
+COMPLETION_SLACK = 16  # completion: at most this many tokens more than the gateway counted
+PROMPT_TOLERANCE = (0.25, 16)  # prompt: within 25 % + 16 tokens of the gateway's count
+
+
+@dataclass(slots=True)
+class Served:
+    """What a request is charged, and which reported counts were refused."""
+
+    prompt: int
+    completion: int
+    rejected: tuple[str, ...] = ()
+
+
+def bounded(adm: quota.Admission, prompt: int | None, completion: int | None,
+            own_completion: int, *, exact: bool) -> Served:
+    """The upstream's usage where it is plausible, else the gateway's own counts: the
+    completion at least what the gateway counted (``exact``: one token per event relayed;
+    else the re-tokenized text, within the prompt tolerance), at most that plus
+    ``COMPLETION_SLACK`` and never beyond the ``max_tokens`` the engine was held to; the
+    prompt within ``PROMPT_TOLERANCE`` of the gateway's count."""
+    rejected = []
+    cap = adm.expected_output
+    own_completion = min(own_completion, cap)
+    if completion is None:
+        completion = own_completion
+    else:
+        low = own_completion if exact else math.floor(
+            own_completion * (1 - PROMPT_TOLERANCE[0])) - PROMPT_TOLERANCE[1]
+        if not low <= completion <= min(cap, own_completion + COMPLETION_SLACK):
+            rejected.append("completion_tokens")
+            completion = own_completion
+    own_prompt = adm.prompt_tokens
+    if prompt is None:
+        prompt = own_prompt
+    elif abs(prompt - own_prompt) > own_prompt * PROMPT_TOLERANCE[0] + PROMPT_TOLERANCE[1]:
+        rejected.append("prompt_tokens")
+        prompt = own_prompt
+    return Served(prompt, completion, tuple(rejected))
+
+
+async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult) -> Served | None:
+    """What to charge, or None when nothing was served."""
     usage = r.usage or {}
     prompt, output = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
     if ctx.parsed.stream:
-        complete = r.done and not r.broken and not r.client_gone
-        if complete and prompt is not None and output is not None:
-            return prompt, output
-        if r.chunks == 0:
+        if r.chunks == 0 and not (r.done and not r.broken and not r.client_gone
+                                  and prompt is not None and output is not None):
             return None
-        return (prompt if prompt is not None else adm.prompt_tokens), r.chunks
+        complete = r.done and not r.broken and not r.client_gone
+        # A stream cut short is charged what was relayed (its usage, if any, cannot cover
+        # tokens the client never got); only its prompt count is taken from the upstream.
+        return bounded(adm, prompt, output if complete else None, r.chunks, exact=True)
     if r.status != 200 or r.body is None or r.client_gone or r.broken:
         return None
-    if prompt is not None and output is not None:
-        return prompt, output
-    return adm.prompt_tokens, await _text_tokens(ctx, adm, r.body)
+    if r.chunks:
+        return bounded(adm, prompt, output, r.chunks, exact=True)
+    return bounded(adm, prompt, output, await _text_tokens(ctx, adm, r.body), exact=False)
 
 
 def refund_later(ctx: RequestContext, adm: quota.Admission) -> None:
@@ -127,11 +171,11 @@ async def _refund(ctx: RequestContext, adm: quota.Admission) -> None:
 
 
 def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
-                      used: tuple[int, int] | None) -> None:
+                      used: Served | None) -> None:
     t = ctx.trace
     assert t is not None
-    usage = {"gen_ai.usage.input_tokens": used[0] if used else None,
-             "gen_ai.usage.output_tokens": used[1] if used else None,
+    usage = {"gen_ai.usage.input_tokens": used.prompt if used else None,
+             "gen_ai.usage.output_tokens": used.completion if used else None,
              "gen_ai.response.model": adm.model.upstream_name}
     err = "client left" if r.client_gone else "stream broke" if r.broken else None
     if t.upstream is not None:
@@ -141,7 +185,7 @@ def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
         t.upstream = None
     span = t.child("tokengate.settlement", {
         **usage, "tokengate.reserved_tokens": adm.prompt_tokens + adm.expected_output,
-        "tokengate.charged_tokens": sum(used) if used else 0, "tokengate.refunded": used is None})
+        "tokengate.charged_tokens": used.prompt + used.completion if used else 0, "tokengate.refunded": used is None})
     t.end(span, error=err)
 
 
@@ -168,24 +212,38 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
     state = ctx.state
     m = adm.model.name
     used = await served(ctx, adm, r)
+    if used is not None and used.rejected:
+        _distrust(ctx, sent, used)
     if ctx.trace is not None:
         _trace_settlement(ctx, adm, r, used)
     try:
         if used is None:
             await quota.refund(state.store, adm)
         else:
-            await quota.settle(state.store, adm, output_tokens=used[1],
-                               prompt_tokens=used[0], failed_before_first_token=False)
+            await quota.settle(state.store, adm, output_tokens=used.completion,
+                               prompt_tokens=used.prompt, failed_before_first_token=False)
     except StoreUnavailable:
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
     status = ("client_gone" if r.client_gone else "broken" if r.broken else str(r.status))
     state.metrics.series("requests", ctx.route.name, m, ctx.tenant_label, status).inc()
     if used is not None and r.status == 200 and not r.broken:
         observe(ctx, r, sent)
-        state.metrics.series("prompt_tokens", m, ctx.tenant_label).inc(used[0])
-        state.metrics.series("completion_tokens", m, ctx.tenant_label).inc(used[1])
+        state.metrics.series("prompt_tokens", m, ctx.tenant_label).inc(used.prompt)
+        state.metrics.series("completion_tokens", m, ctx.tenant_label).inc(used.completion)
         if ctx.parsed.stream and r.first_token_at is not None:
             state.metrics.series("ttft", m).observe(r.first_token_at - ctx.received_at)
             if r.last_token_at is not None and r.chunks > 1:
                 state.metrics.series("tpot", m).observe(
                     (r.last_token_at - r.first_token_at) / (r.chunks - 1))
+
+
+def _distrust(ctx: RequestContext, sent: Routed, used: Served) -> None:
+    """The endpoint reported usage the gateway cannot believe: log it, count it, and hold it
+    against the endpoint's health (it is charged by the gateway's own count)."""
+    ep = sent.decision.endpoint.ep
+    log.warning("endpoint %s reported implausible %s for %s: charged the gateway's count "
+                "(%d prompt, %d completion)", ep.url, " and ".join(used.rejected),
+                ctx.request_id, used.prompt, used.completion)
+    for f in used.rejected:
+        ctx.state.metrics.series("usage_rejected", ep.url, f).inc()
+    sent.pool.failed(ep, transport=False)

