@@ -47,6 +47,9 @@ class GatewayMetrics:
             "tokengate_abandoned", "Requests whose client left before the answer ended, by "
             "how far the engine had got (queued: no token yet; generating).",
             ["model", "phase"], registry=r)
+        self.epp_refused_streams = Counter(
+            "tokengate_epp_refused_streams", "ext_proc streams closed for a message out of "
+            "order (nothing they had admitted is kept).", registry=r)
         self.retries = Counter("tokengate_retries", "Retries on another endpoint: made, or "
                                "denied by the attempts limit or the retry budget.",
                                ["model", "outcome"], registry=r)

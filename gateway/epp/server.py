@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.epp.exchange import Exchange
+from gateway.epp.exchange import Exchange, OutOfOrder
 from gateway.process import ServeConfig, announce, drain, in_flight, make_state
 from gateway.reload import PolicyWatcher
 from gateway.routes import build_app
@@ -47,7 +47,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.streams += 1
         try:
             async for req in requests:
-                for resp in await ex.on(req):
+                try:
+                    answers = await ex.on(req)
+                except OutOfOrder as exc:
+                    log.warning("closing an ext_proc stream: %s", exc)
+                    self.state.metrics.epp_refused_streams.inc()
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                for resp in answers:
                     yield resp
                 if ex.done:
                     break
