@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
@@ -30,13 +30,28 @@ from protocol import bodies
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
+SERVER = "tokengate"  # the Server header of every response (never Python/aiohttp's)
+
+
+def _fault(exc: BaseException | None) -> str:
+    """What kind of protocol fault ``exc`` is, in words that quote nothing of the request."""
+    if isinstance(exc, http_exceptions.LineTooLong):
+        return "a request line or header field is too long"
+    if isinstance(exc, (http_exceptions.BadStatusLine, http_exceptions.BadHttpMethod)):
+        return "the request line is invalid"
+    if isinstance(exc, http_exceptions.InvalidHeader):
+        return "a header field is invalid"
+    if isinstance(exc, (http_exceptions.TransferEncodingError,
+                        http_exceptions.ContentLengthError)):
+        return "the body's framing is invalid"
+    return "the request does not parse as HTTP/1.1"
 
 
 def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
     body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
                                    "param": None, "code": code}})
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    return (f"HTTP/1.1 {status} {reason}\r\nServer: {SERVER}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
 class GuardedHandler(RequestHandler):
@@ -104,10 +119,12 @@ class GuardedHandler(RequestHandler):
                             type(exc).__name__ if exc else status)
             err = APIError(status, "internal error", type="server_error")
         else:
-            text = (getattr(exc, "message", None) or message or "malformed HTTP request")
-            err = APIError(status, f"malformed HTTP request: {str(text)[:200]}",
+            # The parser's own message quotes the offending bytes (a header line, maybe an
+            # Authorization): the client gets what kind of fault it was, nothing it sent.
+            err = APIError(status, f"malformed HTTP request: {_fault(exc)}",
                            code="bad_http_request")
-        resp = web.Response(status=err.status, body=err.body(), content_type="application/json")
+        resp = web.Response(status=err.status, body=err.body(), content_type="application/json",
+                            headers={"Server": SERVER})
         resp.force_close()
         return resp
 

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
 from gateway.endpoints import EndpointState
-from gateway.http_guard import guard
+from gateway.http_guard import SERVER, guard
 from gateway.limiter.resilient import ResilientStore
 from gateway.redis_clients import coordination_client
 from gateway.reload import PolicyWatcher
@@ -244,7 +244,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     """No ``Server: Python/… aiohttp/…``: what the gateway runs on is nobody's business."""
-    response.headers["Server"] = "tokengate"
+    response.headers["Server"] = SERVER
 
 
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.Application:

@@ -65,8 +65,11 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kinds = {404: ("not_found_error", f"no route for {request.method} {request.path}"),
-                 405: ("invalid_request_error", f"method {request.method} not allowed here"),
+        # Nothing of the request is echoed (a path or a method may carry what a client
+        # should not see reflected: a key pasted in a URL).
+        kinds = {404: ("not_found_error", "unknown request URL: check the path (e.g. "
+                       "/v1/chat/completions)"),
+                 405: ("invalid_request_error", "this URL does not take that method"),
                  413: ("invalid_request_error", "request body too large")}
         kind, message = kinds.get(exc.status, ("invalid_request_error", exc.reason))
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None

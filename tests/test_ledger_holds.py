@@ -149,3 +149,54 @@ def test_a_ceiling_below_the_default_band_is_refused(tmp_path: Path) -> None:
     doc["tenants"]["t"].update(priority="critical", max_priority="flex")
     with pytest.raises(PolicyError, match="max_priority"):
         parse_policy(doc)
+
+
+SECRET = "sk-must-not-echo-5f3a"
+HEAD = f"Host: x\r\nAuthorization: Bearer {SECRET}\r\nContent-Type: application/json\r\n"
+MALFORMED = {
+    "bare_lf": f"POST /v1/completions HTTP/1.1\nAuthorization: Bearer {SECRET}\n\n",
+    "obs_fold": f"POST /v1/completions HTTP/1.1\r\n{HEAD}X-Folded: a\r\n  b {SECRET}\r\n\r\n",
+    "bad_header_char": f"POST /v1/completions HTTP/1.1\r\n{HEAD}X-Bad\x01: {SECRET}\r\n\r\n",
+    "space_before_colon": f"POST /v1/completions HTTP/1.1\r\n{HEAD}X-Sp : {SECRET}\r\n\r\n",
+    "bad_request_line": f"POST /v1/completions?{SECRET} HTTP/9.9\r\n{HEAD}\r\n",
+    "bad_method": f"P{SECRET}@ / HTTP/1.1\r\n{HEAD}\r\n",
+    "bad_chunk": (f"POST /v1/completions HTTP/1.1\r\n{HEAD}Transfer-Encoding: chunked\r\n\r\n"
+                  f"zz{SECRET}\r\n"),
+    "cl_and_te": (f"POST /v1/completions HTTP/1.1\r\n{HEAD}Content-Length: 5\r\n"
+                  "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+    "long_header": f"GET /v1/models HTTP/1.1\r\n{HEAD}X-Long: {SECRET}{'a' * 20000}\r\n\r\n",
+    "unknown_path": f"GET /v1/{SECRET} HTTP/1.1\r\n{HEAD}\r\n",
+    "wrong_method": f"DELETE /v1/completions HTTP/1.1\r\n{HEAD}\r\n",
+}
+
+
+def _exchange(url: str, data: bytes) -> bytes:
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                piece = s.recv(65536)
+            except TimeoutError:
+                break
+            if not piece:
+                break
+            out += piece
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_every_4xx_is_ours_and_echoes_nothing(banded: RunningGateway, name: str) -> None:
+    raw = _exchange(banded.url, MALFORMED[name].encode("latin-1"))
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    assert 400 <= status < 500, raw[:300]
+    fields = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+    assert fields.get("server") == "tokengate", raw[:300]
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert SECRET.encode() not in raw and b"Bearer" not in raw, raw[:400]

@@ -138,10 +138,11 @@ class Exchange:
             return [self._models(pipeline.gate(self.state, h))]
         kind = KINDS.get(path)
         if kind is None:
-            raise APIError(404, f"Unknown request URL: {method} {path}.",
-                           type="invalid_request_error", code="unknown_url")
+            raise APIError(404, "unknown request URL: check the path (e.g. "
+                           "/v1/chat/completions)", type="invalid_request_error",
+                           code="unknown_url")
         if method != "POST":
-            raise APIError(405, f"{path} takes POST, not {method}.",
+            raise APIError(405, "this URL takes POST",
                            type="invalid_request_error", code="method_not_allowed")
         self.kind, self.allowed = kind, messages.subset(req, h)
         self.tenant = pipeline.gate(self.state, h)
