@@ -54,7 +54,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
            "hardware profile's PCIe bandwidth instead of recomputed (vLLM's CPU offloading)")
     a("--kv-pool", metavar="URL",
       help="a shared KV pool (tokengate kvpool): blocks are put there and fetched over the "
-           "--kv-link by any instance")
+           "--kv-link by any instance; its token is read from --kv-pool-token-env")
+    a("--kv-pool-token-env", default="TOKENGATE_KVPOOL_TOKEN", metavar="NAME",
+      help="the environment variable holding the KV pool's shared secret")
     a("--kv-hold-timeout", type=float, default=480.0,
       help="seconds a prefill instance keeps KV nobody pulled")
     a("--load-bandwidth", type=float, default=3.6,
@@ -105,7 +107,8 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         kv_peers=tuple(ns.kv_peer) if ns.kv_peer else LOOPBACK_PEERS,
         max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults,
         kv_events=_kv_events(ns.kv_events_config), tokenizer=ns.tokenizer,
-        kv_offload_bytes=_offload(ns.kv_offload_gb), kv_pool_url=_pool_url(ns.kv_pool))
+        kv_offload_bytes=_offload(ns.kv_offload_gb), kv_pool_url=_pool_url(ns.kv_pool),
+        kv_pool_token=_pool_token(ns.kv_pool, ns.kv_pool_token_env))
 
 
 def _offload(gb: float) -> float:
@@ -124,6 +127,15 @@ def _pool_url(url: str | None) -> str | None:
     return url.rstrip("/")
 
 
+def _pool_token(url: str | None, env: str) -> str | None:
+    if not url:
+        return None
+    token = os.environ.get(env, "")
+    if not token:
+        raise ValueError(f"--kv-pool needs the pool's token in {env}")
+    return token
+
+
 def _kv_events(raw: str | None) -> KVEventsConfig | None:
     if not raw:
         return None
@@ -139,23 +151,32 @@ def _kv_events(raw: str | None) -> KVEventsConfig | None:
 def add_kvpool_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("kvpool", help="a KV block pool shared by backend instances "
                        "(Mooncake Store's role)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback: instances elsewhere need "
+                   "an address they can reach, and the token)")
     p.add_argument("--port", type=int, default=9600)
     p.add_argument("--capacity-gb", type=float, required=True, help="pool capacity in GB")
+    p.add_argument("--token-env", default="TOKENGATE_KVPOOL_TOKEN", metavar="NAME",
+                   help="the environment variable holding the shared secret backends send "
+                   "(required, at least 16 characters)")
     p.add_argument("--kv-events-config", metavar="JSON",
                    help="publish the pool's KV events over ZMQ (vLLM's keys and format)")
     p.add_argument("--log-level", default="info")
 
 
 def run_kvpool(ns: argparse.Namespace) -> int:
-    from backend.kvpool import serve
+    from backend.kvpool import check_token, serve
 
     try:
         if not ns.capacity_gb > 0:
             raise ValueError("--capacity-gb must be positive")
+        token = os.environ.get(ns.token_env, "")
+        if not token:
+            raise ValueError(f"set {ns.token_env} to the pool's shared secret (backends send "
+                             "it from the same variable)")
         events = _kv_events(ns.kv_events_config)
         run_loop(serve(ns.host, ns.port, int(ns.capacity_gb * 1e9), events,
-                       handle_signals=True))
+                       token=check_token(token), handle_signals=True))
     except ValueError as exc:
         print(f"tokengate kvpool: {exc}", file=sys.stderr)
         return 2

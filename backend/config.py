@@ -55,6 +55,7 @@ class BackendConfig:
     kv_events: KVEventsConfig | None = None  # publish KV events over ZMQ (vLLM's format)
     kv_offload_bytes: float = 0.0  # host memory for evicted KV blocks (0: none)
     kv_pool_url: str | None = None  # the shared KV pool (``tokengate kvpool``)
+    kv_pool_token: str | None = None  # its shared secret (sent as a bearer token)
     tokenizer: str | None = None  # a tokenizer (model directory, tokenizer.json, tiktoken)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)

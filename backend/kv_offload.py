@@ -36,12 +36,14 @@ BACKOFF_S = 1.0  # after a failure the pool is not asked for this long
 
 class KVTiers:
     def __init__(self, cost: LoadCost, block_size: int, *, host: HostTier | None,
-                 pool_url: str | None, time_scale: float = 1.0,
+                 pool_url: str | None, pool_token: str | None = None,
+                 time_scale: float = 1.0,
                  session: Callable[[], aiohttp.ClientSession | None] = lambda: None) -> None:
         self.cost = cost
         self.block_size = block_size
         self.host = host
         self.pool_url = pool_url.rstrip("/") if pool_url else None
+        self._auth = {"Authorization": f"Bearer {pool_token}"} if pool_token else {}
         self.time_scale = time_scale
         self.stats = {CPU: host.stats if host is not None else TierStats(), POOL: TierStats()}
         self.pool_errors = 0
@@ -96,6 +98,7 @@ class KVTiers:
             return None  # an outage costs requests one short timeout, not one each
         try:
             async with session.post(f"{self.pool_url}/v1/kv/{path}", json=doc,
+                                    headers=self._auth,
                                     timeout=_TIMEOUT if path == "put" else _LOOKUP_TIMEOUT
                                     ) as r:
                 if r.status != 200:

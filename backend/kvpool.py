@@ -1,9 +1,13 @@
 """``tokengate kvpool``: a KV block pool shared by every instance of a model (the role of
 Mooncake Store, or of RBG's KVCache role), a program of its own.
 
-    tokengate kvpool --port 9600 --capacity-gb 2048 [--kv-events-config JSON]
+    TOKENGATE_KVPOOL_TOKEN=SECRET tokengate kvpool --port 9600 --capacity-gb 2048 \
+        [--host 127.0.0.1] [--kv-events-config JSON]
 
-HTTP on loopback (JSON bodies; errors in OpenAI's shape):
+HTTP, on loopback unless ``--host`` says otherwise (JSON bodies; errors in OpenAI's shape). The
+KV routes hold every instance's blocks: they require ``Authorization: Bearer <token>``, the
+shared secret in ``TOKENGATE_KVPOOL_TOKEN`` (the pool refuses to start without one; backends
+send it from the same variable); ``/metrics`` and ``/health`` hold no KV data and are open:
 
 * ``POST /v1/kv/put``    ``{"block_size", "bytes_per_block", "blocks": [{"hash", "parent",
   "token_ids", "salt"}]}`` → ``{"stored": n}``: blocks an instance computed;
@@ -17,6 +21,7 @@ Its KV events (vLLM's ZMQ format, ``medium`` POOL) let a gateway keep one index 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -29,11 +34,13 @@ from prometheus_client.registry import Collector
 
 from backend.events import KVEventPublisher, KVEventsConfig
 from backend.kvpool_store import PoolBlock, PoolStore
-from protocol.errors import bad, errors
+from protocol.errors import APIError, Handler, bad, errors
 
 log = logging.getLogger("tokengate.kvpool")
 MAX_HASH = 2**64
 MAX_BLOCKS = 200_000  # per request: a 3.2M-token prompt at 16 tokens per block
+TOKEN_ENV = "TOKENGATE_KVPOOL_TOKEN"  # the shared secret of the pool and its backends
+MIN_TOKEN = 16  # characters
 STORE = web.AppKey("store", PoolStore)
 EVENTS = web.AppKey("events", KVEventPublisher)
 
@@ -142,9 +149,32 @@ class _Collector(Collector):
             yield CounterMetricFamily(f"tokengate_kvpool_{name}", doc, value=v)
 
 
-def build_app(capacity_bytes: int, *, max_body_bytes: int = 64 * 1024 * 1024
+def check_token(token: str) -> str:
+    if len(token) < MIN_TOKEN:
+        raise ValueError(f"the KV pool's token ({TOKEN_ENV}) must be at least {MIN_TOKEN} "
+                         "characters")
+    return token
+
+
+def _authorize(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/kv/") and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode("utf-8", "surrogateescape"),
+                expected):
+            raise APIError(401, "the KV pool needs its token: Authorization: Bearer <token>",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    return authorize
+
+
+def build_app(capacity_bytes: int, *, token: str, max_body_bytes: int = 64 * 1024 * 1024
               ) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[errors, _authorize(check_token(token))],
+                          client_max_size=max_body_bytes)
     store = PoolStore(capacity_bytes)
     app[STORE] = store
     app[EVENTS] = KVEventPublisher(0)
@@ -165,10 +195,10 @@ def build_app(capacity_bytes: int, *, max_body_bytes: int = 64 * 1024 * 1024
 
 
 async def serve(host: str, port: int, capacity_bytes: int,
-                kv_events: KVEventsConfig | None = None, *,
+                kv_events: KVEventsConfig | None = None, *, token: str,
                 ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                 handle_signals: bool = False) -> None:
-    app = build_app(capacity_bytes)
+    app = build_app(capacity_bytes, token=token)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         if kv_events is not None:

@@ -82,7 +82,8 @@ class BackendState:
                 raise ValueError("--kv-offload-gb holds less than one KV block")
             host = HostTier(blocks)
         return KVTiers(cost, bs, host=host, pool_url=config.kv_pool_url,
-                       time_scale=config.engine.time_scale, session=lambda: state.http)
+                       pool_token=config.kv_pool_token, time_scale=config.engine.time_scale,
+                       session=lambda: state.http)
 
 
 STATE: web.AppKey[BackendState] = web.AppKey("tokengate_backend_state", BackendState)

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -48,6 +49,8 @@ class UpConfig:
     engine: str = "reference"  # or "vllm": real vLLM instances (engines.vllm)
     envoy: bool = False  # a real Envoy on the port, tokengate its EPP (gateway.epp.front)
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # The shared secret of the KV pools this launcher starts and their backends (one per run).
+    kvpool_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     engines: list[subprocess.Popen[bytes]] = field(default_factory=list)  # real vLLMs
 
 
@@ -283,7 +286,8 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
                 cmd += ["--kv-offload-gb", str(m.backend.kv_offload_gb)]
             if pool is not None:
                 cmd += ["--kv-pool", pool]
-            cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
+            cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log,
+                                                 env=_pool_env(cfg)))
             log.close()
             urls.append(f"{u.scheme}://{u.netloc}")
     return urls
@@ -293,6 +297,9 @@ def _events_flag(kv: KVEvents) -> str:
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                        "endpoint": kv.endpoint, "replay_endpoint": kv.replay,
                        "topic": kv.topic})
+
+
+KVPOOL_TOKEN_ENV = "TOKENGATE_KVPOOL_TOKEN"  # what ``tokengate kvpool`` and backends read
 
 
 def _start_pool(cfg: UpConfig, m: Model, log_dir: Path) -> str | None:
@@ -308,9 +315,13 @@ def _start_pool(cfg: UpConfig, m: Model, log_dir: Path) -> str | None:
            "--port", str(u.port), "--capacity-gb", str(m.backend.kv_pool_gb)]
     if pool.kv_events is not None:
         cmd += ["--kv-events-config", _events_flag(pool.kv_events)]
-    cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log))
+    cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=_pool_env(cfg)))
     log.close()
     return f"{u.scheme}://{u.netloc}"
+
+
+def _pool_env(cfg: UpConfig) -> dict[str, str]:
+    return {**os.environ, KVPOOL_TOKEN_ENV: cfg.kvpool_token}
 
 
 def wait_healthy(urls: list[str], timeout_s: float) -> None:

@@ -246,12 +246,18 @@ def test_backend_tier_flags_are_checked(flags: list[str], message: str) -> None:
         backend_cli.backend_config(parser.parse_args(["backend", *flags]))
 
 
-def test_backend_tier_flags_become_its_configuration() -> None:
+def test_backend_tier_flags_become_its_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = argparse.ArgumentParser()
     backend_cli.add_parser(parser.add_subparsers(dest="command"))
-    cfg = backend_cli.backend_config(parser.parse_args(
-        ["backend", "--kv-offload-gb", "64", "--kv-pool", "http://127.0.0.1:9600/"]))
-    assert (cfg.kv_offload_bytes, cfg.kv_pool_url) == (64e9, "http://127.0.0.1:9600")
+    args = ["backend", "--kv-offload-gb", "64", "--kv-pool", "http://127.0.0.1:9600/",
+            "--kv-pool-token-env", "TG_TEST_POOL_TOKEN"]
+    monkeypatch.delenv("TG_TEST_POOL_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="TG_TEST_POOL_TOKEN"):
+        backend_cli.backend_config(parser.parse_args(args))
+    monkeypatch.setenv("TG_TEST_POOL_TOKEN", "s" * 20)
+    cfg = backend_cli.backend_config(parser.parse_args(args))
+    assert (cfg.kv_offload_bytes, cfg.kv_pool_url, cfg.kv_pool_token) == (
+        64e9, "http://127.0.0.1:9600", "s" * 20)
 
 
 def test_a_gpu_cache_reset_leaves_the_host_memory_index() -> None:

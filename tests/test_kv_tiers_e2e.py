@@ -61,6 +61,9 @@ def ttft_direct(b: RunningBackend, prompt: str) -> float:
     raise AssertionError("no chunk")
 
 
+POOL_TOKEN = "kv-pool-token-for-the-e2e-test"
+
+
 def tier_hits(b: RunningBackend, medium: str) -> float:
     return metric(b, f'tokengate_backend_kv_tier_hit_tokens_total{{engine="0",medium="{medium}"')
 
@@ -71,7 +74,7 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
     pool_port, pool_events = free_port(), events()
     pool = start_server_thread(
         lambda ready, stop: kvpool.serve("127.0.0.1", pool_port, int(200e9), pool_events,
-                                         ready=ready, stop=stop), "kvpool")
+                                         token=POOL_TOKEN, ready=ready, stop=stop), "kvpool")
     pool_url = f"http://127.0.0.1:{pool_port}"
     evs = [events(), events()]
     # 300 GPU blocks (4,800 tokens): two other 3,000-token prompts evict a conversation.
@@ -79,7 +82,8 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
     # the recompute it is compared with does not; at ×1 that fixed cost alone took the pool's
     # TTFT to 0.51 of a recompute in one CI run.
     bs = [backend_factory(served_model_name="llama-3-8b", time_scale=3.0, num_gpu_blocks=300,
-                          kv_offload_bytes=2e9, kv_pool_url=pool_url, kv_events=ev,
+                          kv_offload_bytes=2e9, kv_pool_url=pool_url,
+                          kv_pool_token=POOL_TOKEN, kv_events=ev,
                           kv_link_bps=200e9)
           for ev in evs]
     eps = [{"url": f"{b.url}/v1", "kv_events": {"endpoint": ev.endpoint,

@@ -20,13 +20,17 @@ from gateway.routing.prefix import PreciseIndex
 from protocol.loopback import free_port
 
 
+TOKEN = "a-pool-secret-of-32-characters!"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 @pytest.fixture
 def pool() -> Iterator[tuple[str, KVEventsConfig, ServerThread]]:
     port = free_port()
     ev = KVEventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     server = start_server_thread(
-        lambda ready, stop: kvpool.serve("127.0.0.1", port, 3 * 1000, ev, ready=ready,
-                                         stop=stop), "kvpool")
+        lambda ready, stop: kvpool.serve("127.0.0.1", port, 3 * 1000, ev, token=TOKEN,
+                                         ready=ready, stop=stop), "kvpool")
     yield f"http://127.0.0.1:{port}", ev, server
     server.close()
 
@@ -36,8 +40,8 @@ def put(url: str, hashes: list[int], parent: int | None = None) -> httpx.Respons
     for h in hashes:
         blocks.append({"hash": h, "parent": parent, "token_ids": list(range(4)), "salt": None})
         parent = h
-    return httpx.post(f"{url}/v1/kv/put", json={"block_size": 4, "bytes_per_block": 1000,
-                                                "blocks": blocks})
+    return httpx.post(f"{url}/v1/kv/put", headers=AUTH,
+                      json={"block_size": 4, "bytes_per_block": 1000, "blocks": blocks})
 
 
 def value(text: str, name: str) -> float:
@@ -48,12 +52,12 @@ def test_puts_lookups_fetches_and_the_lru(pool: tuple[str, KVEventsConfig, Serve
                                           ) -> None:
     url, _, _ = pool
     assert put(url, [11, 12]).json() == {"stored": 2}
-    assert httpx.post(f"{url}/v1/kv/lookup", json={"hashes": [11, 12, 13]}).json() == {
+    assert httpx.post(f"{url}/v1/kv/lookup", headers=AUTH, json={"hashes": [11, 12, 13]}).json() == {
         "matched": 2}
-    assert httpx.post(f"{url}/v1/kv/fetch", json={"hashes": [11]}).json() == {
+    assert httpx.post(f"{url}/v1/kv/fetch", headers=AUTH, json={"hashes": [11]}).json() == {
         "fetched": 1, "bytes": 1000}
     put(url, [20, 21], None)  # 3,000 bytes of capacity: 12 (least recent) is evicted
-    assert httpx.post(f"{url}/v1/kv/lookup", json={"hashes": [11, 12]}).json()["matched"] == 1
+    assert httpx.post(f"{url}/v1/kv/lookup", headers=AUTH, json={"hashes": [11, 12]}).json()["matched"] == 1
     m = httpx.get(f"{url}/metrics").text
     assert value(m, "tokengate_kvpool_blocks") == 3
     assert value(m, "tokengate_kvpool_used_bytes") == 3000
@@ -77,7 +81,7 @@ def test_bad_input_gets_an_openai_shaped_400(pool: tuple[str, KVEventsConfig, Se
                                              path: str, body: bytes) -> None:
     url, _, _ = pool
     r = httpx.post(f"{url}/v1/kv/{path}", content=body,
-                   headers={"Content-Type": "application/json"})
+                   headers={"Content-Type": "application/json", **AUTH})
     assert r.status_code == 400
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -114,3 +118,29 @@ def test_the_pool_events_reach_the_precise_index(
 
 def _held(index: PreciseIndex, url: str) -> set[int]:
     return {h for h in (31, 32, 33, 41, 42) if index.walk(url, "POOL", [h], 0, 1)}
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-token-of-some-length", f"Basic {TOKEN}",
+                                  f"Bearer {TOKEN}x"])
+def test_kv_routes_need_the_token(pool: tuple[str, KVEventsConfig, ServerThread],
+                                  auth: str | None) -> None:
+    url, _, _ = pool
+    h = {"Authorization": auth} if auth else {}
+    for path, doc in (("put", {"block_size": 4, "bytes_per_block": 1, "blocks": []}),
+                      ("lookup", {"hashes": [1]}), ("fetch", {"hashes": [1]})):
+        r = httpx.post(f"{url}/v1/kv/{path}", headers=h, json=doc)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/health").status_code == 200  # no KV data: open
+
+
+def test_the_pool_does_not_start_without_a_token() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TOKENGATE_KVPOOL_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "tokengate", "kvpool", "--capacity-gb", "1",
+                        "--port", str(free_port())], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "TOKENGATE_KVPOOL_TOKEN" in r.stderr
+    with pytest.raises(ValueError, match="at least 16"):
+        kvpool.build_app(1000, token="short")
