@@ -115,6 +115,29 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
+def definitions(body: Mapping[str, Any]) -> str | None:
+    """What a chat request defines besides its messages -- ``tools``, the legacy
+    ``functions``, a ``response_format`` other than text -- as compact JSON, or None.
+
+    Under OpenAI's accounting (the marker template: no Jinja template to render tools with)
+    this is the prompt's first entry, a system message, so it is counted, reserved and
+    cached like any prefix; the reference backend builds its prompt from the same messages.
+    A model's own template renders ``tools`` itself (and, as in vLLM, ``response_format``
+    constrains decoding without entering the prompt)."""
+    out: dict[str, Any] = {}
+    for key, kind in (("tools", list), ("functions", list), ("response_format", Mapping)):
+        v = body.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, kind):
+            raise bad(f"'{key}' must be an {'array' if kind is list else 'object'}", key)
+        if isinstance(v, Mapping) and v.get("type") in (None, "text"):
+            continue
+        if v:
+            out[key] = v
+    return orjson.dumps(out).decode() if out else None
+
+
 def _prompt(raw: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
         raw = raw[0]  # a batch of one
@@ -157,6 +180,9 @@ def validate(kind: Kind, body: Any) -> GenerationRequest:
     req = GenerationRequest(kind=kind, model=model)
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
+        defs = definitions(body)
+        if defs is not None:
+            req.messages.insert(0, {"role": "system", "content": defs})
     else:
         req.prompt_text, req.prompt_ids = _prompt(body.get("prompt"))
         if _opt_bool(body, "echo"):

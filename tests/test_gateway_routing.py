@@ -34,7 +34,8 @@ def doc(endpoints: list[dict[str, Any]], routing: dict[str, Any] | None = None,
     return {"version": 1,
             "settings": {"admin_key_sha256": sha("admin-key")},
             "models": models,
-            "tenants": {"a": {"keys": [{"sha256": sha("key-a")}], "limits": {"tpm": 1e6}},
+            "tenants": {"a": {"keys": [{"sha256": sha("key-a")}], "limits": {"tpm": 1e6},
+                              "max_priority": "critical"},
                         "f": {"keys": [{"sha256": sha("key-f")}], "priority": "flex"}},
             "routes": {"r": {"tenants": ["a", "f"], "models": list(models), **(route or {})}}}
 
@@ -179,7 +180,7 @@ def test_slo_fallback_flex_shedding_and_bad_headers(backend_factory: Factory,
         headers, chunks = stream(c, headers={"x-slo-ttft-ms": "0.01"})
         assert headers["x-tokengate-failover"] == "slo"
         assert headers["x-tokengate-model"] == "small" and chunks[0].model == "small"
-        # Critical requests are never diverted or shed.
+        # Critical requests (a band tenant a was granted) are never diverted or shed.
         headers, _ = stream(c, headers={"x-slo-ttft-ms": "0.01", "x-priority": "critical"})
         assert headers["x-tokengate-model"] == "big"
         # Flex (here by tenant) waits up to queue_ms, then is shed with 503 and retry-after.

