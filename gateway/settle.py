@@ -98,7 +98,11 @@ async def _text_tokens(ctx: RequestContext, adm: quota.Admission, body: bytes) -
 # it is logged, counted (``tokengate_usage_rejected_total``), held against the endpoint's
 # health, and replaced by the gateway's count.
 COMPLETION_SLACK = 16  # completion: at most this many tokens more than the gateway counted
-PROMPT_TOLERANCE = (0.25, 16)  # prompt: within 25 % + 16 tokens of the gateway's count
+# prompt: within a factor of the gateway's count, give or take 16 tokens: 1.25 when its count is
+# exact (the model's tokenizer and template), 2 when it is OpenAI's accounting (an estimate of
+# an engine's template)
+PROMPT_FACTOR = {True: 1.25, False: 2.0}
+PROMPT_SLACK = 16
 
 
 @dataclass(slots=True)
@@ -111,12 +115,12 @@ class Served:
 
 
 def bounded(adm: quota.Admission, prompt: int | None, completion: int | None,
-            own_completion: int, *, exact: bool) -> Served:
+            own_completion: int, *, exact: bool, prompt_exact: bool = True) -> Served:
     """The upstream's usage where it is plausible, else the gateway's own counts: the
     completion at least what the gateway counted (``exact``: one token per event relayed;
-    else the re-tokenized text, within the prompt tolerance), at most that plus
+    else the re-tokenized text, within a factor of 1.25 and 16 tokens), at most that plus
     ``COMPLETION_SLACK`` and never beyond the ``max_tokens`` the engine was held to; the
-    prompt within ``PROMPT_TOLERANCE`` of the gateway's count."""
+    prompt within ``PROMPT_FACTOR`` and ``PROMPT_SLACK`` of the gateway's count."""
     rejected = []
     cap = adm.expected_output
     own_completion = min(own_completion, cap)
@@ -124,14 +128,15 @@ def bounded(adm: quota.Admission, prompt: int | None, completion: int | None,
         completion = own_completion
     else:
         low = own_completion if exact else math.floor(
-            own_completion * (1 - PROMPT_TOLERANCE[0])) - PROMPT_TOLERANCE[1]
+            own_completion / PROMPT_FACTOR[True]) - PROMPT_SLACK
         if not low <= completion <= min(cap, own_completion + COMPLETION_SLACK):
             rejected.append("completion_tokens")
             completion = own_completion
     own_prompt = adm.prompt_tokens
+    f = PROMPT_FACTOR[prompt_exact]
     if prompt is None:
         prompt = own_prompt
-    elif abs(prompt - own_prompt) > own_prompt * PROMPT_TOLERANCE[0] + PROMPT_TOLERANCE[1]:
+    elif not own_prompt / f - PROMPT_SLACK <= prompt <= own_prompt * f + PROMPT_SLACK:
         rejected.append("prompt_tokens")
         prompt = own_prompt
     return Served(prompt, completion, tuple(rejected))
@@ -141,6 +146,8 @@ async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult) -> S
     """What to charge, or None when nothing was served."""
     usage = r.usage or {}
     prompt, output = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    counter = ctx.view.counters.get(adm.model.name)
+    exact = ctx.kind != "chat" or (counter is not None and counter.mode != "openai")
     if ctx.parsed.stream:
         if r.chunks == 0 and not (r.done and not r.broken and not r.client_gone
                                   and prompt is not None and output is not None):
@@ -148,12 +155,14 @@ async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult) -> S
         complete = r.done and not r.broken and not r.client_gone
         # A stream cut short is charged what was relayed (its usage, if any, cannot cover
         # tokens the client never got); only its prompt count is taken from the upstream.
-        return bounded(adm, prompt, output if complete else None, r.chunks, exact=True)
+        return bounded(adm, prompt, output if complete else None, r.chunks, exact=True,
+                       prompt_exact=exact)
     if r.status != 200 or r.body is None or r.client_gone or r.broken:
         return None
     if r.chunks:
-        return bounded(adm, prompt, output, r.chunks, exact=True)
-    return bounded(adm, prompt, output, await _text_tokens(ctx, adm, r.body), exact=False)
+        return bounded(adm, prompt, output, r.chunks, exact=True, prompt_exact=exact)
+    return bounded(adm, prompt, output, await _text_tokens(ctx, adm, r.body), exact=False,
+                   prompt_exact=exact)
 
 
 def refund_later(ctx: RequestContext, adm: quota.Admission) -> None:
