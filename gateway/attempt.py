@@ -23,7 +23,7 @@ from gateway.config.resilience import Timeouts
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.migrate import Live
-from gateway.relay import BadEvent, RelayResult, event_payload, parse_event
+from gateway.relay import BadEvent, event_payload, parse_event
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision
@@ -60,8 +60,6 @@ class Sent:
     # elsewhere, else ``sent_at``; TTFT is observed from here, as the client sees it
     started_at: float | None = None
 
-    relayed: RelayResult | None = None  # a non-streamed answer, read whole and checked
-
     @property
     def ttft_origin(self) -> float:
         return self.started_at if self.started_at is not None else self.sent_at
@@ -94,29 +92,25 @@ def request_headers(ctx: RequestContext, pool: EndpointPool, ep: EndpointState
 
 @dataclass(slots=True)
 class Answer:
-    """An attempt's answer: its response, and a stream's events (the first already read) or
-    a whole non-streamed body (already read and checked to be a completion)."""
+    """An attempt's answer: its response, and for a 200 its stream's events (the first
+    already read and checked)."""
 
     up: UpstreamResponse
     lines: AsyncIterator[bytes] | None = None
-    body: bytes | None = None
 
 
 async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
                   ep: EndpointState, url: str, body: bytes, t: Timeouts) -> Answer:
-    """Send one attempt; for a stream, also wait for its first event (within
-    ``first_token_s``), and for a non-streamed request read the whole answer (within
-    ``total_s``), so that an upstream that stalls, breaks or answers garbage before anything
-    reached the client can still be retried elsewhere, invisibly to the client."""
-    stream = ctx.parsed.stream
-    async with asyncio.timeout(t.first_token_s if stream else t.total_s):
+    """Send one attempt and wait for its stream's first event (within ``first_token_s``), so
+    that an upstream that stalls, breaks or answers garbage before anything reached the
+    client can still be retried elsewhere, invisibly to the client. (The upstream is always
+    asked for a stream: ``dispatch.upstream_body``.)"""
+    async with asyncio.timeout(t.first_token_s):
         up = await state.upstream.post(url, body, request_headers(ctx, pool, ep),
                                        connect_timeout_s=t.connect_s, ca_file=ep.ca_file)
         if up.status != 200:
             return Answer(up)
         try:
-            if not stream:
-                return Answer(up, body=await up.read())
             if not up.headers.get("content-type", "").lower().startswith("text/event-stream"):
                 raise UpstreamProtocolError("the upstream's answer to a stream is not "
                                             "text/event-stream")
@@ -125,9 +119,6 @@ async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
         except BaseException:
             up.release()
             raise
-        finally:
-            if not stream:
-                up.release()  # read to its end: back to the pool
     return Answer(up, lines=_prepend(first, lines))
 
 
@@ -173,11 +164,10 @@ class Failure(Exception):
         self.endpoint_fault = endpoint_fault
 
 
-def upstream_failure(exc: BaseException, stream: bool) -> Failure:
+def upstream_failure(exc: BaseException) -> Failure:
     """A failed exchange (a timeout or one of ``gateway.upstream``'s errors) as a Failure."""
     if isinstance(exc, TimeoutError):
-        what = "first token" if stream else "response"
-        return Failure(APIError(504, f"the upstream did not send its {what} in time",
+        return Failure(APIError(504, "the upstream did not send its first token in time",
                                 type="server_error", code="upstream_timeout"), "timeout", True)
     kind = exc.kind if isinstance(exc, UpstreamError) else "broken"
     message = {"connect": "the upstream could not be reached",
@@ -294,7 +284,7 @@ async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.A
                 raise await answer_failure(ans.up, ep, pool)
         except (UpstreamError, TimeoutError, Failure) as exc:
             pool.release(ticket)
-            f = exc if isinstance(exc, Failure) else upstream_failure(exc, True)
+            f = exc if isinstance(exc, Failure) else upstream_failure(exc)
             log.warning("migration of %s to %s failed: %s", ctx.request_id, ep.url, f.kind)
             backoff = f.backoff
             decision = router.decide(info, tried) if info is not None else None

@@ -24,7 +24,6 @@ from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_fai
 from gateway.config.policy import Model
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState
-from gateway.relay import relay_body
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
@@ -44,22 +43,24 @@ GATEWAY_ONLY_FIELDS = ("kv_transfer_params",)
 
 def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
     """The body sent upstream: the client's, with the upstream model name, the reserved
-    ``max_tokens`` when the client gave none, usage asked for on streams, and the prefill's
-    ``kv_transfer_params`` when the prompt was prefilled elsewhere. Forwarded byte for byte
-    when nothing needs to change (large agent prompts)."""
+    ``max_tokens`` when the client gave none, a stream with usage asked for (always: a client
+    that did not ask for a stream gets the answer ``gateway.aggregate`` builds from it, so
+    every token is seen as it is made), and the prefill's ``kv_transfer_params`` when the
+    prompt was prefilled elsewhere. Forwarded byte for byte when nothing needs to change
+    (large agent prompts)."""
     limit = ctx.output_limit.get(m.name) if ctx.parsed.max_tokens is None else None
     if kv is None and limit is None and ctx.body.get("model") == m.upstream_name and (
-            not ctx.parsed.stream or ctx.parsed.include_usage) and not any(
+            ctx.parsed.stream and ctx.parsed.include_usage) and not any(
             f in ctx.body for f in GATEWAY_ONLY_FIELDS):
         return ctx.raw
     body = {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
     body["model"] = m.upstream_name
     if limit is not None:
         body["max_tokens"] = limit  # what was reserved: the engine stops there
-    if ctx.parsed.stream:
-        opts = dict(body.get("stream_options") or {})
-        opts["include_usage"] = True
-        body["stream_options"] = opts
+    body["stream"] = True
+    opts = dict(body.get("stream_options") or {})
+    opts["include_usage"] = True
+    body["stream_options"] = opts
     if kv is not None:
         body["kv_transfer_params"] = kv
     return orjson.dumps(body)
@@ -108,7 +109,6 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     router, info, first = routed
     pool = router.pool
     t = ctx.route.timeouts
-    g = ctx.parsed
     path = "/chat/completions" if ctx.kind == "chat" else "/completions"
     tried: list[EndpointState] = []
     last = APIError(502, f"no endpoint of {m.name} answered", type="server_error",
@@ -140,10 +140,8 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
                 if ans.up.status != 200:
                     raise await answer_failure(ans.up, ep, pool)
                 router.commit(decision, info)  # only now are its blocks on that engine
-                relayed = None if ans.body is None else relay_body(
-                    ans.body, upstream_model=m.upstream_name, served_model=m.name)
             except (UpstreamError, TimeoutError) as exc:
-                raise upstream_failure(exc, g.stream) from exc
+                raise upstream_failure(exc) from exc
         except Failure as f:
             pool.release(ticket)
             last, backoff = f.error, f.backoff
@@ -158,8 +156,6 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
             state.metrics.series("upstream_errors", ep.url, f.kind).inc()
             log.warning("endpoint %s failed (%s); retrying elsewhere if allowed", ep.url,
                         f.kind)
-            if f.kind == "timeout" and not g.stream:
-                break  # a whole non-streamed request timed out: do not run it again
             decision = router.decide(info, tried)
             continue
         except BaseException:  # cancelled (the client left): give the counters back
@@ -168,7 +164,7 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
         return Sent(ans.up, decision, pool, ticket, sent_at, kv is not None, ans.lines, info,
-                    started_at if kv is not None else None, relayed)
+                    started_at if kv is not None else None)
     return last
 
 

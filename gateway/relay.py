@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
@@ -51,6 +51,9 @@ class RelayResult:
     stream_id: bytes | None = None  # the completion id the client sees
     done: bool = False  # the upstream's ``[DONE]`` arrived
     body: bytes | None = None  # a non-streamed answer, as relayed
+    # the generated text relayed (content, reasoning, tool arguments, completion text), in
+    # pieces: what settlement counts when the upstream's usage cannot be believed as it is
+    texts: list[str] = field(default_factory=list)
 
 
 class Sink(Protocol):
@@ -66,10 +69,12 @@ class Tally(Protocol):
     streamed: int
 
 
-def _tokens(obj: dict[str, Any]) -> int:
-    """Tokens one parsed chunk carries: one per choice whose delta has text, reasoning or
-    tool-call arguments (chat), or text (completions) -- vLLM sends one token per chunk and
-    choice; the count settles a stream whose upstream gave no usage."""
+def _tokens(obj: dict[str, Any], texts: list[str]) -> int:
+    """Chunks of one parsed event that carry generated text: one per choice whose delta has
+    content, reasoning or tool-call arguments (chat), or text (completions), whose text is
+    appended to ``texts``. vLLM sends one token per chunk and choice when its client keeps up
+    (more when it does not, or while it holds text back for a stop string): the count is a
+    lower bound of the tokens, the text what settlement re-counts when it needs to."""
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return 0
@@ -79,16 +84,26 @@ def _tokens(obj: dict[str, Any]) -> int:
             continue
         d = c.get("delta")
         if isinstance(d, dict):
-            if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
-                n += 1
-                continue
+            found = False
+            for k in ("content", "reasoning_content", "reasoning"):
+                v = d.get(k)
+                if v and isinstance(v, str):
+                    texts.append(v)
+                    found = True
             calls = d.get("tool_calls")
-            if isinstance(calls, list) and any(
-                    isinstance(t, dict) and isinstance(t.get("function"), dict)
-                    and t["function"].get("arguments") for t in calls):
+            if isinstance(calls, list):
+                for t in calls:
+                    fn = t.get("function") if isinstance(t, dict) else None
+                    args = fn.get("arguments") if isinstance(fn, dict) else None
+                    if args and isinstance(args, str):
+                        texts.append(args)
+                        found = True
+            n += found
+        else:
+            v = c.get("text")
+            if v and isinstance(v, str):
+                texts.append(v)
                 n += 1
-        elif c.get("text"):
-            n += 1
     return n
 
 
@@ -234,7 +249,7 @@ async def relay_stream(
                             forward = False
                     if forward:
                         data = _renamed(data, obj, upstream_model, served_model)
-                    n = _tokens(obj)
+                    n = _tokens(obj, res.texts)
                 else:
                     n = 0
                     if payload == b"[DONE]":

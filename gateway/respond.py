@@ -8,15 +8,18 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from gateway import quota
+from gateway.aggregate import Aggregate
 from gateway.attempt import Routed, Sent, continue_stream
 from gateway.context import RequestContext
 from gateway.migrate import Live
 from gateway.relay import RelayResult, relay_stream
 from gateway.settle import hand_back
+from protocol.errors import APIError
 
 _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '
                      b'endpoint", "type": "server_error", "param": null, "code": '
@@ -52,11 +55,11 @@ async def respond(request: web.Request, ctx: RequestContext, adm: quota.Admissio
     current = [sent]  # the Sent being relayed (a migration replaces it)
     try:
         h = headers(ctx, adm, sent, failover)
-        if sent.lines is not None:
+        if ctx.parsed.stream:
             return await _stream(request, ctx, adm, current, result, h)
-        return _body(sent, result, h)
+        return await _whole(ctx, adm, sent, result, h)
     except asyncio.CancelledError:
-        result.client_gone = True
+        result.client_gone = True  # the client left (aiohttp cancels its handler)
         raise
     finally:
         s = current[0]
@@ -123,10 +126,45 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
     return resp
 
 
-def _body(sent: Sent, result: RelayResult, h: dict[str, str]) -> web.Response:
-    read = sent.relayed
-    assert read is not None and read.body is not None
-    result.usage, result.body = read.usage, read.body
-    result.first_token_at, result.last_token_at = read.first_token_at, read.last_token_at
-    return web.Response(status=200, body=read.body, headers={
-        **h, "Content-Type": "application/json"})
+async def _whole(ctx: RequestContext, adm: quota.Admission, sent: Sent, result: RelayResult,
+                 h: dict[str, str]) -> web.Response:
+    """A client that did not ask for a stream: the upstream's stream is relayed into an
+    ``Aggregate`` (charged progressively as it grows), then answered as one JSON object. If
+    the client leaves meanwhile its handler is cancelled here, which closes the upstream's
+    stream (the engine stops) and settles what the engine generated until then."""
+    _, body = await aggregate(ctx, adm, sent, result)
+    if body is None:
+        raise APIError(502, "the upstream's answer broke off before it was complete",
+                       type="server_error", code="upstream_error")
+    return web.Response(status=200, body=body, headers={**h, "Content-Type": "application/json"})
+
+
+async def aggregate(ctx: RequestContext, adm: quota.Admission, sent: Routed,
+                    result: RelayResult, lines: AsyncIterator[bytes] | None = None
+                    ) -> tuple[Aggregate, bytes | None]:
+    """Relay ``lines`` (a ``Sent``'s own by default) into an ``Aggregate``; the answer's
+    body, or None when the stream broke (``result.broken``)."""
+    state, policy, t = ctx.state, ctx.view.policy, ctx.route.timeouts
+    agg = Aggregate(ctx.kind)
+
+    async def progress(n: int) -> None:
+        await quota.charge_progress(state.store, adm, n)
+
+    def first_token() -> None:
+        sent.pool.first_token(sent.ticket)
+
+    if lines is None:
+        assert isinstance(sent, Sent) and sent.lines is not None
+        lines = sent.lines
+    await relay_stream(
+        lines, agg, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
+        pass_usage=True, on_tokens=progress, every=policy.settings.progressive_charge_tokens,
+        every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
+        on_first=first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s -
+        (time.perf_counter() - sent.ttft_origin), tally=sent.decision.endpoint.ep.live)
+    if result.broken:
+        return agg, None
+    usage = {"prompt_tokens": adm.prompt_tokens, "completion_tokens": result.chunks,
+             "total_tokens": adm.prompt_tokens + result.chunks}
+    result.body = agg.body(usage=usage)
+    return agg, result.body

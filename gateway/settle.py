@@ -9,20 +9,25 @@ What is charged (``served``):
 * any other stream that wrote tokens to the client (it left, the upstream broke or stalled,
   no usage came): the tokens the relay wrote, counted from the events themselves, plus the
   prompt (the upstream's count when its usage arrived, else the gateway's);
-* a non-streamed answer relayed whole: its ``usage``, or without one the gateway's prompt
-  count and the tokens of the returned text (the model's own tokenizer);
-* anything else (no token reached the client): nothing -- the whole reservation, the request
-  included, is returned, exactly as if it had been refused.
+* a non-streamed answer (built from the upstream's stream, ``gateway.aggregate``) relayed
+  whole: its ``usage``, or without one the gateway's prompt count and the tokens it counted;
+* a non-streamed request whose client left before the answer was complete: the prompt, once
+  the engine had produced a token, plus every token it produced until the gateway closed
+  its stream (the engine stops there): work done is charged;
+* anything else (no token reached the client, or the upstream broke before a non-streamed
+  answer was complete): nothing -- the whole reservation, the request included, is
+  returned, exactly as if it had been refused.
+
+Every count the upstream reports is checked against the gateway's own (``bounded``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from gateway import quota
 from gateway.attempt import Routed
@@ -67,33 +72,6 @@ def _count(u: dict[str, Any], key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-async def _text_tokens(ctx: RequestContext, adm: quota.Admission, body: bytes) -> int:
-    """Tokens of a non-streamed answer's text, for an upstream that sent no usage."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return 0
-    parts: list[str] = []
-    for c in obj.get("choices") or () if isinstance(obj, dict) else ():
-        if not isinstance(c, dict):
-            continue
-        msg = c.get("message")
-        if isinstance(msg, dict):
-            for k in ("content", "reasoning_content"):
-                if isinstance(msg.get(k), str):
-                    parts.append(msg[k])
-            for call in msg.get("tool_calls") or ():
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    parts.append(fn["arguments"])
-        elif isinstance(c.get("text"), str):
-            parts.append(c["text"])
-    counter = ctx.view.counters.get(adm.model.name)
-    if counter is None or not parts:
-        return 0
-    return sum([await counter.generated(p) for p in parts])
-
-
 # Reported usage is believed only within these bounds of the gateway's own count; outside them
 # it is logged, counted (``tokengate_usage_rejected_total``), held against the endpoint's
 # health, and replaced by the gateway's count.
@@ -114,24 +92,27 @@ class Served:
     rejected: tuple[str, ...] = ()
 
 
-def bounded(adm: quota.Admission, prompt: int | None, completion: int | None,
-            own_completion: int, *, exact: bool, prompt_exact: bool = True) -> Served:
-    """The upstream's usage where it is plausible, else the gateway's own counts: the
-    completion at least what the gateway counted (``exact``: one token per event relayed;
-    else the re-tokenized text, within a factor of 1.25 and 16 tokens), at most that plus
-    ``COMPLETION_SLACK`` and never beyond the ``max_tokens`` the engine was held to; the
-    prompt within ``PROMPT_FACTOR`` and ``PROMPT_SLACK`` of the gateway's count."""
+async def bounded(adm: quota.Admission, prompt: int | None, completion: int | None,
+                  chunks: int, text_tokens: Callable[[], Awaitable[int]], *,
+                  prompt_exact: bool) -> Served:
+    """The upstream's usage where it is plausible, else the gateway's own counts.
+
+    The completion must be at least the chunks relayed (each carried a token or more), at
+    most the ``max_tokens`` the engine was held to, and at most the gateway's count plus
+    ``COMPLETION_SLACK`` -- its count being the chunks, or where that is not enough (an
+    engine that sends several tokens per chunk) the relayed text re-tokenized with the
+    model's tokenizer (``text_tokens``, only then). Without a usage, or refused, the
+    completion is that count. The prompt must be within ``PROMPT_FACTOR`` and
+    ``PROMPT_SLACK`` of the gateway's count, else it is the gateway's count."""
     rejected = []
     cap = adm.expected_output
-    own_completion = min(own_completion, cap)
-    if completion is None:
-        completion = own_completion
-    else:
-        low = own_completion if exact else math.floor(
-            own_completion / PROMPT_FACTOR[True]) - PROMPT_SLACK
-        if not low <= completion <= min(cap, own_completion + COMPLETION_SLACK):
+    if completion is None or not chunks <= completion <= min(cap, chunks + COMPLETION_SLACK):
+        own = min(cap, max(chunks, await text_tokens()))
+        if completion is None:
+            completion = own
+        elif not chunks <= completion <= min(cap, own + COMPLETION_SLACK):
             rejected.append("completion_tokens")
-            completion = own_completion
+            completion = own
     own_prompt = adm.prompt_tokens
     f = PROMPT_FACTOR[prompt_exact]
     if prompt is None:
@@ -148,21 +129,29 @@ async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult) -> S
     prompt, output = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
     counter = ctx.view.counters.get(adm.model.name)
     exact = ctx.kind != "chat" or (counter is not None and counter.mode != "openai")
+
+    async def text_tokens() -> int:
+        if counter is None or not r.texts:
+            return 0
+        return await counter.generated("".join(r.texts))
+
+    complete = r.done and not r.broken and not r.client_gone
     if ctx.parsed.stream:
-        if r.chunks == 0 and not (r.done and not r.broken and not r.client_gone
-                                  and prompt is not None and output is not None):
+        if r.chunks == 0 and not (complete and prompt is not None and output is not None):
             return None
-        complete = r.done and not r.broken and not r.client_gone
         # A stream cut short is charged what was relayed (its usage, if any, cannot cover
         # tokens the client never got); only its prompt count is taken from the upstream.
-        return bounded(adm, prompt, output if complete else None, r.chunks, exact=True,
-                       prompt_exact=exact)
-    if r.status != 200 or r.body is None or r.client_gone or r.broken:
-        return None
-    if r.chunks:
-        return bounded(adm, prompt, output, r.chunks, exact=True, prompt_exact=exact)
-    return bounded(adm, prompt, output, await _text_tokens(ctx, adm, r.body), exact=False,
-                   prompt_exact=exact)
+        return await bounded(adm, prompt, output if complete else None, r.chunks,
+                             text_tokens, prompt_exact=exact)
+    if r.client_gone:
+        # The client left before its answer was complete: the upstream's stream was closed
+        # (the engine stopped). Charged the prompt once the engine had produced a token (its
+        # prefill ran) and every token it produced until then.
+        return await bounded(adm, prompt, None, r.chunks, text_tokens, prompt_exact=exact) \
+            if r.chunks else None
+    if r.status != 200 or r.body is None or r.broken:
+        return None  # the client got an error in place of the answer
+    return await bounded(adm, prompt, output, r.chunks, text_tokens, prompt_exact=exact)
 
 
 def refund_later(ctx: RequestContext, adm: quota.Admission) -> None:
@@ -194,7 +183,8 @@ def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
         t.upstream = None
     span = t.child("tokengate.settlement", {
         **usage, "tokengate.reserved_tokens": adm.prompt_tokens + adm.expected_output,
-        "tokengate.charged_tokens": used.prompt + used.completion if used else 0, "tokengate.refunded": used is None})
+        "tokengate.charged_tokens": used.prompt + used.completion if used else 0,
+        "tokengate.refunded": used is None})
     t.end(span, error=err)
 
 

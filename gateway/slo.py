@@ -2,12 +2,12 @@
 
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` (defaults per route) and ``x-priority: critical |
 standard | flex`` (default per tenant, and capped by it: a header can lower a tenant's band,
-never raise it past its policy's ``max_priority``). A request that no endpoint is predicted to serve within
-its SLO is routed best-effort, queued up to the route's ``queue_ms`` while the decision is
-re-taken, or failed over to the fallback model (``code: slo_unattainable`` tells the pipeline
-to walk the chain), as the route's ``on_slo_miss`` says. Critical requests are never held back;
-flex requests wait while the pool is predicted over its SLO (``FLEX_OVERLOAD_MS`` without one)
-and are then shed first, with 503 and ``retry-after``.
+never raise it past its policy's ``max_priority``). A request that no endpoint is predicted to
+serve within its SLO is routed best-effort, queued up to the route's ``queue_ms`` while the
+decision is re-taken, or failed over to the fallback model (``code: slo_unattainable`` tells
+the pipeline to walk the chain), as the route's ``on_slo_miss`` says. Critical requests are
+never held back; flex requests wait while the pool is predicted over its SLO
+(``FLEX_OVERLOAD_MS`` without one) and are then shed first, with 503 and ``retry-after``.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class RawUpstream:
     _gate: asyncio.Event | None = None
     released: threading.Event = field(default_factory=threading.Event)
     connections: int = 0  # connections that carried a POST (the gateway's scrapes aside)
+    closed: int = 0  # of those, how many have closed (either side)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     @property
@@ -116,6 +117,7 @@ class RawUpstream:
                 writer.close()
                 await writer.wait_closed()
             self._writers.discard(writer)
+            self.closed += posted
 
     async def _play(self, answer: Answer, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> bool:

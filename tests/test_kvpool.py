@@ -19,7 +19,6 @@ from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.prefix import PreciseIndex
 from protocol.loopback import free_port
 
-
 TOKEN = "a-pool-secret-of-32-characters!"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -52,12 +51,13 @@ def test_puts_lookups_fetches_and_the_lru(pool: tuple[str, KVEventsConfig, Serve
                                           ) -> None:
     url, _, _ = pool
     assert put(url, [11, 12]).json() == {"stored": 2}
-    assert httpx.post(f"{url}/v1/kv/lookup", headers=AUTH, json={"hashes": [11, 12, 13]}).json() == {
-        "matched": 2}
+    lookup = httpx.post(f"{url}/v1/kv/lookup", headers=AUTH, json={"hashes": [11, 12, 13]})
+    assert lookup.json() == {"matched": 2}
     assert httpx.post(f"{url}/v1/kv/fetch", headers=AUTH, json={"hashes": [11]}).json() == {
         "fetched": 1, "bytes": 1000}
     put(url, [20, 21], None)  # 3,000 bytes of capacity: 12 (least recent) is evicted
-    assert httpx.post(f"{url}/v1/kv/lookup", headers=AUTH, json={"hashes": [11, 12]}).json()["matched"] == 1
+    lookup = httpx.post(f"{url}/v1/kv/lookup", headers=AUTH, json={"hashes": [11, 12]})
+    assert lookup.json()["matched"] == 1
     m = httpx.get(f"{url}/metrics").text
     assert value(m, "tokengate_kvpool_blocks") == 3
     assert value(m, "tokengate_kvpool_used_bytes") == 3000

@@ -2,12 +2,16 @@
 
 Hypothesis draws a client (streamed or not; reads to the end, leaves after some tokens, or
 gives up before the first) and an upstream on raw sockets (refuses, answers a malformed head,
-4xx/5xx, an interim 100 first; streams some tokens in compact or spaced JSON, then completes
-with or without usage, breaks, sends a malformed chunk or event, or stalls). After every case:
+4xx/5xx, an interim 100 first, a JSON body where a stream was asked; streams some tokens in
+compact or spaced JSON, then completes with or without usage, breaks, sends a malformed chunk
+or event, or stalls). The gateway always asks the upstream to stream; a non-streamed client
+gets the answer built from it. After every case:
 
 * the tenant was charged exactly the tokens the client received, plus the prompt when any
   output reached it (or the stream completed with the upstream's usage) -- never a reserved
   token that was not served, never a served one for free; the request counts once if served;
+  a non-streamed client that leaves mid-answer is charged the prompt and the tokens the
+  engine had made (work done);
 * the client got a well-formed stream (ending in ``[DONE]``, with our error event before it
   when the upstream failed mid-stream) or body, or an OpenAI-shaped error with a status in
   {4xx, 502, 503, 504}.
@@ -46,7 +50,7 @@ PROMPT = "the ledger must balance"
 @dataclass
 class Case:
     stream: bool
-    head: str  # ok | refuse | malformed | 400 | 503 | continue
+    head: str  # ok | refuse | malformed | 400 | 503 | continue | json (a body, not a stream)
     tokens: int  # content events the upstream sends
     spaced: bool
     tail: str  # usage | no_usage | break | bad_chunk | bad_event | stall
@@ -73,27 +77,19 @@ def _usage(k: int, spaced: bool) -> bytes:
 
 def script(req: Request) -> Answer:
     c = PLAN[-1]
+    assert req.json.get("stream") is True  # the gateway always asks for a stream
     head: Answer = {"refuse": [CLOSE],
                     "malformed": [b"HTTP/1.1 2OO OK\r\n\r\n", CLOSE],
                     "400": [json_response(400, {"error": {"message": "sk-secret bad"}})],
                     "503": [json_response(503, {"error": {"message": "busy"}})],
                     "continue": [b"HTTP/1.1 100 Continue\r\n\r\n"],
+                    "json": [json_response(200, completion(
+                        "completion", " hello" * c.tokens, P, c.tokens))],  # not a stream
                     "ok": []}[c.head]
     if c.head not in ("ok", "continue"):
         return head
     if c.leave_after == 0:
         return [*head, WAIT]  # the client gives up before any token arrives
-    if not c.stream:
-        if c.tail == "stall":
-            return [*head, WAIT]
-        body = completion("completion", " hello" * c.tokens, P if c.tail == "usage" else None,
-                          c.tokens if c.tail == "usage" else None)
-        if c.tail in ("break", "bad_chunk"):
-            raw = json_response(200, body)
-            return [*head, raw[:len(raw) - 5], CLOSE]
-        if c.tail == "bad_event":
-            return [*head, json_response(200, {"not": "a completion"})]
-        return [*head, json_response(200, body)]
     out: Answer = [*head, STREAM_HEAD]
     sent = c.tokens if c.leave_after is None else min(c.tokens, c.leave_after)
     out += [_event(i, c.spaced) for i in range(sent)]
@@ -125,7 +121,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
 
 cases = st.builds(
     Case, stream=st.booleans(),
-    head=st.sampled_from(["ok", "ok", "ok", "continue", "refuse", "malformed", "400", "503"]),
+    head=st.sampled_from(["ok", "ok", "ok", "continue", "refuse", "malformed", "400", "503",
+                          "json"]),
     tokens=st.integers(0, 5), spaced=st.booleans(),
     tail=st.sampled_from(["usage", "no_usage", "break", "bad_chunk", "bad_event", "stall"]),
     leave_after=st.one_of(st.none(), st.none(), st.integers(0, 4)))
@@ -134,7 +131,10 @@ cases = st.builds(
 def _play(gw: RunningGateway, c: Case) -> tuple[int, bool]:
     """Send the case's request as its client behaves; (tokens received, completed)."""
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 50, "stream": c.stream}
-    timeout = 0.4 if c.leave_after == 0 else 10.0
+    # A client that leaves: before any token (0), or a non-streamed one that gives up while
+    # its answer is being generated (it cannot count tokens: it times out).
+    timeout = 0.4 if c.leave_after == 0 else 0.25 if (
+        not c.stream and c.leave_after is not None) else 10.0
     received = 0
     try:
         with httpx.stream("POST", f"{gw.url}/v1/completions", headers=AUTH, json=body,
@@ -163,20 +163,25 @@ def _play(gw: RunningGateway, c: Case) -> tuple[int, bool]:
             assert len(errors) <= 1 and (not errors or events[-2] == errors[0])
             return received, not errors
     except httpx.TimeoutException:
-        assert c.leave_after == 0
+        assert c.leave_after is not None
         return received, False
 
 
 def _expected(c: Case, received: int, completed: bool) -> tuple[float, float]:
     if not c.stream:
-        if not completed:
-            return 0.0, 0.0
-        return float(P + c.tokens), 1.0
+        if completed:
+            return float(P + c.tokens), 1.0
+        return 0.0, 0.0
     if completed and c.tail == "usage":
         return float(P + c.tokens), 1.0
     if received:
         return float(P + received), 1.0
     return 0.0, 0.0
+
+
+def _generated(c: Case) -> int:
+    """Tokens the upstream sent before parking, for a non-streamed client that leaves."""
+    return 0 if c.leave_after in (None, 0) else min(c.tokens, c.leave_after or 0)
 
 
 @settings(max_examples=70, deadline=None, derandomize=True,
@@ -194,6 +199,8 @@ def _expected(c: Case, received: int, completed: bool) -> tuple[float, float]:
 @example(Case(False, "ok", 3, True, "break", None))  # a body cut short
 @example(Case(False, "400", 0, False, "usage", None))  # the upstream refuses the request
 @example(Case(False, "ok", 3, False, "usage", 0))  # a non-streamed client times out
+@example(Case(False, "ok", 4, False, "usage", 3))  # ... while its answer is generated
+@example(Case(False, "json", 3, False, "usage", None))  # a body where a stream was asked
 def test_the_tenant_is_charged_exactly_what_the_client_received(
         stack: RunningGateway, c: Case) -> None:
     PLAN.append(c)
@@ -209,5 +216,14 @@ def test_the_tenant_is_charged_exactly_what_the_client_received(
         assert received == (cap if first_event_ok else 0), (c, received)
     # ... and the ledger holds exactly that.
     delta = (after[0] - before[0], after[1] - before[1])
+    if not c.stream and c.leave_after and c.head in ("ok", "continue") and not completed:
+        # It left while its answer was generated: charged the prompt and the tokens the
+        # gateway had read when it left (all of them, unless it left before they arrived).
+        made = _generated(c)
+        assert delta in ((0.0, 0.0), *((pytest.approx(float(P + k), abs=1e-4), 1.0)
+                                       for k in range(1, made + 1))), (c, delta)
+        if made:
+            assert delta[0] == pytest.approx(P + made, abs=1e-4) or delta == (0.0, 0.0)
+        return
     assert delta == pytest.approx(_expected(c, received, completed), abs=1e-4), (
         c, received, completed)

@@ -10,6 +10,7 @@ given (raw-socket upstreams, a real gateway on loopback, its store a frozen-cloc
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,11 @@ from ledger import AUTH, charged, ledger_gateway, policy, sha
 from raw_upstream import (
     DONE,
     STREAM_HEAD,
+    WAIT,
     Answer,
     RawUpstream,
     Request,
     chunk,
-    completion,
-    json_response,
     sse,
 )
 
@@ -43,12 +43,9 @@ def _text_event(i: int) -> bytes:
 
 
 def lying(req: Request) -> Answer:
-    """Answers 100 tokens of ' hello' and claims the usage the test set."""
+    """Streams 100 tokens of ' hello' (the gateway always asks for a stream) and claims the
+    usage the test set."""
     prompt, claimed = CLAIM[-1]
-    body = req.json
-    if not body.get("stream"):
-        return [json_response(200, completion("completion", " hello" * 100, prompt,
-                                              claimed))]
     usage = {"id": "c1", "object": "text_completion", "model": "up", "choices": [],
              "usage": {"prompt_tokens": prompt, "completion_tokens": claimed,
                        "total_tokens": prompt + claimed}}
@@ -109,7 +106,7 @@ def test_plausible_usage_is_believed(liar: RunningGateway, stream: bool) -> None
 
 
 def echo_priority(req: Request) -> Answer:
-    return [json_response(200, completion("completion", " ok", 1, 1))]
+    return [STREAM_HEAD, _text_event(0), DONE]
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +246,41 @@ def test_tools_functions_and_response_format_are_reserved_under_openai_accountin
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     finally:
         gw.close()
+
+
+GENERATED = 7
+
+
+def generating(req: Request) -> Answer:
+    """An engine that has made 7 tokens and goes on working (parked) until its client, the
+    gateway, closes the stream."""
+    assert req.json.get("stream") is True  # asked to stream, whatever the client asked
+    return [STREAM_HEAD, *(_text_event(i) for i in range(GENERATED)), WAIT]
+
+
+@pytest.fixture(scope="module")
+def engine_at_work(tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[tuple[RunningGateway, RawUpstream]]:
+    up = RawUpstream(generating).start()
+    gw = ledger_gateway(tmp_path_factory.mktemp("work"), policy([up.url]))
+    yield gw, up
+    gw.close()
+    up.close()
+
+
+def test_a_client_that_hangs_up_pays_for_the_work_done_and_the_engine_stops(
+        engine_at_work: tuple[RunningGateway, RawUpstream]) -> None:
+    """Non-streamed, 0.3 s patience: the engine had made 7 tokens; the gateway closes its
+    stream when the client leaves (so the engine stops) and charges the prompt and the 7."""
+    gw, up = engine_at_work
+    before, closed = charged(gw), up.closed
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{gw.url}/v1/completions", headers=AUTH, timeout=0.3, json={
+            "model": "m", "prompt": PROMPT, "max_tokens": 2000})
+    after = charged(gw)
+    assert (after[0] - before[0], after[1] - before[1]) == pytest.approx(
+        (P + GENERATED, 1.0), abs=1e-4)
+    deadline = time.monotonic() + 5
+    while up.closed == closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert up.closed == closed + 1  # the gateway closed the engine's stream: it stopped

@@ -24,7 +24,6 @@ from raw_upstream import (
     RawUpstream,
     Request,
     chunk,
-    completion,
     delta,
     json_response,
     usage_event,
@@ -37,9 +36,10 @@ SECRET = "sk-live-SECRET-upstream-key"
 
 
 def good(req: Request) -> Answer:
-    if req.json.get("stream"):
-        return [STREAM_HEAD, delta(0), delta(1), usage_event(5, 2), DONE]
-    return [json_response(200, completion("chat", "hi", 5, 2))]
+    """A well-behaved engine: the gateway always asks for a stream (a client that did not
+    gets the answer built from it)."""
+    assert req.json.get("stream") is True
+    return [STREAM_HEAD, delta(0), delta(1), usage_event(5, 2), DONE]
 
 
 @pytest.fixture
@@ -111,11 +111,8 @@ def test_a_malformed_answer_before_the_first_byte_is_retried_elsewhere(
     for _ in range(2):  # round robin: one of the two starts on the bad upstream
         r = chat(gw)
         assert r.status_code == 200, (case, r.text)
-        assert r.json()["choices"][0]["message"]["content"] == "hi"
+        assert r.json()["choices"][0]["message"]["content"] == "t0t1"
         assert r.headers["x-tokengate-endpoint"] == fine.url
-    if case == "not a completion":
-        # a 200 whose body is not a completion: nothing to retry once the body was read
-        pass
     ep = gw.state.fleet.endpoints[bad.url]
     assert ep.health.failed >= 1, case
     # Alone, the same answer is a 502 in OpenAI's shape, and the reservation is returned.
@@ -206,9 +203,9 @@ def test_kept_alive_connections_are_reused(
         assert chat(gw, stream=stream).status_code == 200
     assert len(u.requests) == 5 and u.connections == 1
     # "Connection: close" from the upstream is honoured: the next request opens a new one.
-    closing = upstreams(lambda req: [json_response(200, completion("chat", "hi", 5, 2))
-                                     .replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n",
-                                              1)])
+    closing = upstreams(lambda req: [
+        STREAM_HEAD.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1), delta(0),
+        usage_event(5, 1), DONE])
     gw2 = gateways([closing.url])
     for _ in range(3):
         assert chat(gw2).status_code == 200
@@ -250,7 +247,7 @@ def test_https_upstream_verified_with_the_policy_ca(
         client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0)
         out = client.chat.completions.create(model="m", max_tokens=4,
                                              messages=[{"role": "user", "content": "hello"}])
-        assert out.choices[0].message.content == "hi"
+        assert out.choices[0].message.content == "t0t1"
         stream = client.chat.completions.create(model="m", stream=True, max_tokens=4,
                                                 messages=[{"role": "user", "content": "x"}])
         assert len([c for c in stream if c.choices]) == 2

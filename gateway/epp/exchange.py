@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -33,11 +34,11 @@ from gateway.dispatch import open_request
 from gateway.epp import messages
 from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.pick import Picked, picker
-from gateway.relay import RelayResult, relay_body, relay_stream
+from gateway.relay import RelayResult, relay_stream
+from gateway.respond import aggregate
 from gateway.respond import headers as client_headers
 from gateway.settle import hand_back
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamProtocolError
 from protocol.errors import APIError
 from protocol.validate import Kind
 
@@ -79,7 +80,7 @@ class Exchange:
         self.response = bytearray()
         self.feed: LineFeed | None = None
         self.sink = Collected()
-        self.relay: asyncio.Task[RelayResult] | None = None
+        self.relay: asyncio.Task[Any] | None = None
         self.done = False  # an immediate response went out: Envoy ends the exchange
         self.finished = False  # settlement started
         self.traced = False  # the root span was ended
@@ -204,13 +205,21 @@ class Exchange:
         p, ctx = self.picked, self.ctx
         p.router.commit(p.decision, p.info)  # only now are its blocks on that engine
         self.state.metrics.series("in_flight", p.decision.endpoint.ep.url).inc()
-        if not ctx.parsed.stream:
-            return []  # answered with the body, once it is checked
         self.feed = LineFeed()
+        if not ctx.parsed.stream:
+            # The engine streams (the EPP asked it to); the client gets the answer built
+            # from it once it is complete, its headers then.
+            self.relay = asyncio.ensure_future(self._aggregate(self.feed))
+            return []
         self.relay = asyncio.ensure_future(self._relay(self.feed))
         return [messages.response_headers(
             {**self.answer_headers, "content-type": "text/event-stream",
              "cache-control": "no-cache"}, ("content-length",))]
+
+    async def _aggregate(self, feed: LineFeed) -> bytes | None:
+        assert self.ctx is not None and self.adm is not None and self.picked is not None
+        _, body = await aggregate(self.ctx, self.adm, self.picked, self.result, feed)
+        return body
 
     async def _relay(self, feed: LineFeed) -> RelayResult:
         assert self.ctx is not None and self.adm is not None and self.picked is not None
@@ -240,8 +249,7 @@ class Exchange:
                 self.response += data
             return [self._upstream_failed()] if end else []
         if self.feed is None or self.relay is None:
-            self.response += data
-            return self._whole() if end else []
+            return [messages.body(data, end, response=True)]
         self.feed.push(data, end)
         drained = asyncio.ensure_future(self.feed.drained.wait())
         await asyncio.wait((drained, self.relay), return_when=asyncio.FIRST_COMPLETED)
@@ -249,31 +257,31 @@ class Exchange:
         if end:
             with contextlib.suppress(Exception):
                 await self.relay
+        assert self.ctx is not None
+        if not self.ctx.parsed.stream:
+            # Answered once the engine's stream ended, or at once when it broke off.
+            return self._whole() if end or (self.relay.done() and self.result.broken) else []
         out = self.sink.take()
         if end or self.relay.done():
             self._finish()
         return [messages.body(out, end, response=True)]
 
     def _whole(self) -> list[pb.ProcessingResponse]:
-        assert self.adm is not None
-        m = self.adm.model
-        try:
-            read = relay_body(bytes(self.response), upstream_model=m.upstream_name,
-                              served_model=m.name)
-        except UpstreamProtocolError:
+        """The answer built from the engine's stream, or our error if it broke off."""
+        assert self.relay is not None
+        body = self.relay.result() if self.relay.done() and not self.relay.cancelled() \
+            and self.relay.exception() is None else None
+        if body is None or not self.result.done:
             self.result.broken = True
             self._finish()
-            return [self._refuse(APIError(502, "the upstream sent a malformed response",
-                                          type="server_error", code="upstream_unavailable"))]
-        r = self.result
-        r.usage, r.body = read.usage, read.body
-        r.first_token_at, r.last_token_at = read.first_token_at, read.last_token_at
-        assert read.body is not None
+            return [self._refuse(APIError(502, "the upstream's answer broke off before it "
+                                          "was complete", type="server_error",
+                                          code="upstream_error"))]
         self._finish()
         return [messages.response_headers({**self.answer_headers,
                                            "content-type": "application/json",
-                                           "content-length": str(len(read.body))}),
-                messages.body(read.body, True, response=True)]
+                                           "content-length": str(len(body))}),
+                messages.body(body, True, response=True)]
 
     def _upstream_failed(self) -> pb.ProcessingResponse:
         """A non-200 answer (or Envoy's own reply, when the endpoint could not be reached),
