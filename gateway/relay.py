@@ -29,7 +29,6 @@ from gateway.migrate import Live, shift_usage
 from gateway.upstream import (
     UpstreamBroken,
     UpstreamError,
-    UpstreamProtocolError,
 )
 
 log = logging.getLogger("tokengate.gateway")
@@ -307,24 +306,4 @@ async def relay_stream(
             await resp.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
         except ConnectionResetError:
             res.client_gone = True
-    return res
-
-
-def relay_body(body: bytes, *, upstream_model: str, served_model: str) -> RelayResult:
-    """A non-streamed answer as the client gets it: checked to be a completion (else
-    ``UpstreamProtocolError``), its usage picked up, its model renamed."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-        raise UpstreamProtocolError("the upstream's 200 answer is not a completion")
-    res = RelayResult(status=200)
-    usage = obj.get("usage")
-    res.usage = usage if isinstance(usage, dict) else None
-    res.first_token_at = res.last_token_at = time.perf_counter()
-    if upstream_model != served_model and obj.get("model") == upstream_model:
-        obj["model"] = served_model
-        body = orjson.dumps(obj)
-    res.body = body
     return res

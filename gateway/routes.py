@@ -189,8 +189,10 @@ async def admin_limiter(request: web.Request) -> web.Response:
     out: dict[str, Any] = {"store": type(store).__name__,
                            "round_trips": store.stats.round_trips}
     if isinstance(store, ResilientStore):
+        st = store.primary.stats  # the shared store's (a lease store shares its stats)
         out.update(primary=type(store.primary).__name__, degraded=store.degraded,
-                   fail_open=store.fail_open)
+                   fail_open=store.fail_open, owed=st.owed, compensated=st.compensated,
+                   abandoned=st.abandoned)
     return web.json_response(out, dumps=_dumps)
 
 

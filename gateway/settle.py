@@ -97,22 +97,23 @@ async def bounded(adm: quota.Admission, prompt: int | None, completion: int | No
                   prompt_exact: bool) -> Served:
     """The upstream's usage where it is plausible, else the gateway's own counts.
 
-    The completion must be at least the chunks relayed (each carried a token or more), at
-    most the ``max_tokens`` the engine was held to, and at most the gateway's count plus
-    ``COMPLETION_SLACK`` -- its count being the chunks, or where that is not enough (an
-    engine that sends several tokens per chunk) the relayed text re-tokenized with the
-    model's tokenizer (``text_tokens``, only then). Without a usage, or refused, the
-    completion is that count. The prompt must be within ``PROMPT_FACTOR`` and
-    ``PROMPT_SLACK`` of the gateway's count, else it is the gateway's count."""
+    The gateway counts one token per chunk relayed; an engine may send more than one per
+    chunk (vLLM when its client falls behind, or while it holds text back for a stop string).
+    So the completion must be at least the chunks, at most the ``max_tokens`` the engine was
+    held to, and at most the chunks plus ``COMPLETION_SLACK`` -- or, beyond that, the relayed
+    text re-tokenized with the model's tokenizer (``text_tokens``, only then) plus the slack.
+    Without a usage, or refused, the completion is the chunks. The prompt must be within
+    ``PROMPT_FACTOR`` and ``PROMPT_SLACK`` of the gateway's count, else it is that count."""
     rejected = []
     cap = adm.expected_output
-    if completion is None or not chunks <= completion <= min(cap, chunks + COMPLETION_SLACK):
-        own = min(cap, max(chunks, await text_tokens()))
-        if completion is None:
-            completion = own
-        elif not chunks <= completion <= min(cap, own + COMPLETION_SLACK):
-            rejected.append("completion_tokens")
-            completion = own
+    own = min(chunks, cap)
+    if completion is None:
+        completion = own
+    elif not chunks <= completion <= min(cap, chunks + COMPLETION_SLACK) and not (
+            chunks <= completion <= cap
+            and completion <= await text_tokens() + COMPLETION_SLACK):
+        rejected.append("completion_tokens")
+        completion = own
     own_prompt = adm.prompt_tokens
     f = PROMPT_FACTOR[prompt_exact]
     if prompt is None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.relay import RelayResult, relay_body, relay_stream
-from gateway.upstream import UpstreamProtocolError
+from gateway.aggregate import Aggregate
+from gateway.relay import RelayResult, relay_stream
 
 
 class Sink:
@@ -33,6 +33,12 @@ async def lines(*events: bytes) -> AsyncIterator[bytes]:
     for e in events:
         yield e
         yield b"\n"
+
+
+async def _lines(data: bytes) -> AsyncIterator[bytes]:
+    """A body's lines, each with its newline (as ``UpstreamResponse.lines`` gives them)."""
+    for line in data.splitlines(keepends=True):
+        yield line
 
 
 async def relay(*events: bytes) -> tuple[RelayResult, str]:
@@ -84,13 +90,58 @@ async def test_a_stream_that_ends_without_done_is_broken() -> None:
     assert res.broken and out.endswith("data: [DONE]\n\n")
 
 
-def test_a_body_is_renamed_and_must_be_a_completion() -> None:
-    body = json.dumps({"id": "c", "model": "up", "choices": [{"text": "x"}],
-                       "usage": {"prompt_tokens": 1, "completion_tokens": 1}},
-                      separators=(", ", ": ")).encode()
-    res = relay_body(body, upstream_model="up", served_model="served")
-    assert res.body is not None and json.loads(res.body)["model"] == "served"
-    assert res.usage == {"prompt_tokens": 1, "completion_tokens": 1}
-    for bad in (b"not json", b"[]", b'{"error": {"message": "x"}}'):
-        with pytest.raises(UpstreamProtocolError):
-            relay_body(bad, upstream_model="up", served_model="served")
+def _chat(delta: dict[str, object], **extra: object) -> bytes:
+    obj = {"id": "c", "object": "chat.completion.chunk", "created": 7, "model": "up",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": None, **extra}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def test_an_answer_is_built_from_a_stream_as_openai_answers_it() -> None:
+    """Content, reasoning, tool calls merged by index, logprobs and the finish reason; the
+    model renamed; the engine's usage."""
+    lp = {"content": [{"token": "a", "logprob": -0.1}]}
+    events = [
+        _chat({"role": "assistant", "content": ""}),
+        _chat({"reasoning_content": "think "}), _chat({"reasoning_content": "more"}),
+        _chat({"content": "He"}, logprobs=lp), _chat({"content": "llo"}, logprobs=lp),
+        _chat({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               "function": {"name": "get", "arguments": '{"ci'}}]}),
+        _chat({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                               "function": {"name": "put", "arguments": "{}"}}]}),
+        _chat({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": 1}'}}]}),
+        _chat({}, finish_reason="tool_calls"),
+        b'data: {"id": "c", "model": "up", "choices": [], "usage": {"prompt_tokens": 3, '
+        b'"completion_tokens": 9, "total_tokens": 12}}\n\n',
+        b"data: [DONE]\n\n"]
+    agg = Aggregate("chat")
+    res = await relay_stream(_lines(b"".join(events)), agg, upstream_model="up",
+                             served_model="served", pass_usage=True)
+    assert not res.broken and res.chunks == 7
+    out = json.loads(agg.body(usage={}))
+    assert out["object"] == "chat.completion" and out["model"] == "served"
+    assert (out["id"], out["created"]) == ("c", 7)
+    msg = out["choices"][0]["message"]
+    assert msg["content"] == "Hello" and msg["reasoning_content"] == "think more"
+    assert msg["tool_calls"] == [
+        {"id": "call_a", "type": "function", "function": {"name": "get",
+                                                          "arguments": '{"city": 1}'}},
+        {"id": "call_b", "type": "function", "function": {"name": "put", "arguments": "{}"}}]
+    assert out["choices"][0]["logprobs"] == {"content": lp["content"] * 2}
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    assert out["usage"]["completion_tokens"] == 9
+
+
+async def test_a_completion_is_built_with_the_gateways_usage_when_none_came() -> None:
+    events = [b'data: {"id": "t", "object": "text_completion", "model": "up", "choices": '
+              b'[{"index": 0, "text": "' + w + b'", "finish_reason": ' + f + b"}]}\n\n"
+              for w, f in ((b"a", b"null"), (b" b", b'"length"'))] + [b"data: [DONE]\n\n"]
+    agg = Aggregate("completion")
+    res = await relay_stream(_lines(b"".join(events)), agg, upstream_model="up",
+                             served_model="up", pass_usage=True)
+    out = json.loads(agg.body(usage={"prompt_tokens": 1, "completion_tokens": res.chunks,
+                                     "total_tokens": 1 + res.chunks}))
+    assert out["object"] == "text_completion"
+    assert out["choices"] == [{"index": 0, "text": "a b", "logprobs": None,
+                               "finish_reason": "length"}]
+    assert out["usage"]["completion_tokens"] == 2
+    assert res.texts == ["a", " b"]
