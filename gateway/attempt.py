@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -116,10 +116,31 @@ async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
                                             "text/event-stream")
             lines = up.lines()
             first = await first_event(lines)
+        except ErrorEvent as exc:
+            up.release()
+            raise judge_error_event(exc.error, ep, pool) from None
         except BaseException:
             up.release()
             raise
     return Answer(up, lines=_prepend(first, lines))
+
+
+class ErrorEvent(Exception):
+    """A stream whose first event is an error: the engine refused the request after its
+    200 (vLLM validates some parameters only once streaming), judged like an error answer
+    with the status the event names (``code``), else 502 (``judge_error_event``)."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__("the upstream's stream began with an error")
+        self.error = error
+
+
+def judge_error_event(error: dict[str, Any], ep: EndpointState, pool: EndpointPool
+                      ) -> Failure:
+    """An error event that came before any token, judged as an answer with its status."""
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 502
+    return judge_failure(status, None, orjson.dumps({"error": error}), ep, pool)
 
 
 async def first_event(lines: AsyncIterator[bytes]) -> list[bytes]:
@@ -139,6 +160,8 @@ async def first_event(lines: AsyncIterator[bytes]) -> list[bytes]:
             try:
                 parse_event(payload)
             except BadEvent as exc:
+                if exc.error is not None:
+                    raise ErrorEvent(exc.error) from None
                 raise UpstreamProtocolError(str(exc)) from None
         return got
     raise UpstreamBroken("the upstream ended the stream before any event")

@@ -53,6 +53,7 @@ class RelayResult:
     # the generated text relayed (content, reasoning, tool arguments, completion text), in
     # pieces: what settlement counts when the upstream's usage cannot be believed as it is
     texts: list[str] = field(default_factory=list)
+    error_event: dict[str, Any] | None = None  # the upstream's error event that ended it
 
 
 class Sink(Protocol):
@@ -125,7 +126,12 @@ def event_payload(data: bytes) -> bytes:
 
 
 class BadEvent(Exception):
-    """An upstream event that is not a JSON object, or is an error event."""
+    """An upstream event that is not a JSON object, or is an error event (``error``: the
+    event's error object)."""
+
+    def __init__(self, message: str, error: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 def parse_event(payload: bytes) -> dict[str, Any]:
@@ -136,7 +142,9 @@ def parse_event(payload: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise BadEvent("the upstream sent an event that is not a JSON object")
     if "error" in obj:
-        raise BadEvent("the upstream reported an error mid-stream")
+        err = obj["error"]
+        raise BadEvent("the upstream reported an error mid-stream",
+                       err if isinstance(err, dict) else {})
     return obj
 
 
@@ -291,6 +299,8 @@ async def relay_stream(
             res.migrated = True  # the caller continues the stream elsewhere
             return res
         res.broken = True
+        if isinstance(exc, BadEvent):
+            res.error_event = exc.error
         if isinstance(exc, TimeoutError):
             what = ("the request's total timeout passed" if loop.time() >= end - 1e-3 else
                     f"no token for {gap_s:g} s")

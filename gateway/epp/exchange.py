@@ -28,7 +28,7 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from gateway import pipeline, quota
-from gateway.attempt import ERROR_BODY_LIMIT, judge_failure
+from gateway.attempt import ERROR_BODY_LIMIT, judge_error_event, judge_failure
 from gateway.context import RequestContext
 from gateway.dispatch import open_request
 from gateway.epp import messages
@@ -273,10 +273,20 @@ class Exchange:
             and self.relay.exception() is None else None
         if body is None or not self.result.done:
             self.result.broken = True
+            error = APIError(502, "the upstream's answer broke off before it was complete",
+                             type="server_error", code="upstream_error")
+            ev = self.result.error_event
+            if ev is not None and self.result.chunks == 0 and self.picked is not None:
+                # The engine refused the request in its stream's first event (vLLM checks
+                # some parameters only then): judged as serve judges it.
+                p = self.picked
+                f = judge_error_event(ev, p.decision.endpoint.ep, p.pool)
+                error = f.error
+                if not f.endpoint_fault:
+                    self.result.broken = False  # the request's fault, not the endpoint's
+                    self.result.status = error.status
             self._finish()
-            return [self._refuse(APIError(502, "the upstream's answer broke off before it "
-                                          "was complete", type="server_error",
-                                          code="upstream_error"))]
+            return [self._refuse(error)]
         self._finish()
         return [messages.response_headers({**self.answer_headers,
                                            "content-type": "application/json",
