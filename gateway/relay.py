@@ -84,25 +84,27 @@ def _tokens(obj: dict[str, Any], texts: list[str]) -> int:
             continue
         d = c.get("delta")
         if isinstance(d, dict):
-            found = False
-            for k in ("content", "reasoning_content", "reasoning"):
-                v = d.get(k)
-                if v and isinstance(v, str):
+            v = d.get("content") or d.get("reasoning_content") or d.get("reasoning")
+            if v:
+                if type(v) is str:
                     texts.append(v)
-                    found = True
+                n += 1
+                continue
             calls = d.get("tool_calls")
             if isinstance(calls, list):
+                found = False
                 for t in calls:
                     fn = t.get("function") if isinstance(t, dict) else None
                     args = fn.get("arguments") if isinstance(fn, dict) else None
-                    if args and isinstance(args, str):
+                    if args and type(args) is str:
                         texts.append(args)
                         found = True
-            n += found
+                n += found
         else:
             v = c.get("text")
-            if v and isinstance(v, str):
-                texts.append(v)
+            if v:
+                if type(v) is str:
+                    texts.append(v)
                 n += 1
     return n
 
