@@ -28,11 +28,10 @@ import aiohttp
 from loadtests.client import RequestResult, stream_request, wait_for
 from loadtests.metrics import summarize
 from loadtests.runner import LoopLag
-from loadtests.traces import TraceRequest, load_azure
+from loadtests.traces import TRACES, TraceRequest, load_azure
 from protocol.loopback import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -6,7 +6,7 @@
 For each strategy a fresh ``tokengate up`` stack is started (4 reference backends simulating
 ``--model`` on ``--hardware`` at time scale 1 with a chunked-prefill budget of
 ``--max-batched-tokens``, the gateway with that strategy and no quotas), the first
-``--requests`` of ``../shared/traces/mooncake_synthetic.jsonl`` are replayed open-loop with
+``--requests`` of ``loadtests/data/traces/mooncake_synthetic.jsonl`` are replayed open-loop with
 their timestamps multiplied by ``--trace-scale`` (the same schedule and prompts for every
 strategy; prompts share prefixes exactly where the trace's ``hash_ids`` do), and the stack is
 stopped. The load harness writes its compare-mode report (markdown, JSON, CSV, overlaid
@@ -51,11 +51,12 @@ from loadtests import report, runner, workloads
 from loadtests.client import wait_for
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
+from loadtests.traces import TRACES
 from protocol.loopback import DEMO_KEY, free_port
 from protocol.tokenizer import Tokenizer
 
 ADMIN = "bench-admin-key"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
+TRACE = TRACES / "mooncake_synthetic.jsonl"
 
 
 def fetch(url: str, admin: bool = False) -> Any:

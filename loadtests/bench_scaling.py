@@ -7,7 +7,7 @@ For each scaling policy a gateway (``tokengate serve``) fronts a pool of ``demo-
 starts with one reference backend (``--model`` on ``--hardware``, time scale 1) and may grow
 to ``--max-replicas``, launched by the gateway itself (each launch is a real cold start: the
 process starts and its weights "load" at the backend's load bandwidth). The window
-``--start-min`` .. ``--start-min + --minutes`` of ``../shared/traces/azure_llm_2023_conv.csv``
+``--start-min`` .. ``--start-min + --minutes`` of ``loadtests/data/traces/azure_llm_2023_conv.csv``
 (its afternoon ramp: the token rate doubles within ten minutes) is replayed open-loop with its
 timestamps multiplied by ``--trace-scale`` (the same prompts and schedule for both policies).
 
@@ -49,12 +49,12 @@ from loadtests import metrics, report, runner, workloads
 from loadtests.client import wait_for
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
-from loadtests.traces import load_azure
+from loadtests.traces import TRACES, load_azure
 from protocol.loopback import free_port
 from protocol.tokenizer import Tokenizer
 
 KEY, ADMIN = "bench-key", "bench-admin"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+TRACE = TRACES / "azure_llm_2023_conv.csv"
 
 
 def plan(args: argparse.Namespace, maker: PromptMaker) -> list[workloads.Planned]:

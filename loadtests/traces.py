@@ -1,4 +1,8 @@
-"""Request traces: the Azure LLM inference 2023 CSVs (arrival time, context and output tokens)."""
+"""Request traces: the Azure LLM inference 2023 CSVs (arrival time, context and output tokens).
+
+The public traces the load tests, benchmarks, simulator and docs use ship with the package in
+``loadtests/data/traces`` (``TRACES``), with a README naming each one's publisher, source and
+licence."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import csv
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
 
 
 @dataclass(frozen=True, slots=True)

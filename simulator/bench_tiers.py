@@ -38,8 +38,8 @@ import matplotlib.pyplot as plt
 from gateway.up import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
+from loadtests.traces import TRACES
 from simulator.run import SimConfig, simulate
-from simulator.validate import TRACES
 from simulator.workload import WorkloadSpec
 
 CONFIGS: dict[str, dict[str, Any]] = {

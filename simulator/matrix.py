@@ -31,9 +31,9 @@ from backend.timing import TimingModel
 from gateway.up import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
+from loadtests.traces import TRACES
 from simulator.oracle import clairvoyant_floor
 from simulator.run import SimConfig, simulate
-from simulator.validate import TRACES
 from simulator.workload import WorkloadSpec
 
 MODEL, HARDWARE_NAME, BUDGET = "llama-3.1-8b", "h100-sxm", 2048

@@ -33,11 +33,11 @@ from loadtests import bench_routing, workloads
 from loadtests.metrics import SLO
 from loadtests.run import LoadtestConfig, run_all
 from loadtests.runner import Target
+from loadtests.traces import TRACES
 from protocol.loopback import DEMO_KEY
 from simulator.run import DEMO_POLICY, SimConfig, simulate
 from simulator.workload import WorkloadSpec
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))
 
 

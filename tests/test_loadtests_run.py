@@ -16,6 +16,7 @@ from loadtests import workloads
 from loadtests.metrics import SLO
 from loadtests.run import LoadtestConfig, run_all
 from loadtests.runner import Target
+from loadtests.traces import TRACES
 from tokengate.cli import main
 
 Factory = Callable[..., RunningBackend]
@@ -52,8 +53,7 @@ def test_compare_mode_runs_the_same_workload_on_each_target(backend_factory: Fac
     cfg = LoadtestConfig(
         targets=[Target("fast", f"{fast.url}/v1"), Target("slow", f"{slow.url}/v1")],
         out=tmp_path, workload="trace",
-        trace=str(Path(__file__).resolve().parents[2] / "shared" / "traces" /
-                  "mooncake_synthetic.jsonl"),
+        trace=str(TRACES / "mooncake_synthetic.jsonl"),
         requests=12, time_scale=0.001, max_input=4000, slo=SLO(ttft_ms=10_000), progress=False)
     reports = asyncio.run(run_all(cfg))
     assert set(reports) == {"fast", "slow"}

@@ -14,10 +14,8 @@ from loadtests import workloads
 from loadtests.client import RequestResult
 from loadtests.metrics import SLO, summarize, tpot
 from loadtests.prompts import PromptMaker
-from loadtests.traces import load_azure
+from loadtests.traces import TRACES, load_azure
 from protocol.tokenizer import Tokenizer
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 def result(sent: float, chunks: list[float], tokens: int, error: str | None = None
