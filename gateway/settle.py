@@ -226,6 +226,8 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
     status = ("client_gone" if r.client_gone else "broken" if r.broken else str(r.status))
     state.metrics.series("requests", ctx.route.name, m, ctx.tenant_label, status).inc()
+    if r.client_gone:
+        state.metrics.series("abandoned", m, "generating" if r.chunks else "queued").inc()
     if used is not None and r.status == 200 and not r.broken:
         observe(ctx, r, sent)
         state.metrics.series("prompt_tokens", m, ctx.tenant_label).inc(used.prompt)

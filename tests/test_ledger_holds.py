@@ -268,3 +268,5 @@ def test_a_client_that_hangs_up_pays_for_the_work_done_and_the_engine_stops(
     while up.closed == closed and time.monotonic() < deadline:
         time.sleep(0.02)
     assert up.closed == closed + 1  # the gateway closed the engine's stream: it stopped
+    metrics = httpx.get(f"{gw.url}/metrics").text
+    assert 'tokengate_abandoned_total{model="m",phase="generating"} 1.0' in metrics
