@@ -14,7 +14,8 @@ import yaml
 from gateway.config.policy import parse_policy
 from gateway.metrics import GatewayMetrics
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
 
 
 @pytest.mark.parametrize("path", sorted((DEPLOY / "k8s").glob("*.yaml")), ids=lambda p: p.name)
@@ -83,3 +84,18 @@ def test_keda_scales_backends_on_the_desired_replicas_the_gateway_exports() -> N
             assert name and name.group(1) in exported
             role = re.search(r'role="(\w+)"', trig["metadata"]["query"])
             assert role and role.group(1) in ("prefill", "decode", "both")
+
+
+def test_the_image_holds_every_package_the_program_installs() -> None:
+    """The Dockerfile copies each package ``pip install .`` installs (the CLI imports them
+    all), and what ``pip install .`` needs besides."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    copied = {m.group(1) for m in re.finditer(r"^COPY (\S+) \./\1$",
+                                              (DEPLOY / "Dockerfile").read_text(), re.M)}
+    assert packages <= copied, packages - copied
+    for pkg in packages:
+        assert (ROOT / pkg / "__init__.py").exists(), pkg

@@ -1,11 +1,10 @@
-"""``tokengate COMMAND``: one entry point for the project's programs, each of which keeps its
-command line in its own package -- ``serve``/``up`` in ``gateway.cli``, ``backend`` and
-``kvpool`` in ``backend.cli``, ``loadtest`` in ``loadtests.cli``, ``simulate`` in
-``simulator.cli``. Only the chosen program is imported."""
+"""tokengate: a token-aware gateway for LLM inference engines, its reference GPU backend,
+load tests and fleet simulator. Run `tokengate COMMAND --help` for a command's options."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 from collections.abc import Sequence
 
@@ -17,6 +16,8 @@ from simulator import cli as simulator_cli
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokengate", description=__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"tokengate {importlib.metadata.version('tokengate')}")
     sub = parser.add_subparsers(dest="command", required=True)
     backend_cli.add_parser(sub)
     backend_cli.add_kvpool_parser(sub)
