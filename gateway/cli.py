@@ -93,6 +93,16 @@ def shape_of(ns: argparse.Namespace) -> PoolShape:
                      ns.kv_offload_gb, ns.kv_pool_gb, ns.gpu_only_routing)
 
 
+def _has_limits(path: str) -> bool:
+    from gateway.config.policy import load_policy
+
+    p = load_policy(path)
+    scopes = [*(t.limits for t in p.tenants.values()),
+              *(lim for t in p.tenants.values() for lim in t.model_limits.values()),
+              *(m.limits for m in p.models.values()), *(r.limits for r in p.routes.values())]
+    return any(s.buckets() for s in scopes)
+
+
 def _serve_workers(ns: argparse.Namespace) -> int:
     """Run ``serve``; with --workers N, N-1 more processes share the port (SO_REUSEPORT)."""
     import subprocess
@@ -104,6 +114,10 @@ def _serve_workers(ns: argparse.Namespace) -> int:
     if ns.workers > 1:
         if ns.port == 0:
             raise ValueError("--workers needs a fixed --port")
+        if not ns.redis and _has_limits(ns.policy):
+            raise ValueError("--workers needs --redis when the policy sets limits: without a "
+                             "shared store each worker would enforce every limit on its own "
+                             "(N workers, N times the limits)")
         for _ in range(ns.workers - 1):
             cmd = [sys.executable, "-m", "tokengate", "serve", "--policy", ns.policy,
                    "--host", ns.host, "--port", str(ns.port), "--reuse-port",

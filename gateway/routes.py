@@ -97,7 +97,9 @@ async def admin_policy(request: web.Request) -> web.Response:
            "models": {n: {"endpoints": [e.url for e in m.endpoints], "fallback": m.fallback,
                           "tokenizer": m.tokenizer, "limits": asdict(m.limits)}
                       for n, m in p.models.items()},
-           "tenants": {n: {"keys": [k.name for k in t.keys], "limits": asdict(t.limits)}
+           "tenants": {n: {"keys": [k.name for k in t.keys], "limits": asdict(t.limits),
+                           "model_limits": {m: asdict(lim) for m, lim in t.model_limits.items()},
+                           "priority": t.priority, "max_priority": t.priority_ceiling}
                        for n, t in p.tenants.items()},
            "routes": {n: asdict(r) for n, r in p.routes.items()}}
     watcher = request.app.get(WATCHER)

@@ -97,7 +97,7 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
 
     import yaml
     from conftest import start_backend
-    from redis_servers import free_port
+    from redis_servers import RedisServer, free_port
 
     from protocol.tokenizer import Tokenizer
 
@@ -105,12 +105,19 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
     policy = Path(str(tmp_path)) / "p.yaml"
     policy.write_text(yaml.safe_dump({
         "version": 1, "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}]}},
-        "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(b"k").hexdigest()}]}},
+        "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(b"k").hexdigest()}],
+                          "limits": {"rpm": 1000}}},
         "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}))
     port = free_port()
+    # Without a shared store each worker would enforce every limit on its own: refused.
+    alone = subprocess.run([sys.executable, "-m", "tokengate", "serve", "--policy", str(policy),
+                            "--port", str(port), "--workers", "2"], capture_output=True,
+                           text=True, timeout=60)
+    assert alone.returncode == 2 and "--workers needs --redis" in alone.stderr, alone.stderr
+    redis = RedisServer(Path(str(tmp_path)) / "redis")
     proc = subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
-                             str(policy), "--port", str(port), "--workers", "2"],
-                            stderr=subprocess.DEVNULL)
+                             str(policy), "--port", str(port), "--workers", "2", "--redis",
+                             redis.url], stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
@@ -131,6 +138,7 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        redis.stop()
         b.close()
 
 

@@ -58,6 +58,8 @@ def base() -> dict[str, Any]:
      r"settings\.redis_failure: expected fail_open or fail_closed"),
     (lambda d: d["tenants"].update(other={"keys": d["tenants"]["demo"]["keys"]}),
      r"already given to tenant 'demo'"),
+    (lambda d: d["tenants"].update(lonely={"keys": [{"sha256": "b" * 64}]}),
+     r"tenants\.lonely: no route includes this tenant"),
     (lambda d: d["tenants"]["demo"].update(limits={"burst": 10}), r"burst applies to tpm"),
     (lambda d: d["models"]["demo-large"].update(kv_pool={"url": "http://u:p@h:1"}),
      r"kv_pool\.url: expected an http\(s\) URL without credentials"),

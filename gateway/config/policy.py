@@ -368,6 +368,11 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
                 raise d.fail(f"tenants.{t.name}.keys[{i}].sha256",
                              f"the same key is already given to tenant {index[k.sha256][0]!r}")
             index[k.sha256] = (t.name, k.name)
+    routed = {t for r in routes.values() for t in r.tenants}
+    for t in tenants.values():
+        if t.name not in routed:
+            raise d.fail(f"tenants.{t.name}", "no route includes this tenant: its keys would "
+                         "reach no model (add it to a route's tenants, or remove it)")
     return Policy(models, tenants, routes, settings, source, index)
 
 
