@@ -249,7 +249,30 @@ def _write(out: Path, rep: dict[str, Any]) -> None:
     fig.savefig(out / "soak.png", dpi=100)
 
 
+# Flat over the second half: no fd or upstream connection growing steadily (under one a
+# minute: a leak of one per request would be hundreds), and resident memory under 1.5 MiB/min
+# (measured: +0.99 after 10 minutes, +0.48 after 20, decelerating -- RELIABILITY.md; a leak of
+# 2 KB per request at this load would be ~1.5 MiB/min). The thresholds need about ten minutes
+# to rise above warm-up growth (a 1-minute run reads +8 MiB/min of start-up).
+LEAK_SLOPES = {"rss_mb": 1.5, "fds": 1.0, "upstream_conns": 1.0}
+
+
+def verdict(rep: dict[str, Any]) -> list[str]:
+    """Why the soak failed (nothing when it held): errors, too few requests, or a resource
+    growing past its slope."""
+    out = []
+    if rep["errors"] or rep["error_rate"]:
+        out.append(f"{rep['errors']} errors")
+    if rep["requests"] <= 100:
+        out.append(f"only {rep['requests']} requests")
+    for k, limit in LEAK_SLOPES.items():
+        if not rep["slopes_per_min"][k] < limit:
+            out.append(f"{k} grew {rep['slopes_per_min'][k]:+.3f}/min (limit {limit})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 when the soak held (``verdict``), 1 otherwise: ``make soak`` is the gate."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
@@ -262,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(0)
     rep = asyncio.run(soak(args))
     print((Path(args.out) / "soak.md").read_text())
-    return 0 if rep["error_rate"] == 0 else 1
+    failed = verdict(rep)
+    for why in failed:
+        print(f"soak failed: {why}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -203,3 +203,15 @@ def test_predictability_counts_prompts_that_arrive_during_a_prefill() -> None:
     tt = bounds(results, 100.0, warmup_s=0.0)["ttft"]
     assert tt["n"] == 400
     assert tt["hindsight_with_arrivals"] < 0.5 * tt["hindsight"]
+
+
+def test_the_soak_fails_on_errors_or_a_resource_that_keeps_growing() -> None:
+    """``make soak`` (10 minutes, outside the suite) exits 1 on the verdict's reasons."""
+    from loadtests.soak import verdict
+
+    ok = {"errors": 0, "error_rate": 0.0, "requests": 4000,
+          "slopes_per_min": {"rss_mb": 0.99, "fds": 0.0, "upstream_conns": 0.1}}
+    assert verdict(ok) == []
+    leak = {**ok, "slopes_per_min": {**ok["slopes_per_min"], "rss_mb": 2.0}}
+    assert verdict(leak) == ["rss_mb grew +2.000/min (limit 1.5)"]
+    assert len(verdict({**ok, "errors": 3, "error_rate": 0.001, "requests": 50})) == 2
