@@ -13,7 +13,7 @@ from gateway.config.routing import STRATEGIES
 from protocol.runtime import run_loop
 
 if TYPE_CHECKING:
-    from gateway.up import PoolShape
+    from gateway.pool_shape import PoolShape
 
 _DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
 
@@ -86,7 +86,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
 
 
 def shape_of(ns: argparse.Namespace) -> PoolShape:
-    from gateway.up import PoolShape
+    from gateway.pool_shape import PoolShape
 
     return PoolShape(ns.pool, ns.strategy, ns.index, ns.backends, ns.pd, ns.backend_model,
                      ns.hardware, ns.no_quota, ns.max_batched_tokens, ns.tensor_parallel,

@@ -35,7 +35,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from gateway.up import PoolShape
+from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
 from loadtests.traces import TRACES

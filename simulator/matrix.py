@@ -28,7 +28,7 @@ from typing import Any
 
 from backend.profiles import HARDWARE, MODELS
 from backend.timing import TimingModel
-from gateway.up import PoolShape
+from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
 from loadtests.traces import TRACES

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 
 from backend.engine import EngineConfig, num_gpu_blocks
 from backend.profiles import HARDWARE, MODELS
-from gateway.up import PoolShape
+from gateway.pool_shape import PoolShape
 from loadtests.metrics import SLO
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec

@@ -1,8 +1,9 @@
 """``tokengate simulate``: a ``tokengate up`` fleet and a ``tokengate loadtest`` workload, in
 one process on a discrete-event clock.
 
-The policy is shaped exactly as ``up`` shapes it (``gateway.up.PoolShape``: ``--backends`` or
-``--pd``, ``--model``, ``--hardware``, ``--strategy``, ``--index``, ``--max-batched-tokens``),
+The policy is shaped exactly as ``up`` shapes it (``gateway.pool_shape.PoolShape``:
+``--backends`` or ``--pd``, ``--model``, ``--hardware``, ``--strategy``, ``--index``,
+``--max-batched-tokens``),
 every endpoint of the pool becomes a simulated reference backend (``simulator.engine``), the
 gateway's routing runs as ``simulator.gateway`` describes, and the workload is the load
 harness's (``simulator.workload``). The report is the load harness's own (``report.json``,
@@ -33,9 +34,9 @@ from backend.profiles import ProfileCatalog
 from backend.timing import TimingModel
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
+from gateway.pool_shape import PoolShape
 from gateway.state import counter_for
 from gateway.tokenize import TokenCounter
-from gateway.up import PoolShape
 from loadtests import report, workloads
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker

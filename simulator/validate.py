@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from gateway.up import PoolShape
+from gateway.pool_shape import PoolShape
 from loadtests import bench_routing, workloads
 from loadtests.metrics import SLO
 from loadtests.run import LoadtestConfig, run_all

@@ -13,7 +13,7 @@ from typing import Any
 from backend.engine import EngineConfig
 from backend.profiles import HARDWARE, MODELS
 from backend.request import Request
-from gateway.up import PoolShape
+from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from simulator.engine import Hooks, SimEngine
 from simulator.events import EventLoop

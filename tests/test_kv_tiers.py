@@ -19,10 +19,10 @@ from backend.kvpool_store import PoolBlock, PoolStore
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig
 from gateway.endpoints import EngineView
+from gateway.pool_shape import PoolShape, resolve_ports
 from gateway.routing.kv_events import decode_batch
 from gateway.routing.prefix import PreciseIndex
 from gateway.routing.tiers import TierIndex, TierMatch, read_pool_capacity, read_tier_info
-from gateway.up import PoolShape, resolve_ports
 from protocol.kv_hash import BlockHash
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.config.policy import parse_policy
 from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
+from gateway.pool_shape import PoolShape
 from gateway.routing import plugins
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
 from gateway.routing.kv_events import (
@@ -26,7 +27,6 @@ from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
 from gateway.routing.prefix import ApproxIndex, PreciseIndex, PromptHasher, block_hashes
 from gateway.routing.router import Router
 from gateway.tokenize import TokenCounter
-from gateway.up import PoolShape
 from predictor.features import FEATURES, EndpointSnapshot, build_matrix
 from protocol.kv_hash import extend_block_hashes, root_hash
 from protocol.tokenizer import Tokenizer

@@ -20,7 +20,7 @@ from backend.stream import RequestStream
 from backend.textgen import WordSource
 from backend.timing import TimingModel
 from gateway import clock as clk
-from gateway.up import PoolShape
+from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
 from protocol.tokenizer import Tokenizer
