@@ -1,7 +1,7 @@
 """Print the reference backend's calibration table (``python -m backend.calibration``).
 
 Modelled TTFT of a lone prompt (chunked at 8,192 tokens, as vLLM's default budget) and decode
-step times at several batch sizes, next to published measurements (see README "Calibration").
+step times at several batch sizes, next to published measurements (see docs/calibration.md).
 """
 
 from __future__ import annotations

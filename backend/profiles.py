@@ -7,7 +7,7 @@ the fixed per-step and per-sequence costs of the engine around the kernels). A *
 is a decoder-only transformer's shape and its tensor-parallel degree.
 
 The defaults were calibrated against published vLLM/TensorRT-LLM measurements collected in
-README.md ("Calibration"); user profiles come from a YAML or JSON file with the same fields
+docs/calibration.md; user profiles come from a YAML or JSON file with the same fields
 (``load_profiles``), validated strictly: an unknown field is an error naming the file and path.
 """
 
