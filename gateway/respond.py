@@ -132,7 +132,8 @@ async def _whole(ctx: RequestContext, adm: quota.Admission, sent: Sent, result: 
     ``Aggregate`` (charged progressively as it grows), then answered as one JSON object. If
     the client leaves meanwhile its handler is cancelled here, which closes the upstream's
     stream (the engine stops) and settles what the engine generated until then."""
-    _, body = await aggregate(ctx, adm, sent, result)
+    assert sent.lines is not None
+    body = await aggregate(ctx, adm, sent, result, sent.lines)
     if body is None:
         raise APIError(502, "the upstream's answer broke off before it was complete",
                        type="server_error", code="upstream_error")
@@ -140,10 +141,9 @@ async def _whole(ctx: RequestContext, adm: quota.Admission, sent: Sent, result: 
 
 
 async def aggregate(ctx: RequestContext, adm: quota.Admission, sent: Routed,
-                    result: RelayResult, lines: AsyncIterator[bytes] | None = None
-                    ) -> tuple[Aggregate, bytes | None]:
-    """Relay ``lines`` (a ``Sent``'s own by default) into an ``Aggregate``; the answer's
-    body, or None when the stream broke (``result.broken``)."""
+                    result: RelayResult, lines: AsyncIterator[bytes]) -> bytes | None:
+    """Relay the engine's stream (``lines``) into an ``Aggregate``: the answer's body, or
+    None when the stream broke (``result.broken``)."""
     state, policy, t = ctx.state, ctx.view.policy, ctx.route.timeouts
     agg = Aggregate(ctx.kind)
 
@@ -153,9 +153,6 @@ async def aggregate(ctx: RequestContext, adm: quota.Admission, sent: Routed,
     def first_token() -> None:
         sent.pool.first_token(sent.ticket)
 
-    if lines is None:
-        assert isinstance(sent, Sent) and sent.lines is not None
-        lines = sent.lines
     await relay_stream(
         lines, agg, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
         pass_usage=True, on_tokens=progress, every=policy.settings.progressive_charge_tokens,
@@ -163,8 +160,8 @@ async def aggregate(ctx: RequestContext, adm: quota.Admission, sent: Routed,
         on_first=first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s -
         (time.perf_counter() - sent.ttft_origin), tally=sent.decision.endpoint.ep.live)
     if result.broken:
-        return agg, None
+        return None
     usage = {"prompt_tokens": adm.prompt_tokens, "completion_tokens": result.chunks,
              "total_tokens": adm.prompt_tokens + result.chunks}
     result.body = agg.body(usage=usage)
-    return agg, result.body
+    return result.body

@@ -52,14 +52,15 @@ _ALLOWED = {"request_headers": (_NEW,), "request_body": (_REQUEST,),
             "request_trailers": (_REQUEST,), "response_headers": (_PROXIED,),
             "response_body": (_RESPONSE,), "response_trailers": (_RESPONSE,)}
 
+# Envoy's router stamps this on every response an upstream sent; a 5xx without it is
+# Envoy's own local reply (the endpoint could not be reached, or reset before answering).
+UPSTREAM_TIME = "x-envoy-upstream-service-time"
+
 
 class OutOfOrder(Exception):
     """A message ext_proc does not send at this point of an exchange (a second headers
     message, a body after the end of its stream, a response before the request was
     proxied...): the stream is refused and closed, nothing is admitted again."""
-# Envoy's router stamps this on every response an upstream sent; a 5xx without it is
-# Envoy's own local reply (the endpoint could not be reached, or reset before answering).
-UPSTREAM_TIME = "x-envoy-upstream-service-time"
 
 
 class Exchange:
@@ -102,12 +103,9 @@ class Exchange:
 
     async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         which = req.WhichOneof("request")
-        end = {"request_headers": lambda: req.request_headers.end_of_stream,
-               "request_body": lambda: req.request_body.end_of_stream,
-               "response_headers": lambda: req.response_headers.end_of_stream,
-               "response_body": lambda: req.response_body.end_of_stream}.get(
-                   which or "", lambda: True)()
-        self._advance(which, end)
+        # Headers and bodies say whether they end their side; trailers always do.
+        end = getattr(getattr(req, which), "end_of_stream", True) if which else True
+        self._advance(which, bool(end))
         try:
             if which == "request_headers":
                 return await self._request_headers(req)
@@ -218,8 +216,7 @@ class Exchange:
 
     async def _aggregate(self, feed: LineFeed) -> bytes | None:
         assert self.ctx is not None and self.adm is not None and self.picked is not None
-        _, body = await aggregate(self.ctx, self.adm, self.picked, self.result, feed)
-        return body
+        return await aggregate(self.ctx, self.adm, self.picked, self.result, feed)
 
     async def _relay(self, feed: LineFeed) -> RelayResult:
         assert self.ctx is not None and self.adm is not None and self.picked is not None
@@ -271,7 +268,7 @@ class Exchange:
         assert self.relay is not None
         body = self.relay.result() if self.relay.done() and not self.relay.cancelled() \
             and self.relay.exception() is None else None
-        if body is None or not self.result.done:
+        if body is None:
             self.result.broken = True
             error = APIError(502, "the upstream's answer broke off before it was complete",
                              type="server_error", code="upstream_error")

@@ -203,28 +203,29 @@ class RedisStore:
             self._paying = asyncio.ensure_future(self._pay())
 
     async def _pay(self) -> None:
-        """Make good what is owed, oldest first, backing off while the store is away."""
+        """Make good what is owed, backing off while the store is away."""
         pause = self.retry_s[0]
         while self.owed:
             await asyncio.sleep(pause)
-            for key, o in list(self.owed.items()):
-                try:
-                    await o.call()
-                except StoreUnavailable:
-                    if time.monotonic() >= o.until:
-                        del self.owed[key]
-                        self.stats.abandoned += 1
-                        log.error("gave up on %s: the rate store was away past its life",
-                                  o.what)
-                        continue
-                    break  # still away: wait, then start again from the oldest
-                del self.owed[key]
-                self.stats.compensated += 1
+            paid_all = await self._pay_once()
+            self.stats.owed = len(self.owed)
+            pause = self.retry_s[0] if paid_all else min(pause * 2, self.retry_s[1])
+
+    async def _pay_once(self) -> bool:
+        """One pass, oldest first; False when the store was still away (the pass stops at
+        the first call it refused: the rest would wait out the same timeout)."""
+        for key, o in list(self.owed.items()):
+            try:
+                await o.call()
+            except StoreUnavailable:
+                if time.monotonic() < o.until:
+                    return False
+                self.stats.abandoned += 1
+                log.error("gave up on %s: the rate store was away past its life", o.what)
             else:
-                pause = self.retry_s[0]
-                continue
-            pause = min(pause * 2, self.retry_s[1])
-        self.stats.owed = len(self.owed)
+                self.stats.compensated += 1
+            del self.owed[key]
+        return True
 
     async def _reserve_group(self, charges: Sequence[Charge], reservation_id: str,
                              life_s: float) -> Decision:
