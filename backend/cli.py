@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from backend.config import KV_LINKS, LOOPBACK_PEERS, ROLES, BackendConfig
+from backend.config import KV_LINKS, KVPOOL_TOKEN_ENV, LOOPBACK_PEERS, ROLES, BackendConfig
 from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--kv-pool", metavar="URL",
       help="a shared KV pool (tokengate kvpool): blocks are put there and fetched over the "
            "--kv-link by any instance; its token is read from --kv-pool-token-env")
-    a("--kv-pool-token-env", default="TOKENGATE_KVPOOL_TOKEN", metavar="NAME",
+    a("--kv-pool-token-env", default=KVPOOL_TOKEN_ENV, metavar="NAME",
       help="the environment variable holding the KV pool's shared secret")
     a("--kv-hold-timeout", type=float, default=480.0,
       help="seconds a prefill instance keeps KV nobody pulled")
@@ -156,7 +156,7 @@ def add_kvpool_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    "an address they can reach, and the token)")
     p.add_argument("--port", type=int, default=9600)
     p.add_argument("--capacity-gb", type=float, required=True, help="pool capacity in GB")
-    p.add_argument("--token-env", default="TOKENGATE_KVPOOL_TOKEN", metavar="NAME",
+    p.add_argument("--token-env", default=KVPOOL_TOKEN_ENV, metavar="NAME",
                    help="the environment variable holding the shared secret backends send "
                    "(required, at least 16 characters)")
     p.add_argument("--kv-events-config", metavar="JSON",

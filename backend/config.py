@@ -10,6 +10,10 @@ from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
 
+# The environment variable holding the shared secret of a KV pool (``tokengate kvpool``) and
+# the backends that use it.
+KVPOOL_TOKEN_ENV = "TOKENGATE_KVPOOL_TOKEN"
+
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
 

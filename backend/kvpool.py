@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backend.config import KVPOOL_TOKEN_ENV
 from backend.events import KVEventPublisher, KVEventsConfig
 from backend.kvpool_store import PoolBlock, PoolStore
 from protocol.errors import APIError, Handler, bad, errors
@@ -39,7 +40,6 @@ from protocol.errors import APIError, Handler, bad, errors
 log = logging.getLogger("tokengate.kvpool")
 MAX_HASH = 2**64
 MAX_BLOCKS = 200_000  # per request: a 3.2M-token prompt at 16 tokens per block
-TOKEN_ENV = "TOKENGATE_KVPOOL_TOKEN"  # the shared secret of the pool and its backends
 MIN_TOKEN = 16  # characters
 STORE = web.AppKey("store", PoolStore)
 EVENTS = web.AppKey("events", KVEventPublisher)
@@ -151,7 +151,7 @@ class _Collector(Collector):
 
 def check_token(token: str) -> str:
     if len(token) < MIN_TOKEN:
-        raise ValueError(f"the KV pool's token ({TOKEN_ENV}) must be at least {MIN_TOKEN} "
+        raise ValueError(f"the KV pool's token ({KVPOOL_TOKEN_ENV}) must be at least {MIN_TOKEN} "
                          "characters")
     return token
 

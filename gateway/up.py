@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from backend.config import KVPOOL_TOKEN_ENV
 from engines import vllm
 from gateway.config.endpoint import KVEvents
 from gateway.config.policy import Model, Policy
@@ -132,9 +133,6 @@ def _events_flag(kv: KVEvents) -> str:
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                        "endpoint": kv.endpoint, "replay_endpoint": kv.replay,
                        "topic": kv.topic})
-
-
-KVPOOL_TOKEN_ENV = "TOKENGATE_KVPOOL_TOKEN"  # what ``tokengate kvpool`` and backends read
 
 
 def _start_pool(cfg: UpConfig, m: Model, log_dir: Path) -> str | None:
