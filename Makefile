@@ -9,15 +9,10 @@ ARGS ?=
 
 .PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-predictor bench-accuracy bench-vllm calibration soak clean
 
-$(BIN)/tokengate: pyproject.toml
+$(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	# xds-protos (Envoy's protos, for `tokengate epp`) ships old copies of the OpenTelemetry
-	# and Google API protos into the same folders: put the real packages' files back.
-	$(BIN)/python -m pip install -q --force-reinstall --no-deps \
-	  "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
-	  "googleapis-common-protos==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("googleapis-common-protos"))')"
 	touch $@
 
 install: $(BIN)/tokengate

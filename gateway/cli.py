@@ -6,16 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.config.routing import STRATEGIES
+from gateway.examples import DEMO_POLICY
 from protocol.runtime import run_loop
 
 if TYPE_CHECKING:
     from gateway.pool_shape import PoolShape
 
-_DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,7 +40,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     e.add_argument("--drain-timeout", type=float, default=30.0)
     e.add_argument("--log-level", default="info")
     u = sub.add_parser("up", help="start the demo stack: reference backends and the gateway")
-    u.add_argument("--policy", default=str(_DEMO_POLICY))
+    u.add_argument("--policy", default=str(DEMO_POLICY),
+                   help="policy YAML (default: the demo policy, `tokengate policy example demo`)")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=8080)
     u.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"))

@@ -104,9 +104,10 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from gateway.examples import DEMO_POLICY
     from loadtests.metrics import SLO
     from simulator.gateway import Delays
-    from simulator.run import DEMO_POLICY, SimConfig, simulate
+    from simulator.run import SimConfig, simulate
 
     spec = _spec(ns)
     if spec is None:

@@ -34,6 +34,7 @@ from backend.profiles import ProfileCatalog
 from backend.timing import TimingModel
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
+from gateway.examples import DEMO_POLICY
 from gateway.pool_shape import PoolShape
 from gateway.state import counter_for
 from gateway.tokenize import TokenCounter
@@ -49,8 +50,6 @@ from simulator.events import EventLoop
 from simulator.gateway import Delays, SimGateway, SimRequest
 from simulator.oracle import Hindsight, clairvoyant_floor
 from simulator.workload import Builder, Conversations, WorkloadSpec, build
-
-DEMO_POLICY = Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
 
 
 @dataclass(slots=True)

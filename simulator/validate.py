@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from gateway.examples import DEMO_POLICY
 from gateway.pool_shape import PoolShape
 from loadtests import bench_routing, workloads
 from loadtests.metrics import SLO
@@ -35,7 +36,7 @@ from loadtests.run import LoadtestConfig, run_all
 from loadtests.runner import Target
 from loadtests.traces import TRACES
 from protocol.loopback import DEMO_KEY
-from simulator.run import DEMO_POLICY, SimConfig, simulate
+from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
 
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))

@@ -57,7 +57,7 @@ def test_compose_file_and_its_policy() -> None:
 
 
 def test_dashboard_queries_existing_metrics() -> None:
-    dash = json.loads((DEPLOY / "grafana" / "tokengate-gateway.json").read_text())
+    dash = json.loads((ROOT / "gateway" / "observability" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = set(re.findall(r"tokengate_[a-z_]+", " ".join(exprs)))
     m = GatewayMetrics()

@@ -14,16 +14,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ledger import AUTH, NOW, TPD, policy
 from raw_upstream import Answer, RawUpstream, Request, json_response
 from threaded import ServerThread, start_server_thread
 
+from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.epp.server import EPPConfig, make_epp_state, serve_epp
+from gateway.epp.service import client
 from gateway.limiter.memory import MemoryStore
 from gateway.state import GatewayState
 from protocol.loopback import free_port
@@ -53,7 +52,7 @@ class EPP:
             lambda ready, stop: serve_epp(self.cfg, ready=ready, stop=stop,
                                           prepared=(self.state, watcher)), "epp")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cfg.port}")
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+        self.process = client(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -94,8 +93,8 @@ def epp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPP]:
 
 
 def headers(pairs: dict[str, str], end: bool, response: bool = False) -> pb.ProcessingRequest:
-    hm = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
+    hm = pb.HttpHeaders(headers=pb.HeaderMap(headers=[
+        pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
         end_of_stream=end)
     return (pb.ProcessingRequest(response_headers=hm) if response else
             pb.ProcessingRequest(request_headers=hm))
@@ -140,7 +139,7 @@ def play(e: EPP, names: list[str]) -> tuple[bool, int]:
     sent = [MESSAGES[n] for n in names]
     relayed = 0
     try:
-        for resp in e.stub.Process(iter(sent), timeout=10):
+        for resp in e.process(iter(sent), timeout=10):
             if resp.WhichOneof("response") == "response_body":
                 out = resp.response_body.response.body_mutation.streamed_response.body
                 relayed += out.count(b'"text"')

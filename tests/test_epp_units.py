@@ -9,13 +9,13 @@ import asyncio
 import itertools
 
 import orjson
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.epp import messages
 from gateway.epp.feed import Collected, LineFeed
+from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.relay import RelayResult, relay_stream
 
 

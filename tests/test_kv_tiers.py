@@ -19,6 +19,7 @@ from backend.kvpool_store import PoolBlock, PoolStore
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig
 from gateway.endpoints import EngineView
+from gateway.examples import DEMO_POLICY
 from gateway.pool_shape import PoolShape, resolve_ports
 from gateway.routing.kv_events import decode_batch
 from gateway.routing.prefix import PreciseIndex
@@ -218,7 +219,7 @@ def test_tier_gauges_are_read_from_the_backends_metrics() -> None:
 def test_up_flags_give_every_backend_host_memory_and_one_pool_with_its_events(
         tmp_path: Path) -> None:
     src = tmp_path / "p.yaml"
-    src.write_text((ROOT / "policies" / "demo.yaml").read_text())
+    src.write_text(DEMO_POLICY.read_text())
     shape = PoolShape(backends=2, index="precise", kv_offload_gb=512, kv_pool_gb=100)
     path, policy = resolve_ports(str(src), shape)
     m = policy.models["demo-large"]

@@ -10,11 +10,10 @@ import pytest
 import yaml
 
 from gateway.config.policy import PolicyError, load_policy, parse_policy
+from gateway.examples import POLICIES
 from gateway.limiter.bucket import Limit
 from gateway.limiter.store import BucketState, Decision
 from gateway.quota import _duration, charges, rate_limit_error, ratelimit_headers
-
-POLICIES = Path(__file__).resolve().parent.parent / "policies"
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "multi-tenant.yaml", "prefill-decode.yaml",

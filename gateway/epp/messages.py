@@ -1,19 +1,19 @@
 """Envoy's ext_proc messages as the EPP reads and writes them (``envoy.service.ext_proc.v3``,
-from ``xds-protos``): a request's headers as a case-insensitive mapping, header mutations,
-the streamed body answers of ``FULL_DUPLEX_STREAMED`` mode, the dynamic metadata GIE's
-protocol names, and our OpenAI-shaped errors as immediate responses."""
+as declared in ``gateway/epp/proto/ext_proc.proto``): a request's headers as a
+case-insensitive mapping, header mutations, the streamed body answers of
+``FULL_DUPLEX_STREAMED`` mode, the dynamic metadata GIE's protocol names, and our
+OpenAI-shaped errors as immediate responses."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import cast
 
 import orjson
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.epp.proto import ext_proc_pb2 as pb
 from protocol.errors import APIError
 
 # GIE's endpoint picker protocol (v1.0): the chosen endpoint, in a header and in dynamic
@@ -51,9 +51,9 @@ def with_objective(h: CIMultiDictProxy[str]) -> CIMultiDictProxy[str]:
 
 def mutation(set_: Mapping[str, str], remove: Iterable[str] = ()) -> pb.HeaderMutation:
     return pb.HeaderMutation(
-        set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        set_headers=[pb.HeaderValueOption(
+            header=pb.HeaderValue(key=k, raw_value=v.encode()),
+            append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
             for k, v in set_.items()],
         remove_headers=list(remove))
 
@@ -97,7 +97,7 @@ def trailers(*, response: bool) -> pb.ProcessingResponse:
 def immediate(status: int, payload: bytes, headers: Mapping[str, str],
               details: str) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),
+        status=pb.HttpStatus(code=cast("pb.StatusCode", status)),
         headers=mutation({"content-type": "application/json", **headers}),
         body=payload, details=details))
 

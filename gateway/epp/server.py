@@ -19,21 +19,20 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange, OutOfOrder
+from gateway.epp.proto import ext_proc_pb2 as pb
+from gateway.epp.service import SERVICE, handler
 from gateway.process import ServeConfig, announce, drain, in_flight, make_state
 from gateway.reload import PolicyWatcher
 from gateway.routes import build_app
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokengate.epp")
-SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class Processor:
     """One ext_proc stream per HTTP request Envoy proxies."""
 
     def __init__(self, state: GatewayState) -> None:
@@ -41,7 +40,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.streams = 0  # open exchanges (draining waits for them)
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext[object, object]
+                      context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse]
                       ) -> AsyncIterator[pb.ProcessingResponse]:
         ex = Exchange(self.state)
         self.streams += 1
@@ -90,7 +89,7 @@ async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
         cfg.http_port = runner.addresses[0][1]
     processor = Processor(state)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    server.add_generic_rpc_handlers((handler(processor.Process),))
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
