@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -16,6 +15,8 @@ from backend.config import KV_LINKS, KVPOOL_TOKEN_ENV, LOOPBACK_PEERS, ROLES, Ba
 from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
+from protocol import logs
+from protocol.logs import add_log_args
 from protocol.runtime import run_loop
 
 
@@ -24,8 +25,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        description="A simulated vLLM instance: continuous batching, paged KV "
                        "cache with prefix caching, roofline step timing.")
     a = p.add_argument
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000)
+    a("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    a("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
     a("--model", default="llama-3-8b", help="model profile (see --profiles)")
     a("--tensor-parallel", type=int, help="GPUs per instance (default: the profile's)")
     a("--hardware", default="h100-sxm", help="hardware profile: h100-sxm, h200, b200, a100-80g")
@@ -33,15 +34,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--role", choices=ROLES, default="both", help="prefill/decode disaggregation role")
     a("--time-scale", type=float, default=1.0,
       help="multiply every modelled duration (<1 runs faster)")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="random seed of output lengths and step noise")
     a("--served-model-name", help="model name clients use (default: the profile name)")
-    a("--max-num-seqs", type=int, default=256)
-    a("--max-num-batched-tokens", type=int, default=8192)
+    a("--max-num-seqs", type=int, default=256,
+      help="most requests in the running batch (vLLM's --max-num-seqs)")
+    a("--max-num-batched-tokens", type=int, default=8192,
+      help="token budget of one step, prefill chunks included (vLLM's flag)")
     a("--max-model-len", type=int, help="context limit (default: the profile's)")
-    a("--block-size", type=int, default=16)
-    a("--gpu-memory-utilization", type=float, default=0.9)
+    a("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    a("--gpu-memory-utilization", type=float, default=0.9,
+      help="fraction of GPU memory for weights and KV cache (vLLM's flag)")
     a("--num-gpu-blocks", type=int, help="override the memory-derived KV cache size")
-    a("--no-prefix-caching", action="store_true")
+    a("--no-prefix-caching", action="store_true",
+      help="recompute every prompt (no reuse of cached prefix blocks)")
     a("--output-len", default="lognormal:256:0.8",
       help="length at which a request emits EOS: fixed:N | uniform:A:B | exponential:MEAN | "
            "lognormal:MEAN:SIGMA (capped by max_tokens; ignore_eos runs to max_tokens)")
@@ -63,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
       help="weight loading bandwidth in GB/s (cold start = weights / this)")
     a("--api-key", default=os.environ.get("TOKENGATE_BACKEND_API_KEY"),
       help="require this bearer key on /v1 and /admin (env TOKENGATE_BACKEND_API_KEY)")
-    a("--max-body-mb", type=float, default=64.0)
+    a("--max-body-mb", type=float, default=64.0,
+      help="largest request body accepted, in MB (413 above)")
     a("--kv-events-config", metavar="JSON",
       help="publish KV-cache events over ZMQ, in vLLM's format and with vLLM's keys, e.g. "
            "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":"
@@ -74,14 +80,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
       help="a network whose instances this one may pull KV from (repeatable; default "
            "loopback only: 127.0.0.0/8 and ::1)")
     g = p.add_argument_group("fault injection (off by default)")
-    g.add_argument("--fault-error-rate", type=float, default=0.0)
-    g.add_argument("--fault-error-status", type=int, default=503)
+    g.add_argument("--fault-error-rate", type=float, default=0.0,
+                   help="fraction of requests answered with --fault-error-status")
+    g.add_argument("--fault-error-status", type=int, default=503,
+                   help="HTTP status of injected errors")
     g.add_argument("--fault-stall", type=float, default=0.0, help="seconds before first token")
-    g.add_argument("--fault-stall-rate", type=float, default=1.0)
-    g.add_argument("--fault-drop-rate", type=float, default=0.0)
-    g.add_argument("--fault-drop-after", type=int, default=4)
+    g.add_argument("--fault-stall-rate", type=float, default=1.0,
+                   help="fraction of requests that --fault-stall delays")
+    g.add_argument("--fault-drop-rate", type=float, default=0.0,
+                   help="fraction of streams cut off mid-way")
+    g.add_argument("--fault-drop-after", type=int, default=4,
+                   help="tokens a dropped stream sends before it is cut")
     g.add_argument("--fault-slow-step", type=float, default=0.0, help="seconds added per step")
-    a("--log-level", default="info")
+    add_log_args(p)
 
 
 def backend_config(ns: argparse.Namespace) -> BackendConfig:
@@ -154,14 +165,14 @@ def add_kvpool_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default loopback: instances elsewhere need "
                    "an address they can reach, and the token)")
-    p.add_argument("--port", type=int, default=9600)
+    p.add_argument("--port", type=int, default=9600, help="port to listen on")
     p.add_argument("--capacity-gb", type=float, required=True, help="pool capacity in GB")
     p.add_argument("--token-env", default=KVPOOL_TOKEN_ENV, metavar="NAME",
                    help="the environment variable holding the shared secret backends send "
                    "(required, at least 16 characters)")
     p.add_argument("--kv-events-config", metavar="JSON",
                    help="publish the pool's KV events over ZMQ (vLLM's keys and format)")
-    p.add_argument("--log-level", default="info")
+    add_log_args(p)
 
 
 def run_kvpool(ns: argparse.Namespace) -> int:
@@ -205,8 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokengate")
     add_parser(parser.add_subparsers(dest="command", required=True))
     ns = parser.parse_args(["backend", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=ns.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(ns.log_level, ns.log_format)
     return run(ns)
 
 

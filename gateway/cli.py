@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config.routing import STRATEGIES
 from gateway.examples import DEMO_POLICY
+from protocol.logs import add_log_args
 from protocol.runtime import run_loop
 
 if TYPE_CHECKING:
@@ -20,35 +21,40 @@ if TYPE_CHECKING:
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the gateway with a policy file")
     p.add_argument("--policy", required=True, help="policy YAML (see policies/)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: loopback only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"),
                    help="redis://host:port/db or redis+cluster://host:port (env "
                    "TOKENGATE_REDIS_URL); in-memory limits when absent")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port")
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds open requests get to finish")
+    add_log_args(p)
     e = sub.add_parser("epp", help="run tokengate as the Endpoint Picker (ext_proc) behind "
                        "Envoy: the Gateway API Inference Extension's protocol")
     e.add_argument("--policy", required=True, help="policy YAML (see policies/)")
-    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--host", default="127.0.0.1", help="address to listen on")
     e.add_argument("--port", type=int, default=9002, help="ext_proc and gRPC health")
     e.add_argument("--http-port", type=int, default=9090, help="/metrics, /ready, /admin/*")
     e.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"),
                    help="shared quotas and state across EPP replicas (env TOKENGATE_REDIS_URL)")
-    e.add_argument("--drain-timeout", type=float, default=30.0)
-    e.add_argument("--log-level", default="info")
+    e.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds open streams get to finish")
+    add_log_args(e)
     u = sub.add_parser("up", help="start the demo stack: reference backends and the gateway")
     u.add_argument("--policy", default=str(DEMO_POLICY),
                    help="policy YAML (default: the demo policy, `tokengate policy example demo`)")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=8080)
-    u.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"))
+    u.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    u.add_argument("--port", type=int, default=8080, help="the gateway's port")
+    u.add_argument("--redis", default=os.environ.get("TOKENGATE_REDIS_URL"),
+                   help="redis://host:port/db for shared quotas (env TOKENGATE_REDIS_URL); "
+                   "in-memory limits when absent")
     u.add_argument("--time-scale", type=float, default=1.0,
                    help="the backends' time scale (<1 runs faster)")
     u.add_argument("--log-dir", help="where the backends' logs go (default: a temp dir)")
-    u.add_argument("--log-level", default="warning")
+    add_log_args(u, level="warning")
     u.add_argument("--replicas", type=int, default=1,
                    help="gateway processes sharing --redis, each on its own port")
     u.add_argument("--engine", choices=("reference", "vllm"), default="reference",
@@ -121,7 +127,8 @@ def _serve_workers(ns: argparse.Namespace) -> int:
         for _ in range(ns.workers - 1):
             cmd = [sys.executable, "-m", "tokengate", "serve", "--policy", ns.policy,
                    "--host", ns.host, "--port", str(ns.port), "--reuse-port",
-                   "--drain-timeout", str(ns.drain_timeout), "--log-level", ns.log_level]
+                   "--drain-timeout", str(ns.drain_timeout), "--log-level", ns.log_level,
+                   "--log-format", ns.log_format]
             if ns.redis:
                 cmd += ["--redis", ns.redis]
             children.append(subprocess.Popen(cmd))
@@ -150,6 +157,10 @@ def run(ns: argparse.Namespace) -> int:
             return 0
         from gateway.up import UpConfig, up
 
+        if ns.envoy:
+            from gateway.epp.envoy import binary
+
+            binary()  # before anything starts: says how to install Envoy when it is missing
         shape = shape_of(ns)
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape, replicas=ns.replicas,

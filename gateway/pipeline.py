@@ -29,6 +29,7 @@ from gateway.http_guard import read_body
 from gateway.respond import respond
 from gateway.settle import refund_later
 from gateway.state import GATEWAY, GatewayState
+from protocol import logs
 from protocol.errors import APIError, bad
 from protocol.validate import Kind, load_json, validate
 
@@ -92,6 +93,7 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
                        "to it.", param="model", code="model_not_found")
     ctx = RequestContext(state, view, kind, tenant, route, body, g, request_id(headers),
                          received, raw)
+    logs.bind(ctx.request_id, tenant, g.model)
     ctx.slo = (slo.header(headers, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
     ctx.priority = slo.priority(headers, policy.tenants[tenant])
@@ -125,6 +127,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         return await _serve(request, state, ctx)
     except APIError as exc:
+        logs.outcome(str(exc.status))
         end_trace(ctx, exc)
         raise
     finally:

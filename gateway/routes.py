@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import openapi, pipeline
+from gateway.config.resolved import resolved
 from gateway.endpoints import EndpointState
 from gateway.http_guard import SERVER, guard
 from gateway.limiter.resilient import ResilientStore
@@ -91,17 +92,7 @@ def _admin(request: web.Request) -> GatewayState:
 
 async def admin_policy(request: web.Request) -> web.Response:
     state = _admin(request)
-    p = state.view.policy
-    settings = {k: v for k, v in asdict(p.settings).items() if k != "admin_key_sha256"}
-    out: dict[str, Any] = {"source": p.source, "settings": settings,
-           "models": {n: {"endpoints": [e.url for e in m.endpoints], "fallback": m.fallback,
-                          "tokenizer": m.tokenizer, "limits": asdict(m.limits)}
-                      for n, m in p.models.items()},
-           "tenants": {n: {"keys": [k.name for k in t.keys], "limits": asdict(t.limits),
-                           "model_limits": {m: asdict(lim) for m, lim in t.model_limits.items()},
-                           "priority": t.priority, "max_priority": t.priority_ceiling}
-                       for n, t in p.tenants.items()},
-           "routes": {n: asdict(r) for n, r in p.routes.items()}}
+    out = resolved(state.view.policy)
     watcher = request.app.get(WATCHER)
     if watcher is not None:
         out["last_reload_error"] = watcher.last_error

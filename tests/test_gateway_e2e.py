@@ -4,6 +4,7 @@ client in front."""
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -163,7 +164,13 @@ def test_tenants_are_isolated(stack: tuple[RunningGateway, Path]) -> None:
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{gw.url}/admin/policy").status_code == 401
     admin = httpx.get(f"{gw.url}/admin/policy", headers={"Authorization": "Bearer admin-key"})
-    assert admin.status_code == 200 and "sha256" not in admin.text
+    assert admin.status_code == 200
+    assert not re.search(r"[0-9a-f]{64}", admin.text)  # no key digest, the admin's included
+    shown = admin.json()
+    assert shown["settings"]["admin_key_sha256"] == "<set>"
+    assert {t["priority"] for t in shown["tenants"].values()} == {"standard"}
+    assert all("limits" in m and m["endpoints"][0]["url"].endswith("/v1")
+               for m in shown["models"].values())
 
 
 def test_upstream_failure_fails_over_before_the_first_byte(backend_factory: Factory,

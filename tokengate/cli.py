@@ -5,29 +5,35 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import logging
 from collections.abc import Sequence
 
 from backend import cli as backend_cli
 from gateway import cli as gateway_cli
+from gateway import policy_cli
 from loadtests import cli as loadtests_cli
+from protocol import logs
 from simulator import cli as simulator_cli
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """Every command and option (the documentation and its tests read it too)."""
     parser = argparse.ArgumentParser(prog="tokengate", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=f"tokengate {importlib.metadata.version('tokengate')}")
     sub = parser.add_subparsers(dest="command", required=True)
+    gateway_cli.add_parsers(sub)
+    policy_cli.add_parsers(sub)
     backend_cli.add_parser(sub)
     backend_cli.add_kvpool_parser(sub)
     loadtests_cli.add_parser(sub)
-    gateway_cli.add_parsers(sub)
     simulator_cli.add_parser(sub)
     simulator_cli.add_plan_parser(sub)
-    ns = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    logs.configure(getattr(ns, "log_level", "info"), getattr(ns, "log_format", "text"))
     if ns.command == "backend":
         return backend_cli.run(ns)
     if ns.command == "kvpool":
@@ -38,4 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulator_cli.run(ns)
     if ns.command == "plan":
         return simulator_cli.run_plan(ns)
+    if ns.command in ("policy", "keys"):
+        return policy_cli.run(ns)
     return gateway_cli.run(ns)

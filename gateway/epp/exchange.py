@@ -39,6 +39,7 @@ from gateway.respond import aggregate
 from gateway.respond import headers as client_headers
 from gateway.settle import hand_back
 from gateway.state import GatewayState
+from protocol import logs
 from protocol.errors import APIError
 from protocol.validate import Kind
 
@@ -319,6 +320,7 @@ class Exchange:
     def _refuse(self, exc: APIError) -> pb.ProcessingResponse:
         """Answer ``exc`` in place of anything else; what is reserved goes back."""
         self.done = True
+        logs.outcome(str(exc.status))
         extra = {}
         if self.ctx is not None:
             extra["x-request-id"] = self.ctx.request_id
