@@ -85,8 +85,18 @@ def _admin(request: web.Request) -> GatewayState:
     digest = state.view.admin_digest
     token = pipeline.bearer(request.headers)
     got = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest() if token else ""
-    if digest is None or not hmac.compare_digest(got, digest):
-        raise APIError(401, "admin endpoints need the admin key", code="invalid_api_key")
+    if digest is None:
+        s = state.view.policy.settings
+        where = (f"set the environment variable {s.admin_key_env} before the gateway starts"
+                 if s.admin_key_env else "set settings.admin_key_env or admin_key_sha256")
+        raise APIError(401, f"admin endpoints are off: no admin key is configured ({where})",
+                       code="invalid_api_key")
+    if not hmac.compare_digest(got, digest):
+        where = (f"the key in the gateway's environment variable {s.admin_key_env}"
+                 if (s := state.view.policy.settings).admin_key_env and not s.admin_key_sha256
+                 else "the key whose SHA-256 is settings.admin_key_sha256")
+        raise APIError(401, f"admin endpoints need the admin key ({where}) as 'Authorization: "
+                       "Bearer KEY'", code="invalid_api_key")
     return state
 
 

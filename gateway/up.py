@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from backend.config import KVPOOL_TOKEN_ENV
 from engines import vllm
 from gateway.config.endpoint import KVEvents
-from gateway.config.policy import Model, Policy
+from gateway.config.policy import Model, Policy, Settings
 from gateway.epp.front import behind_envoy
 from gateway.pool_shape import PoolShape, loopback, port_free, resolve_ports
 from gateway.process import ServeConfig, serve
@@ -206,6 +206,19 @@ def stop_children(cfg: UpConfig) -> None:
             p.wait()
 
 
+def admin_key_source(s: Settings) -> str:
+    """Where ``/admin/*`` takes its key from, for the person who just started the stack."""
+    if s.admin_key_sha256:
+        return "admin endpoints (/admin/*): the key whose SHA-256 is settings.admin_key_sha256"
+    if s.admin_key_env and os.environ.get(s.admin_key_env):
+        return f"admin endpoints (/admin/*): the key in ${s.admin_key_env}"
+    if s.admin_key_env:
+        return (f"admin endpoints (/admin/*) are off: set ${s.admin_key_env} to a key of your "
+                f"choice before starting, e.g. {s.admin_key_env}=$(openssl rand -hex 16)")
+    return ("admin endpoints (/admin/*) are off: the policy names no admin key "
+            "(settings.admin_key_env or settings.admin_key_sha256)")
+
+
 async def up(cfg: UpConfig) -> None:
     path, policy = resolve_ports(cfg.policy, cfg.shape, cfg.engine)
     try:
@@ -236,6 +249,7 @@ async def up(cfg: UpConfig) -> None:
         if replicas:
             more = ",".join(f"http://{cfg.host}:{port}/v1" for port in replicas)
             print(f"TOKENGATE_REPLICAS={more}", flush=True)
+        print(admin_key_source(policy.settings), file=sys.stderr, flush=True)
         await task
     finally:
         stop_children(cfg)

@@ -50,6 +50,7 @@ def policy_file(tmp_path: Path, url: str, extra_tenant: bool = False) -> Path:
     doc = {"models": {"m": {"endpoints": [{"url": url}]}},
            "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(b"k").hexdigest()}]}},
            "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
+    doc["settings"] = {"admin_key_env": "TG_UNSET_ADMIN_KEY"}
     if extra_tenant:
         doc["tenants"]["lost"] = {"keys": [{"sha256": hashlib.sha256(b"j").hexdigest()}]}
     path = tmp_path / "policy.yaml"
@@ -125,6 +126,9 @@ def test_json_logs_name_the_request_on_its_lines(tmp_path: Path) -> None:
                        headers={"Authorization": "Bearer k", "X-Request-Id": "req-42"},
                        json={"model": "m", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 502
+        r = httpx.get(f"http://127.0.0.1:{port}/admin/policy")
+        assert r.status_code == 401 and ("set the environment variable TG_UNSET_ADMIN_KEY"
+                                         in r.json()["error"]["message"])
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)

@@ -72,7 +72,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    """``cmd`` from a folder outside the checkout, so ``python -c`` cannot import from it."""
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd="/")
     assert r.returncode == 0, f"{cmd}: {r.stdout[-2000:]}{r.stderr[-4000:]}"
     return r
 
@@ -102,18 +103,20 @@ def test_no_installed_file_belongs_to_two_distributions(venv: Path) -> None:
 
 
 def test_envoy_is_an_extra_and_its_absence_is_said(venv: Path, tmp_path: Path) -> None:
-    r = subprocess.run([str(venv / "python"), "-c", "import envoy"], capture_output=True)
+    r = subprocess.run([str(venv / "python"), "-c", "import envoy"], capture_output=True,
+                       cwd="/")
     assert r.returncode != 0  # not installed without the extra
     r = subprocess.run([str(venv / "tokengate"), "up", "--envoy", "--port", str(free_port()),
                         "--log-dir", str(tmp_path)], capture_output=True, text=True,
-                       timeout=60, env={"PATH": "/usr/bin:/bin"})
+                       timeout=60, env={"PATH": "/usr/bin:/bin"}, cwd="/")
     assert r.returncode == 2 and "pip install 'tokengate[envoy]'" in r.stderr, r.stderr
     assert not list(tmp_path.iterdir())  # said before any backend started
 
 
 @contextlib.contextmanager
 def process(cmd: list[str]) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd="/")
     try:
         yield proc
     finally:
@@ -146,10 +149,10 @@ def test_up_serves_a_chat_and_exports_its_spans(venv: Path, tmp_path: Path) -> N
             assert lines[0] == f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1", lines
             key = lines[1].removeprefix("OPENAI_API_KEY=")
             threading.Thread(target=proc.stdout.read, daemon=True).start()
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
-            chat = client.chat.completions.create(
-                model="demo-large", messages=[{"role": "user", "content": "hello"}],
-                max_tokens=5)
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key) as client:
+                chat = client.chat.completions.create(
+                    model="demo-large", messages=[{"role": "user", "content": "hello"}],
+                    max_tokens=5)
             assert chat.choices[0].message.content and chat.usage is not None
             assert chat.usage.completion_tokens == 5
             spans = otlp.wait_for(lambda got: any(s.service == "tokengate" for s in got), 30)
@@ -179,6 +182,7 @@ def test_the_images_command_serves_a_mounted_policy(venv: Path, tmp_path: Path) 
                  for a in cmd[1:]]]
         with process(cmd):
             wait_healthy(f"http://127.0.0.1:{gport}")
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{gport}/v1", api_key="sk-t")
-            done = client.completions.create(model="m", prompt="hi", max_tokens=3)
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{gport}/v1",
+                               api_key="sk-t") as client:
+                done = client.completions.create(model="m", prompt="hi", max_tokens=3)
             assert done.usage is not None and done.usage.completion_tokens == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.config import schema
 from gateway.config.decode import Decoder
 
 
@@ -28,8 +29,7 @@ class BackendSpec:
 
 
 def parse_backend(d: Decoder, raw: Any, path: str) -> BackendSpec:
-    bm = d.mapping(raw, path, {"model", "hardware", "max_num_batched_tokens", "tensor_parallel",
-                               "kv_offload_gb", "kv_pool_gb"})
+    bm = d.mapping(raw, path, schema.keys("backend"))
     bkw: dict[str, Any] = {
         k: d.integer(v, f"{path}.{k}")
         if k in ("max_num_batched_tokens", "tensor_parallel")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from gateway.config import schema
 from gateway.config.decode import Decoder
 
 
@@ -66,7 +67,7 @@ def not_a_base_url(url: str) -> str | None:
 
 
 def parse_kv_pool(d: Decoder, raw: Any, p: str) -> KVPool:
-    m = d.mapping(raw, p, {"url", "kv_events"}, {"url"})
+    m = d.mapping(raw, p, schema.keys("kv_pool"), schema.required("kv_pool"))
     url = d.string(m["url"], f"{p}.url").rstrip("/")
     if not url.startswith(("http://", "https://")) or "@" in urlsplit(url).netloc:
         raise d.fail(f"{p}.url", f"expected an http(s) URL without credentials, got {url!r}")
@@ -75,8 +76,7 @@ def parse_kv_pool(d: Decoder, raw: Any, p: str) -> KVPool:
 
 
 def parse_endpoint(d: Decoder, e: Any, p: str) -> Endpoint:
-    em = d.mapping(e, p, {"url", "api_key_env", "api_key", "role", "hardware",
-                          "tls_ca_file", "kv_events"}, {"url"})
+    em = d.mapping(e, p, schema.keys("endpoint"), schema.required("endpoint"))
     url = d.string(em["url"], f"{p}.url").rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise d.fail(f"{p}.url", f"expected an http(s) URL, got {url!r}")
@@ -106,7 +106,7 @@ def _zmq_address(d: Decoder, raw: Any, path: str) -> str:
 
 
 def _kv_events(d: Decoder, raw: Any, path: str) -> KVEvents:
-    m = d.mapping(raw, path, {"endpoint", "replay", "topic"}, {"endpoint"})
+    m = d.mapping(raw, path, schema.keys("kv_events"), schema.required("kv_events"))
     replay = _zmq_address(d, m["replay"], f"{path}.replay") if "replay" in m else None
     topic = d.string(m["topic"], f"{path}.topic") if "topic" in m else ""
     return KVEvents(_zmq_address(d, m["endpoint"], f"{path}.endpoint"), replay, topic)

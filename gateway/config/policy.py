@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from gateway.config import schema
 from gateway.config.backend_spec import BackendSpec, parse_backend
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
@@ -187,7 +188,7 @@ class Policy:
 def _limits(d: Decoder, raw: Any, path: str) -> Limits:
     if raw is None:
         return Limits()
-    m = d.mapping(raw, path, {"rpm", "tpm", "tpd", "burst", "budget"})
+    m = d.mapping(raw, path, schema.keys("limits"))
     vals = {k: d.number(v, f"{path}.{k}") for k, v in m.items()}
     if "burst" in vals and "tpm" not in vals:
         raise d.fail(f"{path}.burst", "burst applies to tpm, which is not set")
@@ -195,11 +196,7 @@ def _limits(d: Decoder, raw: Any, path: str) -> Limits:
 
 
 def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
-    m = d.mapping(raw, path, {"endpoints", "tokenizer", "chat_template", "upstream_model",
-                              "price", "fallback",
-                              "default_max_tokens", "max_context", "tokens_per_message",
-                              "tokens_per_name", "reply_priming_tokens", "limits", "backend",
-                              "routing", "scaling", "kv_pool"})
+    m = d.mapping(raw, path, schema.keys("model"))
     scaling = parse_scaling(d, m["scaling"], f"{path}.scaling") if "scaling" in m else None
     eps_raw = m.get("endpoints", [])
     launched = scaling is not None and scaling.launcher is not None
@@ -211,7 +208,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
         eps.append(parse_endpoint(d, e, f"{path}.endpoints[{i}]"))
     kw: dict[str, Any] = {}
     if "price" in m:
-        pm = d.mapping(m["price"], f"{path}.price", {"input_per_1k", "output_per_1k"})
+        pm = d.mapping(m["price"], f"{path}.price", schema.keys("price"))
         kw["price"] = Price(**{k: d.number(v, f"{path}.price.{k}", positive=False)
                                for k, v in pm.items()})
     for k in ("tokenizer", "chat_template", "upstream_model"):
@@ -236,14 +233,13 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
 
 
 def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
-    m = d.mapping(raw, path, {"keys", "limits", "model_limits", "priority", "max_priority"},
-                  {"keys"})
+    m = d.mapping(raw, path, schema.keys("tenant"), schema.required("tenant"))
     if not isinstance(m["keys"], list) or not m["keys"]:
         raise d.fail(f"{path}.keys", "expected a non-empty list of keys")
     keys = []
     for i, k in enumerate(m["keys"]):
         p = f"{path}.keys[{i}]"
-        km = d.mapping(k, p, {"name", "sha256"}, {"sha256"})
+        km = d.mapping(k, p, schema.keys("key"), schema.required("key"))
         digest = d.string(km["sha256"], f"{p}.sha256").lower()
         if not _HEX64.match(digest):
             raise d.fail(f"{p}.sha256", "expected the key's SHA-256 as 64 hex digits")
@@ -265,12 +261,7 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
 def _settings(d: Decoder, raw: Any) -> Settings:
     if raw is None:
         return Settings()
-    m = d.mapping(raw, "settings", {"redis_failure", "replicas", "quota_lease",
-                                    "progressive_charge_tokens",
-                                    "progressive_charge_ms", "max_body_bytes",
-                                    "max_messages", "timeouts", "retries", "client",
-                                    "admin_key_sha256", "admin_key_env", "public_metrics",
-                                    "metrics_tenant_label", "tracing"})
+    m = d.mapping(raw, "settings", schema.keys("settings"))
     kw: dict[str, Any] = {}
     if "redis_failure" in m:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
@@ -307,8 +298,7 @@ def _settings(d: Decoder, raw: Any) -> Settings:
 
 def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
     d = Decoder(source)
-    top = d.mapping(doc, "", {"version", "settings", "models", "tenants", "routes"},
-                    {"models", "tenants", "routes"})
+    top = d.mapping(doc, "", schema.keys("top"), schema.required("top"))
     if top.get("version", 1) != 1:
         raise d.fail("version", "only version 1 is supported")
     models_raw = d.mapping(top["models"], "models", set(top["models"] or {}))
@@ -322,12 +312,11 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
     routes = {}
     for n, r in routes_raw.items():
         p = f"routes.{n}"
-        rm = d.mapping(r, p, {"tenants", "models", "limits", "failover", "slo", "on_slo_miss",
-                              "queue_ms", "timeouts", "hold_timeout_ms"}, {"tenants", "models"})
+        rm = d.mapping(r, p, schema.keys("route"), schema.required("route"))
         failover = rm.get("failover", True)
         if not isinstance(failover, bool):
             raise d.fail(f"{p}.failover", "expected true or false")
-        slo = d.mapping(rm.get("slo") or {}, f"{p}.slo", {"ttft_ms", "tpot_ms"})
+        slo = d.mapping(rm.get("slo") or {}, f"{p}.slo", schema.keys("slo"))
         routes[str(n)] = Route(
             str(n), d.strings(rm["tenants"], f"{p}.tenants"),
             d.strings(rm["models"], f"{p}.models"), _limits(d, rm.get("limits"), f"{p}.limits"),

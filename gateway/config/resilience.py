@@ -19,13 +19,11 @@ manner of Finagle's: retries may add at most ``budget_ratio`` of the requests, p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from gateway.config import schema
 from gateway.config.decode import Decoder
-
-CLIENT_KEYS = {"header_timeout_s", "body_timeout_s", "keepalive_s"}
-TIMEOUT_KEYS = {"connect_s", "first_token_s", "between_tokens_s", "total_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +56,7 @@ class ClientLimits:
 def parse_client(d: Decoder, raw: Any, path: str) -> ClientLimits:
     if raw is None:
         return ClientLimits()
-    m = d.mapping(raw, path, CLIENT_KEYS)
+    m = d.mapping(raw, path, schema.keys("client"))
     return ClientLimits(**{k: d.number(v, f"{path}.{k}") for k, v in m.items()})
 
 
@@ -71,14 +69,14 @@ def partial_timeouts(d: Decoder, raw: Any, path: str) -> dict[str, float]:
     """A route's overrides, applied over the settings' timeouts when the policy is built."""
     if raw is None:
         return {}
-    m = d.mapping(raw, path, TIMEOUT_KEYS)
+    m = d.mapping(raw, path, schema.keys("timeouts"))
     return {k: d.number(v, f"{path}.{k}") for k, v in m.items()}
 
 
 def parse_retries(d: Decoder, raw: Any, path: str) -> Retries:
     if raw is None:
         return Retries()
-    m = d.mapping(raw, path, {f.name for f in fields(Retries)})
+    m = d.mapping(raw, path, schema.keys("retries"))
     kw: dict[str, Any] = {}
     for k, v in m.items():
         if k == "max_attempts":

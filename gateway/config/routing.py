@@ -10,7 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.config import schema
 from gateway.config.decode import Decoder
+from gateway.config.plugin_names import FILTERS as FILTERS
+from gateway.config.plugin_names import PICKERS as PICKERS
+from gateway.config.plugin_names import SCORERS as SCORERS
+from gateway.config.plugin_names import STRATEGIES as STRATEGIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,21 +38,11 @@ class Routing:
     kv_tiers: bool = True
 
 
-# The routing plugins a policy may name (``gateway.routing.plugins`` registers exactly these;
-# a test keeps the two in step). Names live here so the policy never imports the router.
-STRATEGIES = frozenset({"round_robin", "least_request", "prefix", "predicted",
-                        "sglang_cache_aware", "llm_d", "dynamo_kv"})
-FILTERS = frozenset({"bounded_load", "tpot_slo", "ttft_slo"})
-SCORERS = frozenset({"least_request", "least_tokens", "queue", "kv_free", "prefix",
-                     "predicted_ttft", "predicted_tpot", "dynamo_cost"})
-PICKERS = frozenset({"max_score", "round_robin", "weighted_random", "sglang_cache_aware"})
 
 
 def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
     """The ``routing:`` section of a model, decoded strictly with the policy's decoder."""
-    m = d.mapping(raw, path, {"strategy", "filters", "scorers", "picker", "index", "block_size",
-                              "hash_namespace", "load_factor", "remote_prefill_min_tokens",
-                              "scrape_interval_ms", "seed", "kv_tiers"})
+    m = d.mapping(raw, path, schema.keys("routing"))
     kw: dict[str, Any] = {}
     if "strategy" in m:
         kw["strategy"] = d.choice(m["strategy"], f"{path}.strategy", set(STRATEGIES))
@@ -57,7 +52,7 @@ def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
             d.choice(n, f"{path}.filters[{i}]", set(FILTERS))
         kw["filters"] = names
     if "scorers" in m:
-        sm = d.mapping(m["scorers"], f"{path}.scorers", set(SCORERS))
+        sm = d.mapping(m["scorers"], f"{path}.scorers", schema.keys("scorers"))
         kw["scorers"] = {str(k): d.number(v, f"{path}.scorers.{k}", positive=False)
                          for k, v in sm.items()}
     if "picker" in m:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.config import schema
 from gateway.config.decode import Decoder
 
 
@@ -61,14 +62,8 @@ class Scaling:
     ttft_slo_ms: float = 2000.0
 
 
-_KEYS = {"policy", "min_replicas", "max_replicas", "target_utilization", "target_concurrency",
-         "idle_timeout_s", "scale_down_delay_s", "max_held", "launcher", "convertible",
-         "disaggregated", "convert_backlog_ratio", "revert_backlog_ratio", "revert_after_s",
-         "ttft_slo_ms"}
-
-
 def parse_scaling(d: Decoder, raw: Any, path: str) -> Scaling:
-    m = d.mapping(raw, path, _KEYS)
+    m = d.mapping(raw, path, schema.keys("scaling"))
     kw: dict[str, Any] = {}
     if "policy" in m:
         kw["policy"] = d.choice(m["policy"], f"{path}.policy", {"velocity", "concurrency"})
@@ -104,7 +99,7 @@ def parse_scaling(d: Decoder, raw: Any, path: str) -> Scaling:
 
 
 def _launcher(d: Decoder, raw: Any, path: str) -> Launcher:
-    m = d.mapping(raw, path, {"kind", "command", "time_scale"}, {"kind"})
+    m = d.mapping(raw, path, schema.keys("launcher"), schema.required("launcher"))
     kind = d.choice(m["kind"], f"{path}.kind", {"reference", "command"})
     kw: dict[str, Any] = {"kind": kind}
     if kind == "command":

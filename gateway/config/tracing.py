@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.config import schema
 from gateway.config.decode import Decoder
 
 
@@ -18,8 +19,7 @@ class Tracing:
 
 
 def parse_tracing(d: Decoder, raw: Any) -> Tracing:
-    tm = d.mapping(raw, "settings.tracing",
-                   {"otlp_endpoint", "service_name", "sample_ratio"}, {"otlp_endpoint"})
+    tm = d.mapping(raw, "settings.tracing", schema.keys("tracing"), schema.required("tracing"))
     url = d.string(tm["otlp_endpoint"], "settings.tracing.otlp_endpoint")
     if not url.startswith(("http://", "https://")):
         raise d.fail("settings.tracing.otlp_endpoint", f"expected an http(s) URL of an "
