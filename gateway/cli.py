@@ -18,9 +18,12 @@ if TYPE_CHECKING:
 
 
 
+POLICY_HELP = "the policy YAML file (`tokengate policy example` prints one to start from)"
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the gateway with a policy file")
-    p.add_argument("--policy", required=True, help="policy YAML (see policies/)")
+    p.add_argument("--policy", required=True, help=POLICY_HELP)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
@@ -34,7 +37,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_log_args(p)
     e = sub.add_parser("epp", help="run tokengate as the Endpoint Picker (ext_proc) behind "
                        "Envoy: the Gateway API Inference Extension's protocol")
-    e.add_argument("--policy", required=True, help="policy YAML (see policies/)")
+    e.add_argument("--policy", required=True, help=POLICY_HELP)
     e.add_argument("--host", default="127.0.0.1", help="address to listen on")
     e.add_argument("--port", type=int, default=9002, help="ext_proc and gRPC health")
     e.add_argument("--http-port", type=int, default=9090, help="/metrics, /ready, /admin/*")
@@ -62,7 +65,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                         "instances (the tiny model of 'make vllm'; KV events and NIXL wired)")
     u.add_argument("--envoy", action="store_true",
                    help="put a real Envoy on --port, with tokengate as its endpoint picker "
-                        "(ext_proc; deploy/envoy/envoy-epp.yaml)")
+                        "(ext_proc; gateway/epp/configs/envoy-epp.yaml)")
     add_shape_args(u)
 
 

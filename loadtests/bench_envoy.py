@@ -9,9 +9,9 @@ them, one policy (round robin, the tenant's RPM/TPM buckets in memory, token cou
 
 * ``direct``: the first upstream itself;
 * ``serve``: ``tokengate serve``;
-* ``envoy``: Envoy alone (``deploy/envoy/envoy-roundrobin.yaml``: no quota, no counting);
+* ``envoy``: Envoy alone (``gateway/epp/configs/envoy-roundrobin.yaml``: no quota, no counting);
 * ``envoy+epp``: Envoy with ``tokengate epp`` as its ext_proc endpoint picker
-  (``deploy/envoy/envoy-epp.yaml``, FULL_DUPLEX_STREAMED both ways).
+  (``gateway/epp/configs/envoy-epp.yaml``, FULL_DUPLEX_STREAMED both ways).
 
 Each round, in an order that rotates: one client sends the same chat request to each target
 in turn (added p50/p99 over direct; then streaming, to the first content chunk), then each

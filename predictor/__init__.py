@@ -1,1 +1,1 @@
-"""Online TTFT/TPOT prediction for routing (see the routing issue)."""
+"""Online TTFT/TPOT prediction for routing."""
