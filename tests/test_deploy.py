@@ -99,3 +99,40 @@ def test_the_image_holds_every_package_the_program_installs() -> None:
     assert packages <= copied, packages - copied
     for pkg in packages:
         assert (ROOT / pkg / "__init__.py").exists(), pkg
+
+
+def _exported() -> dict[str, set[str]]:
+    """Every series name the gateway exports, with its label names."""
+    out: dict[str, set[str]] = {}
+    m = GatewayMetrics()
+    for fam in m.registry.collect():
+        labels = set(m.registry._names_to_collectors[fam.name]._labelnames)  # type: ignore[attr-defined]
+        for name in {fam.name, *(f"{fam.name}{s}" for s in ("_total", "_bucket", "_count",
+                                                             "_sum"))}:
+            out[name] = labels | ({"le"} if name.endswith("_bucket") else set())
+    return out
+
+
+def test_alert_rules_use_existing_metrics_and_labels_and_name_runbooks() -> None:
+    rules = yaml.safe_load((ROOT / "gateway" / "observability" / "prometheus-alerts.yaml")
+                           .read_text())
+    exported = _exported()
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", ops, re.M)}
+    alerts = [r for g in rules["groups"] for r in g["rules"]]
+    assert len(alerts) >= 8
+    for rule in alerts:
+        expr = rule["expr"]
+        for name in re.findall(r"tokengate_[a-z_]+", expr):
+            assert name in exported, (rule["alert"], name)
+        for name, matchers in re.findall(r"(tokengate_[a-z_]+)\{([^}]*)\}", expr):
+            for label in re.findall(r"(\w+)\s*=~?", matchers):
+                assert label in exported[name], (rule["alert"], name, label)
+        for group in re.findall(r"by \(([^)]*)\)", expr):
+            names = re.findall(r"tokengate_[a-z_]+", expr)
+            for label in (x.strip() for x in group.split(",")):
+                assert any(label in exported[n] for n in names), (rule["alert"], label)
+        page = rule["annotations"]["runbook"]
+        assert page.startswith("docs/operations.md#") and page.split("#")[1] in anchors, page
+        assert rule["labels"]["severity"] in ("page", "ticket")
