@@ -37,7 +37,9 @@ import msgpack
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
-INSTALL_HINT = "run 'make vllm' (installs real vLLM into .venv-vllm and builds the tiny model)"
+INSTALL_HINT = ("run 'make vllm' in a checkout (installs real vLLM into .venv-vllm and builds "
+                "the tiny model), or point TOKENGATE_VLLM_VENV at a virtual environment made "
+                "by engines/install_vllm.sh")
 
 
 class VllmUnavailable(RuntimeError):
