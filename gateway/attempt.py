@@ -1,7 +1,8 @@
-"""Sending a request to one endpoint: an attempt (and, for a stream, waiting for its first
-event, so a failure before it can still be retried elsewhere), how its failures and non-200
-answers are classified for the retry loop (``gateway.dispatch``), and continuing a stream on
-another endpoint when its own is drained (``gateway.migrate``).
+"""Sending a request to one endpoint: the ``Attempt`` that owns it from its ticket to its
+hand-back, sending it (and, for a stream, waiting for its first event, so a failure before it
+can still be retried elsewhere), how failures and non-200 answers are judged, the one retry
+loop (``retry``: first attempts and migrations alike), and continuing a stream on another
+endpoint when its own is drained (``gateway.migrate``).
 
 An upstream's error answer never reaches the client as it came: its body is read (capped),
 logged, and replaced by our OpenAI-shaped error with a safe message and a mapped status."""
@@ -12,11 +13,12 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
+from opentelemetry.trace import Span
 
 from gateway import migrate, quota
 from gateway.config.resilience import Timeouts
@@ -26,7 +28,7 @@ from gateway.migrate import Live
 from gateway.relay import BadEvent, event_payload, parse_event
 from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
-from gateway.routing.router import Decision
+from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState
 from gateway.upstream import (
     UpstreamBroken,
@@ -44,14 +46,98 @@ _IDENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 ERROR_BODY_LIMIT = 64 * 1024  # what is read of an error answer
 
 
+# Failure kinds that say the connection itself failed (the breaker counts them apart), and
+# those after which the endpoint is probed at once.
+TRANSPORT_KINDS = frozenset({"connect", "broken", "protocol"})
+SUSPECT_KINDS = frozenset({"connect", "broken", "timeout", "protocol"})
+
+
+class Attempt:
+    """One attempt on one endpoint, from its ticket to its hand-back. It alone takes and
+    gives back the ticket (the endpoint's live counters), moves the in-flight gauge, ends the
+    upstream span and judges the endpoint's health by how the attempt went; ``close`` (and
+    each ending) happens once, whoever calls it."""
+
+    __slots__ = ("closed", "ep", "pool", "relaying", "span", "state", "ticket", "trace")
+
+    def __init__(self, state: GatewayState, ctx: RequestContext | None, pool: EndpointPool,
+                 ep: EndpointState, tokens: int, prefill_tokens: int,
+                 span: Span | None = None) -> None:
+        self.state, self.pool, self.ep = state, pool, ep
+        self.trace = ctx.trace if ctx is not None else None
+        self.span = span  # the call to the engine (its context goes in the request headers)
+        self.ticket: Ticket = pool.acquire(ep, tokens, prefill_tokens)
+        self.relaying = False
+        self.closed = False
+
+    def trace_headers(self) -> dict[str, str]:
+        """``traceparent`` of the upstream span: the engine's own spans join the trace."""
+        if self.trace is None or self.span is None:
+            return {}
+        return self.trace.headers(self.span)
+
+    def first_token(self) -> None:
+        """The first token came: the prompt is computed (the endpoint's queue moves on)."""
+        self.pool.first_token(self.ticket)
+
+    def relay(self) -> None:
+        """The endpoint's answer is being relayed: it counts as in flight until closed."""
+        if not self.relaying and not self.closed:
+            self.relaying = True
+            self.state.metrics.series("in_flight", self.ep.url).inc()
+
+    def end_span(self, attrs: dict[str, Any], error: str | None = None) -> None:
+        if self.trace is not None and self.span is not None:
+            self.trace.end(self.span, attrs, error=error)
+            self.span = None
+
+    def failed(self, f: Failure) -> None:
+        """It failed before its answer began: judged (an endpoint fault counts against the
+        endpoint), its span ended, closed."""
+        if f.endpoint_fault:
+            self.pool.failed(self.ep, transport=f.kind in TRANSPORT_KINDS)
+            if f.kind in SUSPECT_KINDS:
+                self.state.fleet.suspect(self.ep)
+            self.state.metrics.series("upstream_errors", self.ep.url, f.kind).inc()
+        self.end_span({"error.type": f.kind}, f.error.message)
+        self.close()
+
+    def broke(self) -> None:
+        """Its answer broke off: the endpoint is held at fault and probed; closed."""
+        if not self.closed:
+            self.pool.failed(self.ep, transport=True)
+            self.state.fleet.suspect(self.ep)
+        self.close()
+
+    def misreported(self, fields: tuple[str, ...]) -> None:
+        """Its engine reported usage that could not be believed (``settle.bounded``): counted
+        and held against the endpoint's health, even after the hand-back."""
+        for f in fields:
+            self.state.metrics.series("usage_rejected", self.ep.url, f).inc()
+        self.pool.failed(self.ep, transport=False)
+
+    def succeeded(self) -> None:
+        if not self.closed:
+            self.pool.succeeded(self.ep)
+        self.close()
+
+    def close(self) -> None:
+        """Give the endpoint's share back: the ticket and the in-flight count (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pool.release(self.ticket)
+        if self.relaying:
+            self.state.metrics.series("in_flight", self.ep.url).dec()
+
+
 @dataclass(slots=True)
 class Sent:
     """An upstream response being relayed, and what routing decided and promised for it."""
 
     up: UpstreamResponse
     decision: Decision
-    pool: EndpointPool
-    ticket: Ticket  # this request's share of the endpoint's live counters
+    attempt: Attempt
     sent_at: float
     prefill_used: bool = False
     lines: AsyncIterator[bytes] | None = None  # a stream's events, the first already read
@@ -72,22 +158,16 @@ class Routed(Protocol):
     @property
     def decision(self) -> Decision: ...
     @property
-    def pool(self) -> EndpointPool: ...
-    @property
-    def ticket(self) -> Ticket: ...
+    def attempt(self) -> Attempt: ...
     @property
     def prefill_used(self) -> bool: ...
     @property
     def ttft_origin(self) -> float: ...
 
 
-def request_headers(ctx: RequestContext, pool: EndpointPool, ep: EndpointState
-                    ) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
-               **pool.auth_headers(ep)}
-    if ctx.trace is not None and ctx.trace.upstream is not None:
-        headers.update(ctx.trace.headers(ctx.trace.upstream))  # the engine's spans join
-    return headers
+def request_headers(ctx: RequestContext, a: Attempt) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
+            **a.pool.auth_headers(a.ep), **a.trace_headers()}
 
 
 @dataclass(slots=True)
@@ -99,14 +179,16 @@ class Answer:
     lines: AsyncIterator[bytes] | None = None
 
 
-async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
-                  ep: EndpointState, url: str, body: bytes, t: Timeouts) -> Answer:
+async def send(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes,
+               t: Timeouts) -> Answer:
     """Send one attempt and wait for its stream's first event (within ``first_token_s``), so
     that an upstream that stalls, breaks or answers garbage before anything reached the
     client can still be retried elsewhere, invisibly to the client. (The upstream is always
     asked for a stream: ``dispatch.upstream_body``.)"""
+    ep = a.ep
+    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
     async with asyncio.timeout(t.first_token_s):
-        up = await state.upstream.post(url, body, request_headers(ctx, pool, ep),
+        up = await state.upstream.post(ep.url + path, body, request_headers(ctx, a),
                                        connect_timeout_s=t.connect_s, ca_file=ep.ca_file)
         if up.status != 200:
             return Answer(up)
@@ -118,7 +200,7 @@ async def attempt(state: GatewayState, ctx: RequestContext, pool: EndpointPool,
             first = await first_event(lines)
         except ErrorEvent as exc:
             up.release()
-            raise judge_error_event(exc.error, ep, pool) from None
+            raise judge_error_event(exc.error, ep, a.pool) from None
         except BaseException:
             up.release()
             raise
@@ -272,10 +354,65 @@ def _retry_after(asked: str | None) -> str:
         return "1"
 
 
+T = TypeVar("T")
+
+
+async def retry(state: GatewayState, ctx: RequestContext, router: Router,
+                info: RequestInfo | None, first: Decision | None, tried: list[EndpointState],
+                try_one: Callable[[Decision, int], Awaitable[T]], last: APIError,
+                model: str) -> T | APIError:
+    """The one retry loop: ``try_one`` on ``first``, then on a new decision without every
+    endpoint tried so far, while ``try_one`` raises a ``Failure`` that is the endpoint's
+    fault and the retry policy (attempts, backoff, budget) allows another; what the first
+    success returns, else the last error (``last`` when nothing could be tried)."""
+    retrier = Retrier(ctx.view.policy.settings.retries, router.pool.budget, state.rng)
+    retrier.first()
+    decision, backoff, n = first, False, 0
+    while decision is not None:
+        if n and not await retrier.again(backoff):
+            state.metrics.series("retries", model, "denied").inc()
+            break
+        if n:
+            state.metrics.series("retries", model, "made").inc()
+        n += 1
+        ep = decision.endpoint.ep
+        tried.append(ep)
+        try:
+            return await try_one(decision, n)
+        except Failure as f:
+            if not f.endpoint_fault:
+                return f.error  # the request's own fault: another endpoint would refuse it
+            last, backoff = f.error, f.backoff
+            log.warning("endpoint %s failed (%s); retrying elsewhere if allowed", ep.url,
+                        f.kind)
+        decision = router.decide(info, tried) if info is not None else None
+    return last
+
+
+async def attempt_on(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes
+                     ) -> Answer:
+    """Send ``a`` and wait for its first event; a failure is judged on ``a`` (which is
+    closed) and raised as a ``Failure``; cancelled, ``a`` is closed."""
+    try:
+        try:
+            ans = await send(state, ctx, a, body, ctx.route.timeouts)
+            if ans.up.status != 200 or ans.lines is None:
+                raise await answer_failure(ans.up, a.ep, a.pool)
+        except (UpstreamError, TimeoutError) as exc:
+            raise upstream_failure(exc) from exc
+    except Failure as f:
+        a.failed(f)
+        raise
+    except BaseException:
+        a.close()
+        raise
+    return ans
+
+
 async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.Admission,
                           sent: Sent, live: Live, generated: int) -> Sent | None:
     """Continue a stream cut off a draining endpoint on another one (``gateway.migrate``),
-    under the same retry policy as first attempts."""
+    under the same retry loop as first attempts."""
     m = adm.model
     router = ctx.view.routers[m.name]
     pool = router.pool
@@ -286,40 +423,24 @@ async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.A
     body["model"] = m.upstream_name
     body["stream_options"] = {"include_usage": True}
     raw = orjson.dumps(body)
-    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
     info = sent.info
-    tried = [old]
-    retrier = Retrier(ctx.view.policy.settings.retries, pool.budget, state.rng)
-    retrier.first()
-    decision = router.decide(info, tried) if info is not None else None
-    backoff = False
-    while decision is not None:
-        if len(tried) > 1 and not await retrier.again(backoff):
-            break
-        ep = decision.endpoint.ep
-        tried.append(ep)
-        tokens = (info.prompt_tokens if info else 0) + adm.expected_output
-        ticket = pool.acquire(ep, tokens, tokens - adm.expected_output + generated)
-        try:
-            ans = await attempt(state, ctx, pool, ep, ep.url + path, raw,
-                                ctx.route.timeouts)
-            if ans.up.status != 200 or ans.lines is None:
-                raise await answer_failure(ans.up, ep, pool)
-        except (UpstreamError, TimeoutError, Failure) as exc:
-            pool.release(ticket)
-            f = exc if isinstance(exc, Failure) else upstream_failure(exc)
-            log.warning("migration of %s to %s failed: %s", ctx.request_id, ep.url, f.kind)
-            backoff = f.backoff
-            decision = router.decide(info, tried) if info is not None else None
-            continue
-        except BaseException:
-            pool.release(ticket)
-            raise
-        pool.first_token(ticket)  # attempt waited for its first event: the prompt is in
-        state.metrics.series("migrations", m.name, "moved").inc()
-        log.info("moved stream %s from %s to %s after %d tokens", ctx.request_id, old.url,
-                 ep.url, generated)
-        return Sent(ans.up, decision, pool, ticket, time.perf_counter(), False, ans.lines,
-                    info)
-    state.metrics.series("migrations", m.name, "failed").inc()
-    return None
+    tokens = (info.prompt_tokens if info else 0) + adm.expected_output
+
+    async def try_one(decision: Decision, n: int) -> Sent:
+        a = Attempt(state, ctx, pool, decision.endpoint.ep, tokens,
+                    tokens - adm.expected_output + generated)
+        ans = await attempt_on(state, ctx, a, raw)
+        a.first_token()  # the first event was awaited: the prompt is in
+        return Sent(ans.up, decision, a, time.perf_counter(), False, ans.lines, info)
+
+    moved = await retry(state, ctx, router, info,
+                        router.decide(info, [old]) if info is not None else None, [old],
+                        try_one, APIError(502, "no endpoint to move to"), m.name)
+    if isinstance(moved, APIError):
+        log.warning("migration of %s failed: %s", ctx.request_id, moved.message)
+        state.metrics.series("migrations", m.name, "failed").inc()
+        return None
+    state.metrics.series("migrations", m.name, "moved").inc()
+    log.info("moved stream %s from %s to %s after %d tokens", ctx.request_id, old.url,
+             moved.decision.endpoint.ep.url, generated)
+    return moved

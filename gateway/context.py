@@ -11,6 +11,7 @@ from gateway.quota import ContextTooLong
 from gateway.state import GatewayState, PolicyView
 from gateway.tokenize import ChatPrompt
 from gateway.tracing import RequestTrace
+from protocol import logs
 from protocol.chat_template import ChatTemplateError
 from protocol.errors import bad
 from protocol.validate import GenerationRequest, Kind
@@ -39,6 +40,18 @@ class RequestContext:
     output_limit: dict[str, int] = field(default_factory=dict)  # model -> max_tokens reserved
     trace: RequestTrace | None = None  # None unless the policy turns tracing on
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
+    outcome: str | None = None  # how the request ended, once counted (``finish``)
+
+    def finish(self, model: str, outcome: str) -> None:
+        """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in
+        ``tokengate_requests_total`` and stamped on its log lines: the only place either
+        happens, and only the first time (``serve`` and the EPP alike)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.state.metrics.series("requests", self.route.name, model, self.tenant_label,
+                                  outcome).inc()
+        logs.outcome(outcome)
 
     @property
     def tenant_label(self) -> str:

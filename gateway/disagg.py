@@ -15,12 +15,14 @@ from typing import Any
 
 import orjson
 
+from gateway.attempt import Attempt, Failure
 from gateway.config.policy import Model
 from gateway.config.resilience import Timeouts
 from gateway.endpoints import EndpointPool
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
 from gateway.upstream import UpstreamError
+from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -53,7 +55,7 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id,
                **pool.auth_headers(ep), **(trace_headers or {})}
     path = "/chat/completions" if kind == "chat" else "/completions"
-    ticket = pool.acquire(ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
+    a = Attempt(state, None, pool, ep, d.prefill.uncached_tokens, d.prefill.uncached_tokens)
     try:
         up = await asyncio.wait_for(
             state.upstream.post(ep.url + path, prefill_body(client_body, m), headers,
@@ -67,15 +69,16 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
         if isinstance(params, dict):
             # The prompt is computed: the prefill endpoint's queue moves on (and its prefill
             # rate is learned) exactly as when an aggregated endpoint sends a first token.
-            pool.first_token(ticket)
+            a.first_token()
     except (UpstreamError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
         log.warning("prefill on %s failed (%s); decoding alone", ep.url, exc)
         params = None
-    finally:
-        pool.release(ticket)
+    except BaseException:
+        a.close()
+        raise
     if not isinstance(params, dict):
-        pool.failed(ep)
-        state.metrics.series("upstream_errors", ep.url, "prefill").inc()
+        a.failed(Failure(APIError(502, "the prefill failed", type="server_error",
+                                  code="upstream_error"), "prefill", False))
         return None
-    pool.succeeded(ep)
+    a.succeeded()
     return params

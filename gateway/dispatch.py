@@ -17,20 +17,18 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from gateway import admission, disagg, quota, slo
-from gateway.attempt import Failure, Sent, answer_failure, attempt, upstream_failure
+from gateway.attempt import Attempt, Sent, attempt_on, retry
 from gateway.config.policy import Model
 from gateway.context import RequestContext
 from gateway.endpoints import EndpointPool, EndpointState
-from gateway.retry import Retrier
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.settle import refund_later
 from gateway.state import GatewayState
 from gateway.tracing import candidates_attrs
-from gateway.upstream import UpstreamError
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
@@ -108,64 +106,27 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         return routed
     router, info, first = routed
     pool = router.pool
-    t = ctx.route.timeouts
-    path = "/chat/completions" if ctx.kind == "chat" else "/completions"
-    tried: list[EndpointState] = []
-    last = APIError(502, f"no endpoint of {m.name} answered", type="server_error",
-                    code="upstream_unavailable")
-    retrier = Retrier(ctx.view.policy.settings.retries, pool.budget, state.rng)
-    retrier.first()
-    decision: Decision | None = first
-    backoff = False
-    while decision is not None:
-        if tried and not await retrier.again(backoff):
-            state.metrics.series("retries", m.name, "denied").inc()
-            break
-        if tried:
-            state.metrics.series("retries", m.name, "made").inc()
+
+    async def try_one(decision: Decision, n: int) -> Sent:
         ep = decision.endpoint.ep
-        tried.append(ep)
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
         started_at = time.perf_counter()
         kv = await prefill(state, ctx, m, router, decision)
-        upstream_span(ctx, m, ep.url, kv is not None, len(tried))
-        prefill_tokens = 0 if kv is not None else decision.endpoint.uncached_tokens
-        ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
+        a = Attempt(state, ctx, pool, ep, info.prompt_tokens + reserved,
+                    0 if kv is not None else decision.endpoint.uncached_tokens,
+                    upstream_span(ctx, m, ep.url, kv is not None, n))
         sent_at = time.perf_counter()
-        try:
-            try:
-                ans = await attempt(state, ctx, pool, ep, ep.url + path,
-                                    upstream_body(ctx, m, kv), t)
-                if ans.up.status != 200:
-                    raise await answer_failure(ans.up, ep, pool)
-                router.commit(decision, info)  # only now are its blocks on that engine
-            except (UpstreamError, TimeoutError) as exc:
-                raise upstream_failure(exc) from exc
-        except Failure as f:
-            pool.release(ticket)
-            last, backoff = f.error, f.backoff
-            if ctx.trace is not None:
-                ctx.trace.end(ctx.trace.upstream, {"error.type": f.kind}, error=f.error.message)
-                ctx.trace.upstream = None
-            if not f.endpoint_fault:
-                return f.error  # the request's own fault: another endpoint would refuse it
-            pool.failed(ep, transport=f.kind in ("connect", "broken", "protocol"))
-            if f.kind in ("connect", "broken", "timeout", "protocol"):
-                state.fleet.suspect(ep)
-            state.metrics.series("upstream_errors", ep.url, f.kind).inc()
-            log.warning("endpoint %s failed (%s); retrying elsewhere if allowed", ep.url,
-                        f.kind)
-            decision = router.decide(info, tried)
-            continue
-        except BaseException:  # cancelled (the client left): give the counters back
-            pool.release(ticket)
-            raise
+        ans = await attempt_on(state, ctx, a, upstream_body(ctx, m, kv))
+        router.commit(decision, info)  # only now are its blocks on that engine
         state.metrics.series("prefix_cached_tokens", m.name).inc(
             decision.endpoint.cached_tokens if kv is None else info.prompt_tokens)
-        return Sent(ans.up, decision, pool, ticket, sent_at, kv is not None, ans.lines, info,
+        return Sent(ans.up, decision, a, sent_at, kv is not None, ans.lines, info,
                     started_at if kv is not None else None)
-    return last
+
+    return await retry(state, ctx, router, info, first, [], try_one,
+                       APIError(502, f"no endpoint of {m.name} answered", type="server_error",
+                                code="upstream_unavailable"), m.name)
 
 
 async def traced_route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
@@ -202,14 +163,16 @@ async def prefill(state: GatewayState, ctx: RequestContext, m: Model, router: Ro
     return kv
 
 
-def upstream_span(ctx: RequestContext, m: Model, url: str, prefilled: bool, n: int) -> None:
-    """Open the span of the call to the engine (settlement ends it); its context goes to the
+def upstream_span(ctx: RequestContext, m: Model, url: str, prefilled: bool, n: int
+                  ) -> Span | None:
+    """The span of the call to the engine (its ``Attempt`` ends it); its context goes to the
     engine in the request's headers, so the engine's spans join the trace."""
-    if ctx.trace is not None:
-        ctx.trace.upstream = ctx.trace.child(
-            f"{'chat' if ctx.kind == 'chat' else 'text_completion'} {m.upstream_name}",
-            {**_server_attrs(url, m), "tokengate.phase": "decode" if prefilled
-             else "prefill+decode", "tokengate.attempt": n}, kind=SpanKind.CLIENT)
+    if ctx.trace is None:
+        return None
+    return ctx.trace.child(
+        f"{'chat' if ctx.kind == 'chat' else 'text_completion'} {m.upstream_name}",
+        {**_server_attrs(url, m), "tokengate.phase": "decode" if prefilled
+         else "prefill+decode", "tokengate.attempt": n}, kind=SpanKind.CLIENT)
 
 
 def _server_attrs(url: str, m: Model) -> dict[str, Any]:

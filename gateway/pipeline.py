@@ -127,7 +127,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         return await _serve(request, state, ctx)
     except APIError as exc:
-        logs.outcome(str(exc.status))
+        ctx.finish(ctx.parsed.model, str(exc.status))
         end_trace(ctx, exc)
         raise
     finally:
@@ -136,13 +136,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 async def _serve(request: web.Request, state: GatewayState, ctx: RequestContext
                  ) -> web.StreamResponse:
-    route = ctx.route
     adm = await admit(state, ctx)
     try:
         opened = await open_request(state, ctx, adm, open_model)
         if isinstance(opened, APIError):
-            state.metrics.series("requests", route.name, adm.model.name, ctx.tenant_label,
-                                 str(opened.status)).inc()
             raise opened
         served, sent, failover = opened
         return await respond(request, ctx, served, sent, failover)
@@ -170,8 +167,6 @@ async def admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
 async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     adm = await admission.reserve(state, ctx, ctx.view.policy.models[ctx.parsed.model])
     if not adm.decision.allowed:
-        state.metrics.series("requests", ctx.route.name, ctx.parsed.model, ctx.tenant_label,
-                             "429").inc()
         raise quota.rate_limit_error(adm.decision)
     if adm.failover_from:
         state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()

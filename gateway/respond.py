@@ -48,8 +48,7 @@ def headers(ctx: RequestContext, adm: quota.Admission, sent: Routed, failover: s
 async def respond(request: web.Request, ctx: RequestContext, adm: quota.Admission,
                   sent: Sent, failover: str | None) -> web.StreamResponse:
     state = ctx.state
-    ep = sent.decision.endpoint.ep
-    state.metrics.series("in_flight", ep.url).inc()
+    sent.attempt.relay()
     state.metrics.overhead.observe(sent.sent_at - ctx.received_at)
     result = RelayResult(status=sent.up.status)
     current = [sent]  # the Sent being relayed (a migration replaces it)
@@ -86,10 +85,7 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
     while True:
         sent = current[0]
         assert sent.lines is not None
-        ep, pool = sent.decision.endpoint.ep, sent.pool
-
-        def first_token(s: Sent = sent) -> None:
-            s.pool.first_token(s.ticket)
+        ep = sent.decision.endpoint.ep
 
         # Streams of pools that scale may be moved off a draining endpoint.
         live = Live(ep.url, sent.up.abort) if adm.model.scaling is not None else None
@@ -101,7 +97,7 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
                 served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
                 on_tokens=progress, every=policy.settings.progressive_charge_tokens,
                 every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
-                on_first=first_token, gap_s=t.between_tokens_s,
+                on_first=sent.attempt.first_token, gap_s=t.between_tokens_s,
                 deadline_s=t.total_s - (time.perf_counter() - sent.sent_at),
                 live=live, usage_shift=shift, tally=ep.live)
         finally:
@@ -116,10 +112,9 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
             break
         # Hand over: the old endpoint's share goes back, the new one's is taken.
         sent.up.release()
-        pool.release(sent.ticket)
-        state.metrics.series("in_flight", ep.url).dec()
+        sent.attempt.close()
         current[0], shift = moved, result.chunks
-        state.metrics.series("in_flight", moved.decision.endpoint.ep.url).inc()
+        moved.attempt.relay()
         result.migrated = False
     if not result.client_gone:
         await resp.write_eof()
@@ -150,14 +145,11 @@ async def aggregate(ctx: RequestContext, adm: quota.Admission, sent: Routed,
     async def progress(n: int) -> None:
         await quota.charge_progress(state.store, adm, n)
 
-    def first_token() -> None:
-        sent.pool.first_token(sent.ticket)
-
     await relay_stream(
         lines, agg, upstream_model=adm.model.upstream_name, served_model=adm.model.name,
         pass_usage=True, on_tokens=progress, every=policy.settings.progressive_charge_tokens,
         every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
-        on_first=first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s -
+        on_first=sent.attempt.first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s -
         (time.perf_counter() - sent.ttft_origin), tally=sent.decision.endpoint.ep.live)
     if result.broken:
         return None

@@ -24,7 +24,6 @@ Every count the upstream reports is checked against the gateway's own (``bounded
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,38 +33,21 @@ from gateway.attempt import Routed
 from gateway.context import RequestContext
 from gateway.limiter.store import StoreUnavailable
 from gateway.relay import RelayResult
-from protocol import logs
+from gateway.routing import feedback
 
 log = logging.getLogger("tokengate.gateway")
 
 
-# TPOT is learned and scored only over streams of at least this many tokens: over one or two
-# gaps it is a single step's time, decided by whether a prefill chunk shared that step, which
-# no feature of the endpoint can tell in advance.
-TPOT_MIN_TOKENS = 8
-
-
 def observe(ctx: RequestContext, r: RelayResult, sent: Routed) -> None:
-    """Feed the predictor what this request saw, against the features it was routed on."""
+    """Feed routing what this request saw, against what it was routed on."""
     if not ctx.parsed.stream or r.first_token_at is None or r.broken:
         return
-    state, d = ctx.state, sent.decision
-    ttft_ms = (r.first_token_at - sent.ttft_origin) * 1000.0
-    tpot_ms = ((r.last_token_at - r.first_token_at) * 1000.0 / (r.chunks - 1)
-               if r.last_token_at is not None and r.chunks >= TPOT_MIN_TOKENS else None)
-    lead = d.prefill if (d.prefill is not None and sent.prefill_used) else d.endpoint
-    lead.ep.live.observed(ttft_ms, None)
-    d.endpoint.ep.live.observed(None, tpot_ms)
-    if lead.row is not None:
-        state.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
-                                predicted_ttft_ms=lead.ttft_ms, sent_at=sent.ttft_origin)
-        if state.sync is not None:
-            state.sync.queue_sample("ttft", lead.row, math.log(max(ttft_ms, 1e-3)))
-    if d.endpoint.row is not None and tpot_ms is not None:
-        state.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
-                                predicted_tpot_ms=d.endpoint.tpot_ms, sent_at=sent.ttft_origin)
-        if state.sync is not None:
-            state.sync.queue_sample("tpot", d.endpoint.row, math.log(max(tpot_ms, 1e-3)))
+    s = feedback.seen(sent.decision, sent.prefill_used, sent.ttft_origin, r.first_token_at,
+                      r.last_token_at, r.chunks)
+    samples = feedback.learn(s, ctx.state.predictor, sent_at=sent.ttft_origin)
+    if ctx.state.sync is not None:
+        for target, row, y in samples:
+            ctx.state.sync.queue_sample(target, row, y)
 
 
 def _count(u: dict[str, Any], key: str) -> int | None:
@@ -171,18 +153,16 @@ async def _refund(ctx: RequestContext, adm: quota.Admission) -> None:
 
 
 def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
-                      used: Served | None) -> None:
+                      used: Served | None, routed: Routed) -> None:
     t = ctx.trace
     assert t is not None
     usage = {"gen_ai.usage.input_tokens": used.prompt if used else None,
              "gen_ai.usage.output_tokens": used.completion if used else None,
              "gen_ai.response.model": adm.model.upstream_name}
     err = "client left" if r.client_gone else "stream broke" if r.broken else None
-    if t.upstream is not None:
-        ttft = (r.first_token_at - ctx.received_at) if r.first_token_at is not None else None
-        t.end(t.upstream, {**usage, "http.response.status_code": r.status,
-                           "tokengate.ttft_s": ttft}, error=err)
-        t.upstream = None
+    ttft = (r.first_token_at - ctx.received_at) if r.first_token_at is not None else None
+    routed.attempt.end_span({**usage, "http.response.status_code": r.status,
+                             "tokengate.ttft_s": ttft}, error=err)
     span = t.child("tokengate.settlement", {
         **usage, "tokengate.reserved_tokens": adm.prompt_tokens + adm.expected_output,
         "tokengate.charged_tokens": used.prompt + used.completion if used else 0,
@@ -192,19 +172,19 @@ def _trace_settlement(ctx: RequestContext, adm: quota.Admission, r: RelayResult,
 
 def hand_back(ctx: RequestContext, adm: quota.Admission, r: RelayResult, routed: Routed
               ) -> None:
-    """The end of an answer, however it ended: the endpoint's counters go back, its health
-    is judged by how the answer went, and settlement starts in the background (once)."""
-    state = ctx.state
-    ep, pool = routed.decision.endpoint.ep, routed.pool
-    pool.release(routed.ticket)
-    state.metrics.series("in_flight", ep.url).dec()
+    """The end of an answer, however it ended: the attempt is handed back (its endpoint's
+    health judged by how the answer went), the request counted by how it ended, and
+    settlement started in the background (once)."""
     if r.broken:
-        pool.failed(ep, transport=True)
-        state.fleet.suspect(ep)
+        routed.attempt.broke()
     elif r.status == 200 and not r.client_gone:
-        pool.succeeded(ep)
+        routed.attempt.succeeded()
+    else:
+        routed.attempt.close()
+    ctx.finish(adm.model.name, "client_gone" if r.client_gone else "broken" if r.broken
+               else str(r.status))
     adm.settling = True
-    state.spawn(finish(ctx, adm, r, routed))
+    ctx.state.spawn(finish(ctx, adm, r, routed))
 
 
 async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent: Routed
@@ -216,7 +196,7 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
     if used is not None and used.rejected:
         _distrust(ctx, sent, used)
     if ctx.trace is not None:
-        _trace_settlement(ctx, adm, r, used)
+        _trace_settlement(ctx, adm, r, used, sent)
     try:
         if used is None:
             await quota.refund(state.store, adm)
@@ -225,9 +205,6 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
                                prompt_tokens=used.prompt, failed_before_first_token=False)
     except StoreUnavailable:
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
-    status = ("client_gone" if r.client_gone else "broken" if r.broken else str(r.status))
-    state.metrics.series("requests", ctx.route.name, m, ctx.tenant_label, status).inc()
-    logs.outcome(status)
     if r.client_gone:
         state.metrics.series("abandoned", m, "generating" if r.chunks else "queued").inc()
     if used is not None and r.status == 200 and not r.broken:
@@ -248,6 +225,4 @@ def _distrust(ctx: RequestContext, sent: Routed, used: Served) -> None:
     log.warning("endpoint %s reported implausible %s for %s: charged the gateway's count "
                 "(%d prompt, %d completion)", ep.url, " and ".join(used.rejected),
                 ctx.request_id, used.prompt, used.completion)
-    for f in used.rejected:
-        ctx.state.metrics.series("usage_rejected", ep.url, f).inc()
-    sent.pool.failed(ep, transport=False)
+    sent.attempt.misreported(used.rejected)

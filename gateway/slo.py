@@ -16,6 +16,7 @@ import asyncio
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gateway.config.policy import PRIORITY_RANK, Model, Route, Tenant
 from gateway.endpoints import EndpointState
@@ -64,34 +65,63 @@ def misses(d: Decision, info: RequestInfo) -> bool:
                 or (info.slo_tpot_ms is not None and d.predicted_tpot_ms > info.slo_tpot_ms))
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What to do with a request after its latest routing decision (``judge``): send it to
+    ``decision``, wait until ``deadline`` and decide again, or answer ``error``; ``action``
+    is the SLO action taken, for ``tokengate_slo_actions_total`` (None: none was needed)."""
+
+    decision: Decision | None = None
+    deadline: float | None = None
+    error: APIError | None = None
+    action: str | None = None
+
+
+def judge(route: Route, m: Model, info: RequestInfo, decision: Decision | None, now: float,
+          deadline: float | None = None) -> Step:
+    """The SLO decision, a function of data and ``now`` alone: ``serve``, the EPP and the
+    simulator take it on each routing decision. ``deadline`` is None on the first decision,
+    else the one a previous ``Step`` set (the request has been waiting for a better one)."""
+    if decision is None:
+        return Step(error=APIError(502, f"no endpoint of {m.name} is available",
+                                   type="server_error", code="upstream_unavailable"))
+    if info.priority == "critical" or not misses(decision, info):
+        return Step(decision, action="queued" if deadline is not None else None)
+    action = "flex" if info.priority == "flex" else route.on_slo_miss
+    if action in ("queue", "flex"):
+        if deadline is None:
+            return Step(deadline=now + route.queue_ms / 1000.0)
+        if now < deadline:
+            return Step(deadline=deadline)
+        if action == "flex":
+            return Step(action="shed", error=APIError(
+                503, "the model is overloaded; flex-priority requests are shed first, retry "
+                "later", type="service_unavailable", code="overloaded",
+                headers={"retry-after": "2"}))
+    elif action == "fallback" and route.failover and m.fallback:
+        return Step(action="fallback", error=APIError(
+            503, f"no endpoint of {m.name} is predicted to meet the SLO",
+            type="service_unavailable", code="slo_unattainable"))
+    return Step(decision, action="best_effort")
+
+
+POLL_S = 0.02  # how often a waiting request's decision is taken again
+
+
 async def decide(state: GatewayState, route: Route, m: Model, router: Router,
                  info: RequestInfo, exclude: Sequence[EndpointState] = ()
                  ) -> Decision | APIError:
     """Where the request goes (never to an endpoint of ``exclude``), holding it to its SLO
-    as the route and priority say."""
-    decision = router.decide(info, exclude)
-    if decision is None:
-        return APIError(502, f"no endpoint of {m.name} is available", type="server_error",
-                        code="upstream_unavailable")
-    if info.priority == "critical" or not misses(decision, info):
-        return decision
-    action = "flex" if info.priority == "flex" else route.on_slo_miss
-    if action in ("queue", "flex"):
-        deadline = time.perf_counter() + route.queue_ms / 1000.0
-        while time.perf_counter() < deadline:
-            await asyncio.sleep(0.02)
-            decision = router.decide(info, exclude) or decision
-            if not misses(decision, info):
-                state.metrics.series("slo_actions", m.name, info.priority, "queued").inc()
-                return decision
-        if action == "flex":
-            state.metrics.series("slo_actions", m.name, info.priority, "shed").inc()
-            return APIError(503, "the model is overloaded; flex-priority requests are shed "
-                            "first, retry later", type="service_unavailable", code="overloaded",
-                            headers={"retry-after": "2"})
-    elif action == "fallback" and route.failover and m.fallback:
-        state.metrics.series("slo_actions", m.name, info.priority, "fallback").inc()
-        return APIError(503, f"no endpoint of {m.name} is predicted to meet the SLO",
-                        type="service_unavailable", code="slo_unattainable")
-    state.metrics.series("slo_actions", m.name, info.priority, "best_effort").inc()
-    return decision
+    as the route and priority say (``judge``), waiting in real time when it says so."""
+    last = router.decide(info, exclude)
+    step = judge(route, m, info, last, time.perf_counter())
+    while step.deadline is not None:
+        await asyncio.sleep(POLL_S)
+        last = router.decide(info, exclude) or last
+        step = judge(route, m, info, last, time.perf_counter(), step.deadline)
+    if step.action is not None:
+        state.metrics.series("slo_actions", m.name, info.priority, step.action).inc()
+    if step.error is not None:
+        return step.error
+    assert step.decision is not None
+    return step.decision

@@ -37,12 +37,12 @@ from backend.request import RemotePrefill, Request
 from gateway import slo
 from gateway.config.policy import Model, Route
 from gateway.endpoints import EndpointPool, EndpointState, Ticket
+from gateway.routing import feedback
 from gateway.routing.fleet import Fleet
 from gateway.routing.kv_events import EngineEvent
 from gateway.routing.plugins import Candidate, RequestInfo
 from gateway.routing.prefix import PreciseIndex
 from gateway.routing.router import Decision, Router
-from gateway.settle import TPOT_MIN_TOKENS
 from loadtests.client import RequestResult
 from predictor.models import Models
 from predictor.online import OnlinePredictor
@@ -236,38 +236,34 @@ class SimGateway:
             best = self.hindsight.pick(urls, sr.hashes, info.prompt_tokens, sr.output_tokens,
                                        self.loop.now)
             d.endpoint = next(c for c in d.considered if c.ep.url == best)
-        if d is None:
-            sr.result.error = "http_502:upstream_unavailable"
+        self._judge(sr, info, d, slo.judge(self.route, self.model, info, d, self.loop.now))
+
+    def _judge(self, sr: SimRequest, info: RequestInfo, d: Decision | None,
+               step: slo.Step) -> None:
+        """Carry out the gateway's SLO decision (``gateway.slo.judge``) in virtual time."""
+        if step.deadline is not None:
+            self.loop.after(self.delays.slo_poll_s, self._hold, sr, info, d, step.deadline)
+            return
+        if step.action is not None:
+            self._count(step.action)
+        if step.error is not None and step.error.code == "slo_unattainable" and d is not None:
+            # The gateway walks the fallback chain; the simulator models one pool, whose
+            # decision serves it (as a fallback pool would, without its own queue).
+            self._send(sr, info, d)
+            return
+        if step.error is not None:
+            sr.result.error = f"http_{step.error.status}:{step.error.code}"
             self._done(sr)
             return
-        if info.priority == "critical" or not slo.misses(d, info):
-            self._send(sr, info, d)
-            return
-        action = "flex" if info.priority == "flex" else self.route.on_slo_miss
-        if action in ("queue", "flex"):
-            self._hold(sr, info, d, self.loop.now + self.route.queue_ms / 1000.0, action)
-            return
-        self._count("best_effort")
-        self._send(sr, info, d)
+        assert step.decision is not None
+        self._send(sr, info, step.decision)
 
-    def _hold(self, sr: SimRequest, info: RequestInfo, d: Decision, deadline: float,
-              action: str) -> None:
-        if self.loop.now >= deadline:
-            if action == "flex":
-                self._count("shed")
-                sr.result.error = "http_503:overloaded"
-                self._done(sr)
-                return
-            self._count("best_effort")
-            self._send(sr, info, d)
-            return
+    def _hold(self, sr: SimRequest, info: RequestInfo, d: Decision | None,
+              deadline: float) -> None:
         self._sync()
         d = self.router.decide(info) or d
-        if not slo.misses(d, info):
-            self._count("queued")
-            self._send(sr, info, d)
-            return
-        self.loop.after(self.delays.slo_poll_s, self._hold, sr, info, d, deadline, action)
+        self._judge(sr, info, d, slo.judge(self.route, self.model, info, d, self.loop.now,
+                                           deadline))
 
     def _count(self, action: str) -> None:
         self.slo_actions[action] = self.slo_actions.get(action, 0) + 1
@@ -367,33 +363,18 @@ class SimGateway:
         self._done(sr)
 
     def _observe(self, f: _Flight) -> None:
-        """As ``gateway.settle.observe``: what the request saw, against its routing rows."""
+        """What the request saw, against its routing rows (``gateway.routing.feedback``)."""
         if f.first_at is None:
             return
-        d = f.decision
-        ttft_ms = (f.first_at - f.origin) * 1000.0
-        tpot_ms = ((f.last_at - f.first_at) * 1000.0 / (f.chunks - 1)
-                   if f.last_at is not None and f.chunks >= TPOT_MIN_TOKENS else None)
-        lead = d.prefill if (d.prefill is not None and f.prefill_used) else d.endpoint
-        lead.ep.live.observed(ttft_ms, None)
-        d.endpoint.ep.live.observed(None, tpot_ms)
-        if math.isfinite(lead.ttft_ms):
-            self.predictions["ttft"].append((lead.ttft_ms, ttft_ms))
-        if tpot_ms is not None and math.isfinite(d.endpoint.tpot_ms):
-            self.predictions["tpot"].append((d.endpoint.tpot_ms, tpot_ms))
-        if lead.row is not None:
-            self.predictor.observe(lead.row, ttft_ms=ttft_ms, tpot_ms=None,
-                                   predicted_ttft_ms=_finite(lead.ttft_ms))
-        if d.endpoint.row is not None and tpot_ms is not None:
-            self.predictor.observe(d.endpoint.row, ttft_ms=None, tpot_ms=tpot_ms,
-                                   predicted_tpot_ms=_finite(d.endpoint.tpot_ms))
+        s = feedback.seen(f.decision, f.prefill_used, f.origin, f.first_at, f.last_at, f.chunks)
+        if math.isfinite(s.lead.ttft_ms):
+            self.predictions["ttft"].append((s.lead.ttft_ms, s.ttft_ms))
+        if s.tpot_ms is not None and math.isfinite(s.decode.tpot_ms):
+            self.predictions["tpot"].append((s.decode.tpot_ms, s.tpot_ms))
+        feedback.learn(s, self.predictor)
 
     def _done(self, sr: SimRequest) -> None:
         self.completed += 1
         self.outstanding -= 1
         if sr.on_done is not None:
             sr.on_done(sr)
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from gateway import pipeline, quota
-from gateway.attempt import ERROR_BODY_LIMIT, judge_error_event, judge_failure
+from gateway.attempt import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
 from gateway.context import RequestContext
 from gateway.dispatch import open_request
 from gateway.epp import messages
@@ -39,7 +39,6 @@ from gateway.respond import aggregate
 from gateway.respond import headers as client_headers
 from gateway.settle import hand_back
 from gateway.state import GatewayState
-from protocol import logs
 from protocol.errors import APIError
 from protocol.validate import Kind
 
@@ -170,20 +169,17 @@ class Exchange:
         adm = await pipeline.admit(self.state, ctx)
         opened = await open_request(self.state, ctx, adm, picker(self.allowed))
         if isinstance(opened, APIError):
-            self.state.metrics.series("requests", ctx.route.name, adm.model.name,
-                                      ctx.tenant_label, str(opened.status)).inc()
             if opened.code == "upstream_unavailable":  # GIE: no endpoint available is a 503
                 opened.status = 503
             raise opened
         self.adm, picked, failover = opened
         self.picked = picked
         self.answer_headers = client_headers(ctx, self.adm, picked, failover)
-        ep = picked.decision.endpoint.ep
-        auth = {k.lower(): v for k, v in picked.pool.auth_headers(ep).items()}
+        a = picked.attempt
+        auth = {k.lower(): v for k, v in a.pool.auth_headers(a.ep).items()}
         set_ = {":path": picked.path, "content-length": str(len(picked.body)),
-                "x-request-id": ctx.request_id, **auth}
-        if ctx.trace is not None and ctx.trace.upstream is not None:
-            set_.update(ctx.trace.headers(ctx.trace.upstream))  # the engine's spans join
+                "x-request-id": ctx.request_id, **auth,
+                **a.trace_headers()}  # the engine's spans join the trace
         self.state.metrics.overhead.observe(time.perf_counter() - self.received)
         return [messages.request_headers(set_, () if auth else ("authorization",),
                                          picked.destination),
@@ -203,7 +199,7 @@ class Exchange:
             return [self._upstream_failed()] if h.end_of_stream else []  # judged on its body
         p, ctx = self.picked, self.ctx
         p.router.commit(p.decision, p.info)  # only now are its blocks on that engine
-        self.state.metrics.series("in_flight", p.decision.endpoint.ep.url).inc()
+        p.attempt.relay()
         self.feed = LineFeed()
         if not ctx.parsed.stream:
             # The engine streams (the EPP asked it to); the client gets the answer built
@@ -228,15 +224,12 @@ class Exchange:
         async def progress(n: int) -> None:
             await quota.charge_progress(state.store, adm, n)
 
-        def first_token() -> None:
-            p.pool.first_token(p.ticket)
-
         return await relay_stream(
             feed, self.sink, upstream_model=adm.model.upstream_name,
             served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
             on_tokens=progress, every=settings.progressive_charge_tokens,
             every_s=settings.progressive_charge_ms / 1000.0, into=self.result,
-            on_first=first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s,
+            on_first=p.attempt.first_token, gap_s=t.between_tokens_s, deadline_s=t.total_s,
             tally=p.decision.endpoint.ep.live)
 
     async def _response_body(self, data: bytes, end: bool) -> list[pb.ProcessingResponse]:
@@ -278,7 +271,7 @@ class Exchange:
                 # The engine refused the request in its stream's first event (vLLM checks
                 # some parameters only then): judged as serve judges it.
                 p = self.picked
-                f = judge_error_event(ev, p.decision.endpoint.ep, p.pool)
+                f = judge_error_event(ev, p.attempt.ep, p.attempt.pool)
                 error = f.error
                 if not f.endpoint_fault:
                     self.result.broken = False  # the request's fault, not the endpoint's
@@ -296,33 +289,24 @@ class Exchange:
         judged as ``tokengate serve`` judges one (and counted, as serve counts a failed
         attempt's answer); the reservation goes back whole."""
         assert self.picked is not None and self.ctx is not None and self.adm is not None
-        p, status = self.picked, self.result.status
-        ep = p.decision.endpoint.ep
+        a, status = self.picked.attempt, self.result.status
         if status >= 500 and UPSTREAM_TIME not in self.upstream_headers:
-            p.pool.failed(ep, transport=True)
-            self.state.fleet.suspect(ep)
-            self.state.metrics.series("upstream_errors", ep.url, "connect").inc()
-            error = APIError(502, "the upstream could not be reached", type="server_error",
-                             code="upstream_unavailable")
+            f = Failure(APIError(502, "the upstream could not be reached", type="server_error",
+                                 code="upstream_unavailable"), "connect", False)
         else:
             f = judge_failure(status, self.upstream_headers.get("retry-after"),
-                              bytes(self.response), ep, p.pool)
-            if f.endpoint_fault:
-                p.pool.failed(ep, transport=False)
-                self.state.metrics.series("upstream_errors", ep.url, f.kind).inc()
-            error = f.error
-        self.state.metrics.series("requests", self.ctx.route.name, self.adm.model.name,
-                                  self.ctx.tenant_label, str(error.status)).inc()
-        return self._refuse(error)
+                              bytes(self.response), a.ep, a.pool)
+        a.failed(f)
+        return self._refuse(f.error)
 
     # -- the end -------------------------------------------------------------------------
 
     def _refuse(self, exc: APIError) -> pb.ProcessingResponse:
         """Answer ``exc`` in place of anything else; what is reserved goes back."""
         self.done = True
-        logs.outcome(str(exc.status))
         extra = {}
         if self.ctx is not None:
+            self.ctx.finish(self.ctx.parsed.model, str(exc.status))
             extra["x-request-id"] = self.ctx.request_id
             self._end_trace(exc)
         self._release()
@@ -331,7 +315,7 @@ class Exchange:
     def _release(self) -> None:
         if self.picked is not None and not self.finished:
             self.finished = True
-            self.picked.pool.release(self.picked.ticket)
+            self.picked.attempt.close()
         if self.ctx is not None:
             pipeline.settle_leftovers(self.ctx)
 

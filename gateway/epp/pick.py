@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from gateway.attempt import Attempt
 from gateway.config.policy import Model
 from gateway.context import RequestContext
 from gateway.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
-from gateway.endpoints import EndpointPool, EndpointState, Ticket
+from gateway.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState
@@ -29,8 +30,7 @@ class Picked:
 
     decision: Decision
     router: Router
-    pool: EndpointPool
-    ticket: Ticket  # this request's share of the endpoint's live counters
+    attempt: Attempt  # the endpoint's share, from its ticket to its hand-back
     info: RequestInfo
     destination: str  # ip:port
     path: str  # the upstream path (the endpoint's base path, then the API's)
@@ -94,13 +94,13 @@ async def pick_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     pool = router.pool
     started_at = time.perf_counter()
     kv = await prefill(state, ctx, m, router, d)
-    upstream_span(ctx, m, d.endpoint.ep.url, kv is not None, 1)
     state.metrics.series("routing_decisions", m.name, router.strategy, d.endpoint.ep.url,
                          "decode" if d.prefill else "sole").inc()
     ep = d.endpoint.ep
-    prefill_tokens = 0 if kv is not None else d.endpoint.uncached_tokens
-    ticket = pool.acquire(ep, info.prompt_tokens + reserved, prefill_tokens)
+    a = Attempt(state, ctx, pool, ep, info.prompt_tokens + reserved,
+                0 if kv is not None else d.endpoint.uncached_tokens,
+                upstream_span(ctx, m, ep.url, kv is not None, 1))
     api = "/chat/completions" if ctx.kind == "chat" else "/completions"
-    return Picked(d, router, pool, ticket, info, hostport(ep.url),
+    return Picked(d, router, a, info, hostport(ep.url),
                   urlsplit(ep.url).path.rstrip("/") + api, upstream_body(ctx, m, kv),
                   kv is not None, started_at if kv is not None else time.perf_counter())
