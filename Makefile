@@ -30,7 +30,8 @@ lint: install
 	$(BIN)/ruff check .
 
 typecheck: install
-	$(BIN)/mypy tokengate protocol gateway backend predictor loadtests engines simulator
+	$(BIN)/mypy tokengate protocol roofline gateway backend predictor loadtests engines simulator \
+	  stack
 
 # Redis-backed tests start their own redis-server processes: make sure the program exists.
 redis-server:

@@ -6,8 +6,8 @@ step times at several batch sizes, next to published measurements (see docs/cali
 
 from __future__ import annotations
 
-from backend.profiles import HARDWARE, MODELS
-from backend.timing import TimingModel
+from roofline.profiles import HARDWARE, MODELS
+from roofline.timing import TimingModel
 
 # (what, hardware, modelled-function argument, published value in ms or None, source)
 TTFT_REFS = [

@@ -198,7 +198,7 @@ def run_kvpool(ns: argparse.Namespace) -> int:
 
 def run(ns: argparse.Namespace) -> int:
     from backend.process import serve
-    from backend.profiles import ProfileError
+    from roofline.profiles import ProfileError
 
     try:
         config = backend_config(ns)

@@ -28,14 +28,14 @@ from backend.events import KVEventPublisher
 from backend.kv_manager import KVCacheManager
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import TierWalk
-from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
 from backend.stream import RequestStream
 from backend.textgen import WordSource
-from backend.timing import TimingModel
 from protocol.kv_hash import root_hash
 from protocol.tokenizer import Tokenizer
+from roofline.profiles import HardwareProfile, ModelProfile
+from roofline.timing import TimingModel
 
 log = logging.getLogger("tokengate.backend")
 

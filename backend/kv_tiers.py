@@ -30,8 +30,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from backend.block_pool import KVEvent
-from backend.profiles import HardwareProfile, ModelProfile
 from protocol.kv_hash import BlockHash
+from roofline.profiles import HardwareProfile, ModelProfile
 
 CPU = "CPU"
 POOL = "POOL"

@@ -16,9 +16,9 @@ from backend.faults import Faults
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import HostTier, LoadCost
 from backend.metrics import BackendMetrics
-from backend.profiles import HardwareProfile, ModelProfile, ProfileCatalog, load_profiles
 from backend.textgen import LengthDistribution
 from protocol.tokenizer import Tokenizer
+from roofline.profiles import HardwareProfile, ModelProfile, ProfileCatalog, load_profiles
 
 log = logging.getLogger("tokengate.backend")
 

@@ -44,8 +44,8 @@ WINDOW = 500  # observations in the predictor's rolling error (predictor.online.
 def steady_rate(args: argparse.Namespace) -> float:
     """Requests/s at which the prompts' mean lone prefill time fills ``--utilization`` of the
     endpoints' time."""
-    from backend.profiles import HARDWARE, MODELS
-    from backend.timing import TimingModel
+    from roofline.profiles import HARDWARE, MODELS
+    from roofline.timing import TimingModel
 
     t = TimingModel(MODELS[args.model], HARDWARE[args.hardware], jitter=0.0)
     lengths = workloads.parse_lengths(args.input_len, "input")

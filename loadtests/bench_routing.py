@@ -192,8 +192,8 @@ def offered_utilization(args: argparse.Namespace, budget: int, scale: float,
     """Prefill work offered / prefill capacity of the endpoints that prefill: every prompt's
     lone prefill time (the backend's timing model, chunked by ``budget``, no cache reuse) over
     the schedule's span times the number of prefilling endpoints."""
-    from backend.profiles import HARDWARE, MODELS
-    from backend.timing import TimingModel
+    from roofline.profiles import HARDWARE, MODELS
+    from roofline.timing import TimingModel
 
     t = TimingModel(MODELS[args.model], HARDWARE[args.hardware], jitter=0.0)
     rows = workloads.load_mooncake(args.trace, args.requests)

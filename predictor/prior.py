@@ -4,7 +4,7 @@ endpoint's model and hardware profile, right from the first request.
 A request sent to an endpoint waits for the prefill queued ahead of it there, then its own
 uncached tokens; both are computed in chunked-prefill steps of ``budget − decoding`` tokens
 that share each step with the decoding sequences, and a step's duration is the reference
-backend's own roofline (``backend.timing.TimingModel.aggregate``: compute- or memory-bound,
+backend's own roofline (``roofline.timing.TimingModel.aggregate``: compute- or memory-bound,
 plus the engine's fixed and per-sequence costs). The queue ahead is the gateway's exact live
 count of uncached tokens sent there and not yet answered, less what the head of that queue
 has likely computed since it started (the gateway's virtual prefill queue,
@@ -25,8 +25,8 @@ gateway observes there.
 
 from __future__ import annotations
 
-from backend.profiles import HardwareProfile, ModelProfile
-from backend.timing import TimingModel
+from roofline.profiles import HardwareProfile, ModelProfile
+from roofline.timing import TimingModel
 
 FIXED_MS = 1.0  # gateway and network before the engine sees the request, and back
 

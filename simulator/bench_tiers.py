@@ -35,12 +35,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
 from loadtests.traces import TRACES
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
+from stack.pool_shape import PoolShape
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "gpu": {},

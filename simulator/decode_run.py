@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, StepPlan
-from backend.timing import TimingModel
+from roofline.timing import TimingModel
 
 ALLOC, CACHE = 0, 1
 

@@ -28,11 +28,11 @@ from backend.block_pool import BlockPool, KVBlock, KVEvent
 from backend.engine import EngineConfig, num_gpu_blocks
 from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierStats, TierWalk, computed_blocks
 from backend.kvpool_store import PoolBlock, PoolStore
-from backend.profiles import HardwareProfile, ModelProfile
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
-from backend.timing import TimingModel
 from protocol.kv_hash import BlockHash
+from roofline.profiles import HardwareProfile, ModelProfile
+from roofline.timing import TimingModel
 from simulator.decode_run import ALLOC, DecodeRun, decode_only, layout
 from simulator.events import EventLoop
 from simulator.hashing import SimKVCacheManager

@@ -26,15 +26,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from backend.profiles import HARDWARE, MODELS
-from backend.timing import TimingModel
-from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
 from loadtests.traces import TRACES
+from roofline.profiles import HARDWARE, MODELS
+from roofline.timing import TimingModel
 from simulator.oracle import clairvoyant_floor
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
+from stack.pool_shape import PoolShape
 
 MODEL, HARDWARE_NAME, BUDGET = "llama-3.1-8b", "h100-sxm", 2048
 STRATEGIES = ("round_robin", "least_request", "prefix", "predicted", "sglang_cache_aware",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backend.timing import TimingModel
+from roofline.timing import TimingModel
 from simulator.engine import SimEngine
 
 _MAX_STEPS = 100_000

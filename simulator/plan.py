@@ -26,11 +26,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from backend.engine import EngineConfig, num_gpu_blocks
-from backend.profiles import HARDWARE, MODELS
-from gateway.pool_shape import PoolShape
 from loadtests.metrics import SLO
+from roofline.profiles import HARDWARE, MODELS
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
+from stack.pool_shape import PoolShape
 
 
 @dataclass(slots=True)

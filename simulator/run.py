@@ -30,12 +30,9 @@ import yaml
 from backend.config import KV_LINKS
 from backend.engine import EngineConfig
 from backend.kvpool_store import PoolStore
-from backend.profiles import ProfileCatalog
-from backend.timing import TimingModel
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
 from gateway.examples import DEMO_POLICY
-from gateway.pool_shape import PoolShape
 from gateway.state import counter_for
 from gateway.tokenize import TokenCounter
 from loadtests import report, workloads
@@ -45,11 +42,14 @@ from loadtests.runner import RunOutput
 from predictor.online import OnlinePredictor, TrainConfig
 from protocol.kv_hash import root_hash
 from protocol.tokenizer import Tokenizer
+from roofline.profiles import ProfileCatalog
+from roofline.timing import TimingModel
 from simulator.engine import SimEngine
 from simulator.events import EventLoop
 from simulator.gateway import Delays, SimGateway, SimRequest
 from simulator.oracle import Hindsight, clairvoyant_floor
 from simulator.workload import Builder, Conversations, WorkloadSpec, build
+from stack.pool_shape import PoolShape
 
 
 @dataclass(slots=True)

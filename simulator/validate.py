@@ -29,7 +29,6 @@ from typing import Any
 import yaml
 
 from gateway.examples import DEMO_POLICY
-from gateway.pool_shape import PoolShape
 from loadtests import bench_routing, workloads
 from loadtests.metrics import SLO
 from loadtests.run import LoadtestConfig, run_all
@@ -38,6 +37,7 @@ from loadtests.traces import TRACES
 from protocol.loopback import DEMO_KEY
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
+from stack.pool_shape import PoolShape
 
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))
 

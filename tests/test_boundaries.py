@@ -1,5 +1,7 @@
-"""The package boundaries, read from the source: ``protocol`` imports no other package of
-ours; ``backend`` never imports ``gateway`` (it is a separate program that knows no gateway);
+"""The package boundaries, read from the source: ``protocol`` and ``roofline`` import no other
+package of ours; ``backend`` imports only those two (it is a separate program that knows no
+gateway); ``gateway`` and ``predictor`` price work with ``roofline``, never the backend, and
+know nothing of the demo stack that launches them (``stack``);
 ``engines`` (real vLLM) imports only ``protocol``; nothing imports ``tokengate`` (the
 dispatcher) or ``loadtests`` but the dispatcher, the simulator and the tests, nor
 ``simulator`` but the dispatcher; load tests that drive the
@@ -13,8 +15,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tokengate", "protocol", "gateway", "backend", "predictor", "loadtests", "engines",
-            "simulator")
+PACKAGES = ("tokengate", "protocol", "roofline", "gateway", "backend", "predictor", "loadtests",
+            "engines", "simulator", "stack")
 # Micro-benchmarks of one component may import that component (the brief allows it).
 # (bench_servers puts the gateway's UpstreamClient behind each candidate inbound server;
 # bench_envoy runs Envoy with gateway.epp.envoy's configurations and drives it over HTTP.)
@@ -69,16 +71,34 @@ def _package(mod: str) -> str:
     return mod.split(".")[0]
 
 
-def test_protocol_imports_no_other_package_of_ours() -> None:
-    bad = {m: sorted(i for i in deps if _package(i) != "protocol")
-           for m, deps in graph().items() if _package(m) == "protocol"}
-    assert not {m: d for m, d in bad.items() if d}
+def _importing(pkg: str, allowed: set[str]) -> dict[str, list[str]]:
+    """Modules of ``pkg`` importing a package outside ``allowed`` (and ``pkg``), with what."""
+    bad = {m: sorted(i for i in deps if _package(i) not in allowed | {pkg})
+           for m, deps in graph().items() if _package(m) == pkg}
+    return {m: d for m, d in bad.items() if d}
+
+
+def test_protocol_and_the_roofline_import_no_other_package_of_ours() -> None:
+    assert not _importing("protocol", set())
+    assert not _importing("roofline", set())
 
 
 def test_the_backend_knows_no_gateway() -> None:
-    bad = {m: sorted(i for i in deps if _package(i) in ("gateway", "loadtests", "tokengate"))
-           for m, deps in graph().items() if _package(m) == "backend"}
-    assert not {m: d for m, d in bad.items() if d}
+    assert not _importing("backend", {"protocol", "roofline"})
+
+
+def test_the_gateway_prices_with_the_roofline_and_knows_no_launcher() -> None:
+    """The gateway and the predictor price work with ``roofline`` (not the backend's
+    modules), and the demo stack that launches them is not theirs to import."""
+    assert not _importing("gateway", {"protocol", "roofline", "predictor"})
+    assert not _importing("predictor", {"protocol", "roofline"})
+
+
+def test_the_simulator_takes_only_the_demo_pools_shape_from_the_stack() -> None:
+    for m, deps in graph().items():
+        if _package(m) == "simulator":
+            assert {i for i in deps if _package(i) == "stack"} <= {
+                "stack", "stack.pool_shape", "stack.cli"}, m
 
 
 def test_engines_launch_real_ones_and_know_nothing_but_protocol() -> None:

@@ -11,14 +11,14 @@ import random
 from typing import Any
 
 from backend.engine import EngineConfig
-from backend.profiles import HARDWARE, MODELS
 from backend.request import Request
-from gateway.pool_shape import PoolShape
 from loadtests import workloads
+from roofline.profiles import HARDWARE, MODELS
 from simulator.engine import Hooks, SimEngine
 from simulator.events import EventLoop
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
+from stack.pool_shape import PoolShape
 
 MODEL, HW = MODELS["llama-3-8b"], HARDWARE["h100-sxm"]
 

@@ -20,11 +20,11 @@ from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig
 from gateway.endpoints import EngineView
 from gateway.examples import DEMO_POLICY
-from gateway.pool_shape import PoolShape, resolve_ports
 from gateway.routing.kv_events import decode_batch
 from gateway.routing.prefix import PreciseIndex
 from gateway.routing.tiers import TierIndex, TierMatch, read_pool_capacity, read_tier_info
 from protocol.kv_hash import BlockHash
+from stack.pool_shape import PoolShape, resolve_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 

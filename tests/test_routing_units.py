@@ -13,7 +13,6 @@ import pytest
 
 from gateway.config.policy import parse_policy
 from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
-from gateway.pool_shape import PoolShape
 from gateway.routing import plugins
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
 from gateway.routing.kv_events import (
@@ -30,6 +29,7 @@ from gateway.tokenize import TokenCounter
 from predictor.features import FEATURES, EndpointSnapshot, build_matrix
 from protocol.kv_hash import extend_block_hashes, root_hash
 from protocol.tokenizer import Tokenizer
+from stack.pool_shape import PoolShape
 
 ROOT = root_hash("llama-3-8b")
 

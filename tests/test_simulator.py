@@ -13,23 +13,23 @@ from pathlib import Path
 import pytest
 
 from backend.engine import Engine, EngineConfig, StepObserver
-from backend.profiles import HARDWARE, MODELS
 from backend.request import Request
 from backend.scheduler import StepPlan
 from backend.stream import RequestStream
 from backend.textgen import WordSource
-from backend.timing import TimingModel
 from gateway import clock as clk
-from gateway.pool_shape import PoolShape
 from loadtests import workloads
 from loadtests.metrics import SLO
 from protocol.tokenizer import Tokenizer
+from roofline.profiles import HARDWARE, MODELS
+from roofline.timing import TimingModel
 from simulator.engine import Hooks, SimEngine
 from simulator.events import EventLoop
 from simulator.oracle import first_token_s
 from simulator.plan import PlanConfig, search, write
 from simulator.run import SimConfig, simulate
 from simulator.workload import WorkloadSpec
+from stack.pool_shape import PoolShape
 
 MODEL, HW = MODELS["llama-3-8b"], HARDWARE["h100-sxm"]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from backend.engine import EngineConfig, num_gpu_blocks
-from backend.profiles import HARDWARE, MODELS, ProfileError, load_profiles
-from backend.timing import TimingModel
+from roofline.profiles import HARDWARE, MODELS, ProfileError, load_profiles
+from roofline.timing import TimingModel
 
 
 def tm(model: str = "llama-3-8b", hw: str = "h100-sxm") -> TimingModel:

@@ -13,6 +13,7 @@ from gateway import policy_cli
 from loadtests import cli as loadtests_cli
 from protocol import logs
 from simulator import cli as simulator_cli
+from stack import cli as stack_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
                         version=f"tokengate {importlib.metadata.version('tokengate')}")
     sub = parser.add_subparsers(dest="command", required=True)
     gateway_cli.add_parsers(sub)
+    stack_cli.add_parser(sub)
     policy_cli.add_parsers(sub)
     backend_cli.add_parser(sub)
     backend_cli.add_kvpool_parser(sub)
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulator_cli.run(ns)
     if ns.command == "plan":
         return simulator_cli.run_plan(ns)
+    if ns.command == "up":
+        return stack_cli.run(ns)
     if ns.command in ("policy", "keys"):
         return policy_cli.run(ns)
     return gateway_cli.run(ns)

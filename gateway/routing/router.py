@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backend.profiles import HARDWARE, MODELS
 from gateway import clock as clk
 from gateway.config.policy import Model
 from gateway.endpoints import EndpointPool, EndpointState
@@ -30,6 +29,7 @@ from predictor.features import DEFAULT_PREFILL_RATE, EndpointSnapshot, build_mat
 from predictor.online import OnlinePredictor
 from predictor.prior import RooflinePrior
 from protocol.kv_hash import root_hash
+from roofline.profiles import HARDWARE, MODELS
 
 SGLANG_TREE_TOKENS = 2**26 // 4  # sglang-router's max_tree_size in characters, ~4 per token
 

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.profiles import HARDWARE, MODELS
-from backend.timing import TimingModel
+from roofline.profiles import HARDWARE, MODELS
+from roofline.timing import TimingModel
 
 STAGES = ("prefill", "decode", "transfer")
 DEFAULT_LINK_BPS = 400e9  # RDMA, as the reference backend's default KV link

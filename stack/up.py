@@ -28,10 +28,10 @@ from backend.config import KVPOOL_TOKEN_ENV
 from engines import vllm
 from gateway.config.endpoint import KVEvents
 from gateway.config.policy import Model, Policy, Settings
-from gateway.epp.front import behind_envoy
-from gateway.pool_shape import PoolShape, loopback, port_free, resolve_ports
 from gateway.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
+from stack.behind_envoy import behind_envoy
+from stack.pool_shape import PoolShape, loopback, port_free, resolve_ports
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class UpConfig:
     shape: PoolShape | None = None
     replicas: int = 1  # gateway processes, sharing --redis, each on its own port
     engine: str = "reference"  # or "vllm": real vLLM instances (engines.vllm)
-    envoy: bool = False  # a real Envoy on the port, tokengate its EPP (gateway.epp.front)
+    envoy: bool = False  # a real Envoy on the port, tokengate its EPP (stack.behind_envoy)
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     # The shared secret of the KV pools this launcher starts and their backends (one per run).
     kvpool_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))

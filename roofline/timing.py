@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from backend.profiles import HardwareProfile, ModelProfile
+from roofline.profiles import HardwareProfile, ModelProfile
 
 
 @dataclass(frozen=True, slots=True)
