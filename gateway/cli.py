@@ -54,7 +54,7 @@ def _serve_workers(ns: argparse.Namespace) -> int:
     """Run ``serve``; with --workers N, N-1 more processes share the port (SO_REUSEPORT)."""
     import subprocess
 
-    from gateway.process import ServeConfig, serve
+    from gateway.front.process import ServeConfig, serve
 
     children = []
     reuse = ns.reuse_port or ns.workers > 1

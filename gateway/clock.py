@@ -1,6 +1,6 @@
 """The routing state's clock: ``time.monotonic`` in a gateway, virtual time in the simulator.
 
-Live counters (``gateway.endpoints``) and routing decisions (``gateway.routing.router``)
+Live counters (``gateway.routing.endpoints``) and routing decisions (``gateway.routing.router``)
 read the time through ``now()`` so that the fleet simulator (``simulator``) can run the very
 same code on a discrete-event clock. ``use(fn)`` installs another clock and returns the one
 it replaced; only the simulator calls it, once per run, and puts the old one back.

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.limiter.redis_client import FastRedis
+from gateway.quota.limiter.redis_client import FastRedis
 
 
 class Executor(Protocol):

@@ -14,17 +14,17 @@ from aiohttp import web
 
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
-from gateway.endpoints import EndpointPool
-from gateway.limiter.store import RateStore
 from gateway.metrics import GatewayMetrics
-from gateway.migrate import LiveStreams
+from gateway.quota.limiter.store import RateStore
+from gateway.request.migrate import LiveStreams
+from gateway.request.tokenize import TokenCounter
+from gateway.request.upstream import UpstreamClient
+from gateway.routing.endpoints import EndpointPool
 from gateway.routing.fleet import Fleet
 from gateway.routing.prefix_hints import PrefixShare
 from gateway.routing.router import Router
 from gateway.scaling.autoscaler import PoolScaler
-from gateway.tokenize import TokenCounter
 from gateway.tracing import Tracer
-from gateway.upstream import UpstreamClient
 from predictor.online import OnlinePredictor
 from predictor.sync import ModelSync
 from protocol.tokenizer import Tokenizer

@@ -24,12 +24,12 @@ import numpy as np
 import xgboost as xgb
 
 from gateway.config.policy import parse_policy
-from gateway.endpoints import EndpointPool
+from gateway.request.tokenize import TokenCounter
+from gateway.routing.endpoints import EndpointPool
 from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.prefix import PromptHasher, block_hashes
 from gateway.routing.router import Router
-from gateway.tokenize import TokenCounter
 from predictor.features import FEATURES, F
 from predictor.online import OnlinePredictor
 from protocol.tokenizer import Tokenizer

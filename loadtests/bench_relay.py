@@ -1,4 +1,4 @@
-"""Micro-benchmark: the relay's cost per SSE event (``gateway.relay.relay_stream``).
+"""Micro-benchmark: the relay's cost per SSE event (``gateway.request.relay.relay_stream``).
 
 Feeds a stream of vLLM-shaped chat chunks (compact JSON as vLLM writes it, and spaced JSON as
 Python's ``json.dumps`` writes it) through the relay into a sink that only counts bytes, and
@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 
-from gateway.relay import RelayResult, relay_stream
+from gateway.request.relay import RelayResult, relay_stream
 
 
 class _Sink:

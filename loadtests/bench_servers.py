@@ -35,7 +35,7 @@ from typing import Any
 import httptools
 import numpy as np
 
-from gateway.upstream import UpstreamClient
+from gateway.request.upstream import UpstreamClient
 from loadtests import peers
 from loadtests.client import wait_for
 from loadtests.proxy_bench import cpu_seconds, python_load, start_echo_upstreams, stop_all, wrk

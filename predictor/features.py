@@ -55,7 +55,8 @@ FEATURES: tuple[str, ...] = (
     "queue_estimate_ms", "prefill_arrivals", "step_ms", "recent_ttft_ms", "recent_tpot_ms",
     "role", "hw_bandwidth_tbs", "hw_tflops", "prior_ttft_ms", "prior_tpot_ms", "load_ms",
 )
-DEFAULT_PREFILL_RATE = 30.0  # tokens/ms (gateway.endpoints' default: an 8B model on an H100)
+# tokens/ms (gateway.routing.endpoints' default: an 8B model on an H100)
+DEFAULT_PREFILL_RATE = 30.0
 ROLE_CODE = {"both": 0.0, "prefill": 1.0, "decode": 2.0}
 F = {name: i for i, name in enumerate(FEATURES)}
 

@@ -8,7 +8,7 @@ backend's own roofline (``roofline.timing.TimingModel.aggregate``: compute- or m
 plus the engine's fixed and per-sequence costs). The queue ahead is the gateway's exact live
 count of uncached tokens sent there and not yet answered, less what the head of that queue
 has likely computed since it started (the gateway's virtual prefill queue,
-``gateway.endpoints.LiveLoad.prefill_queue_ms``). Subtracting instead what the engine could
+``gateway.routing.endpoints.LiveLoad.prefill_queue_ms``). Subtracting instead what the engine could
 have computed since the *oldest* pending request was sent counted the same time twice (it
 also went to prefills already answered) and routed worse in the strategy matrix. Its TPOT
 is a decode step of the batch it joins, stretched

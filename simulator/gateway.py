@@ -34,10 +34,10 @@ from typing import Any
 
 from backend.block_pool import KVEvent
 from backend.request import RemotePrefill, Request
-from gateway import slo
 from gateway.config.policy import Model, Route
-from gateway.endpoints import EndpointPool, EndpointState, Ticket
+from gateway.request import slo
 from gateway.routing import feedback
+from gateway.routing.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.routing.fleet import Fleet
 from gateway.routing.kv_events import EngineEvent
 from gateway.routing.plugins import Candidate, RequestInfo
@@ -240,7 +240,7 @@ class SimGateway:
 
     def _judge(self, sr: SimRequest, info: RequestInfo, d: Decision | None,
                step: slo.Step) -> None:
-        """Carry out the gateway's SLO decision (``gateway.slo.judge``) in virtual time."""
+        """Carry out the gateway's SLO decision (``gateway.request.slo.judge``) in virtual time."""
         if step.deadline is not None:
             self.loop.after(self.delays.slo_poll_s, self._hold, sr, info, d, step.deadline)
             return

@@ -33,8 +33,8 @@ from backend.kvpool_store import PoolStore
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
 from gateway.examples import DEMO_POLICY
+from gateway.request.tokenize import TokenCounter
 from gateway.state import counter_for
-from gateway.tokenize import TokenCounter
 from loadtests import report, workloads
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker

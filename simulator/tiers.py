@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from gateway.endpoints import EngineView
+from gateway.routing.endpoints import EngineView
 from gateway.routing.tiers import TierIndex
 from simulator.engine import SimEngine
 

@@ -28,7 +28,7 @@ from backend.config import KVPOOL_TOKEN_ENV
 from engines import vllm
 from gateway.config.endpoint import KVEvents
 from gateway.config.policy import Model, Policy, Settings
-from gateway.process import ServeConfig, serve
+from gateway.front.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
 from stack.behind_envoy import behind_envoy
 from stack.pool_shape import PoolShape, loopback, port_free, resolve_ports

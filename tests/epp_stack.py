@@ -10,7 +10,7 @@ from threaded import ServerThread, start_server_thread
 
 from gateway.epp.envoy import Envoy, render
 from gateway.epp.server import EPPConfig, make_epp_state, serve_epp
-from gateway.reload import PolicyWatcher
+from gateway.front.reload import PolicyWatcher
 from gateway.state import GatewayState
 from protocol.loopback import free_port
 

@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 from threaded import ServerThread, start_server_thread
 
-from gateway.process import ServeConfig, make_state, serve
-from gateway.reload import PolicyWatcher
+from gateway.front.process import ServeConfig, make_state, serve
+from gateway.front.reload import PolicyWatcher
 from gateway.state import GatewayState
 
 

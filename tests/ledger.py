@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway_stack import RunningGateway, start_gateway, write_policy
 
-from gateway.limiter.memory import MemoryStore
+from gateway.quota.limiter.memory import MemoryStore
 
 NOW = 1_000_000.0
 TPD = 10_000_000.0

@@ -19,7 +19,7 @@ from redis_servers import free_port
 
 from gateway.config.policy import load_policy
 from gateway.examples import DEMO_POLICY, POLICIES
-from gateway.pipeline import authenticate
+from gateway.request.pipeline import authenticate
 from tokengate.cli import parser
 
 

@@ -27,7 +27,7 @@ from test_gateway_routing import doc, stream
 
 from backend.faults import FaultConfig
 from gateway.epp.pick import hostport
-from gateway.limiter.memory import MemoryStore
+from gateway.quota.limiter.memory import MemoryStore
 from loadtests.otlp_receiver import OTLPReceiver
 from protocol.loopback import free_port
 from protocol.tokenizer import Tokenizer

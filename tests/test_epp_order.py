@@ -23,7 +23,7 @@ from threaded import ServerThread, start_server_thread
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.epp.server import EPPConfig, make_epp_state, serve_epp
 from gateway.epp.service import client
-from gateway.limiter.memory import MemoryStore
+from gateway.quota.limiter.memory import MemoryStore
 from gateway.state import GatewayState
 from protocol.loopback import free_port
 from protocol.tokenizer import Tokenizer

@@ -16,7 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.epp import messages
 from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.proto import ext_proc_pb2 as pb
-from gateway.relay import RelayResult, relay_stream
+from gateway.request.relay import RelayResult, relay_stream
 
 
 def sse(n: int) -> bytes:

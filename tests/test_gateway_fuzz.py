@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_gateway_e2e import sha
 
-from gateway.limiter.memory import MemoryStore
+from gateway.quota.limiter.memory import MemoryStore
 
 Factory = Callable[..., RunningBackend]
 NOW = 1_000_000.0  # a frozen clock: no refill, so the store's state is exactly what was charged

@@ -131,7 +131,7 @@ def test_no_tokengate_key_outlives_its_bound(backend_factory: Factory, tmp_path:
     its own period plus tolerance."""
     import redis as redis_py
 
-    from gateway.limiter.store import SETTLE_MARGIN_S
+    from gateway.quota.limiter.store import SETTLE_MARGIN_S
 
     b = backend_factory(served_model_name="llama-3-8b", time_scale=0.01)
     server = RedisServer(tmp_path / "redis")

@@ -18,8 +18,8 @@ from backend.kv_tiers import CPU, HostTier, LoadCost, TierWalk
 from backend.kvpool_store import PoolBlock, PoolStore
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig
-from gateway.endpoints import EngineView
 from gateway.examples import DEMO_POLICY
+from gateway.routing.endpoints import EngineView
 from gateway.routing.kv_events import decode_batch
 from gateway.routing.prefix import PreciseIndex
 from gateway.routing.tiers import TierIndex, TierMatch, read_pool_capacity, read_tier_info

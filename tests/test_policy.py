@@ -11,9 +11,9 @@ import yaml
 
 from gateway.config.policy import PolicyError, load_policy, parse_policy
 from gateway.examples import POLICIES
-from gateway.limiter.bucket import Limit
-from gateway.limiter.store import BucketState, Decision
-from gateway.quota import _duration, charges, rate_limit_error, ratelimit_headers
+from gateway.quota.ledger import _duration, charges, rate_limit_error, ratelimit_headers
+from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.store import BucketState, Decision
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "multi-tenant.yaml", "prefill-decode.yaml",
@@ -127,7 +127,7 @@ def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_survived(
 
     from gateway_stack import start_gateway, write_policy
 
-    from gateway import reload
+    from gateway.front import reload
 
     doc = {"version": 1, "models": {"m": {"endpoints": [{"url": "http://127.0.0.1:9/v1"}]}},
            "tenants": {"t": {"keys": [{"sha256": "0" * 64}]}},

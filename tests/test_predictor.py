@@ -15,7 +15,7 @@ import pytest
 import xgboost as xgb
 from redis_servers import RedisServer
 
-from gateway.limiter.redis_client import FastRedis
+from gateway.quota.limiter.redis_client import FastRedis
 from predictor import analytic
 from predictor.buffer import SampleBuffer, stratum
 from predictor.features import FEATURES, F

@@ -1,4 +1,4 @@
-"""Quota leases (``gateway.limiter.lease``) on a real Redis: replicas admit from leased
+"""Quota leases (``gateway.quota.limiter.lease``) on a real Redis: replicas admit from leased
 slices without a round trip per request, never above the bucket, under it by at most what
 they hold, settle locally exactly once, give back what they do not use, keep small limits
 per request, and leave outages to ``ResilientStore``."""
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from redis_servers import RedisServer
 
-from gateway.limiter.bucket import Limit
-from gateway.limiter.lease import LeasedStore
-from gateway.limiter.redis_store import RedisStore
-from gateway.limiter.resilient import ResilientStore
-from gateway.limiter.store import Charge
+from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.lease import LeasedStore
+from gateway.quota.limiter.redis_store import RedisStore
+from gateway.quota.limiter.resilient import ResilientStore
+from gateway.quota.limiter.store import Charge
 
 HOUR = 3600.0
 _ids = itertools.count()

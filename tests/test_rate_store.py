@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from redis_servers import RedisCluster, RedisServer
 
-from gateway.limiter.bucket import Limit
-from gateway.limiter.memory import MemoryStore
-from gateway.limiter.redis_store import RedisStore
-from gateway.limiter.store import Charge, RateStore, Settlement
+from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.memory import MemoryStore
+from gateway.quota.limiter.redis_store import RedisStore
+from gateway.quota.limiter.store import Charge, RateStore, Settlement
 
 HOUR = 3600.0  # slow refill: a test's own duration adds well under one token of credit
 _ids = itertools.count()
@@ -160,9 +160,9 @@ async def test_rollback_of_partial_reservations_on_a_cluster(redis_cluster: Redi
 
 
 def test_lua_scripts_ship_as_package_data() -> None:
-    import gateway.limiter
+    import gateway.quota.limiter
 
-    lua = Path(gateway.limiter.__file__).parent / "lua"
+    lua = Path(gateway.quota.limiter.__file__).parent / "lua"
     assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua", "void.lua"}
 
 
@@ -187,7 +187,7 @@ def test_redis_store_under_uvloop(redis_server: RedisServer) -> None:
 
 async def test_a_silent_redis_times_out_as_unavailable() -> None:
     """A server that accepts but never answers: the store gives up within its timeout."""
-    from gateway.limiter.store import StoreUnavailable
+    from gateway.quota.limiter.store import StoreUnavailable
 
     done = asyncio.Event()
     writers: list[asyncio.StreamWriter] = []
@@ -222,7 +222,7 @@ async def test_a_cluster_with_no_reachable_node_is_unavailable() -> None:
     gateway fails open or closed as its policy says instead of answering 500."""
     import socket
 
-    from gateway.limiter.store import StoreUnavailable
+    from gateway.quota.limiter.store import StoreUnavailable
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -239,7 +239,7 @@ async def test_memory_store_forgets_marks_after_their_reservation_life() -> None
     """Marks expire with their reservation's life, one heap pop each (not a scan of every
     mark per settlement): a step retried within the life applies once; the marks held stay
     bounded by the settlement rate times the life."""
-    from gateway.limiter.memory import MemoryStore
+    from gateway.quota.limiter.memory import MemoryStore
 
     now = [1000.0]
     store = MemoryStore(clock=lambda: now[0])

@@ -1,4 +1,4 @@
-"""The limiter's RESP client (``gateway.limiter.redis_client``): its reply parser on every
+"""The limiter's RESP client (``gateway.quota.limiter.redis_client``): its reply parser on every
 reply type and every split across reads, and its URLs against real Redis servers: an ACL
 user, TLS."""
 
@@ -11,7 +11,14 @@ import pytest
 import trustme
 from redis_servers import RedisServer, free_port
 
-from gateway.limiter.redis_client import FastRedis, NoScript, RespError, _Conn, _Incomplete, parse
+from gateway.quota.limiter.redis_client import (
+    FastRedis,
+    NoScript,
+    RespError,
+    _Conn,
+    _Incomplete,
+    parse,
+)
 
 REPLIES: list[tuple[bytes, object]] = [
     (b":42\r\n", 42),

@@ -22,10 +22,10 @@ from ledger import sha
 from raw_upstream import Answer, RawUpstream, Request, json_response
 from redis_servers import RedisServer
 
-from gateway.limiter.bucket import Limit
-from gateway.limiter.redis_store import RedisStore
-from gateway.limiter.resilient import ResilientStore
-from gateway.limiter.store import Charge, Reservation, StoreUnavailable
+from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.redis_store import RedisStore
+from gateway.quota.limiter.resilient import ResilientStore
+from gateway.quota.limiter.store import Charge, Reservation, StoreUnavailable
 
 HOUR = 3600.0
 

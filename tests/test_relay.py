@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.aggregate import Aggregate
-from gateway.relay import RelayResult, relay_stream
+from gateway.request.aggregate import Aggregate
+from gateway.request.relay import RelayResult, relay_stream
 
 
 class Sink:

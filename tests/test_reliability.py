@@ -23,7 +23,7 @@ from redis_servers import free_port
 from test_gateway_e2e import sha
 
 from backend.faults import FaultConfig
-from gateway.limiter.memory import MemoryStore
+from gateway.quota.limiter.memory import MemoryStore
 
 Factory = Callable[..., RunningBackend]
 NOW = 1_000_000.0

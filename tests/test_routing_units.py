@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from gateway.config.policy import parse_policy
-from gateway.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
+from gateway.request.tokenize import TokenCounter
 from gateway.routing import plugins
+from gateway.routing.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
 from gateway.routing.kv_events import (
     DecodeError,
@@ -25,7 +26,6 @@ from gateway.routing.kv_events import (
 from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
 from gateway.routing.prefix import ApproxIndex, PreciseIndex, PromptHasher, block_hashes
 from gateway.routing.router import Router
-from gateway.tokenize import TokenCounter
 from predictor.features import FEATURES, EndpointSnapshot, build_matrix
 from protocol.kv_hash import extend_block_hashes, root_hash
 from protocol.tokenizer import Tokenizer

@@ -228,7 +228,7 @@ def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
         backend_factory: object, tmp_path: Path) -> None:
     import openai
 
-    from gateway.limiter.memory import MemoryStore
+    from gateway.quota.limiter.memory import MemoryStore
 
     make = backend_factory  # type: ignore[assignment]
     a = make(served_model_name="m", time_scale=2.0)  # ~15 ms a token

@@ -21,7 +21,7 @@ from recording_upstream import RecordingUpstream
 from schemathesis.specs.openapi.checks import ignored_auth, missing_required_header
 from test_gateway_e2e import sha
 
-from gateway.openapi import document
+from gateway.front.openapi import document
 
 UPSTREAM_SECRET = "upstream-secret-9f8e7d"
 

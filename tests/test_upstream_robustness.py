@@ -30,7 +30,7 @@ from raw_upstream import (
 )
 
 from gateway.config.policy import PolicyError, parse_policy
-from gateway.upstream import MAX_HEAD_BYTES
+from gateway.request.upstream import MAX_HEAD_BYTES
 
 SECRET = "sk-live-SECRET-upstream-key"
 

@@ -38,7 +38,7 @@ from gateway.config.resilience import (
 from gateway.config.routing import Routing, parse_routing
 from gateway.config.scaling import Scaling, parse_scaling
 from gateway.config.tracing import Tracing, parse_tracing
-from gateway.limiter.bucket import Limit
+from gateway.quota.limiter.bucket import Limit
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -142,7 +142,7 @@ class Route:
 class Settings:
     redis_failure: Literal["fail_open", "fail_closed"] = "fail_open"
     replicas: int = 1
-    # Quota leases (``gateway.limiter.lease``): each replica takes this fraction of a big
+    # Quota leases (``gateway.quota.limiter.lease``): each replica takes this fraction of a big
     # bucket from Redis at a time and admits from it locally; 0 reserves per request.
     quota_lease: float = 0.0
     progressive_charge_tokens: int = 256

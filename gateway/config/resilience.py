@@ -8,7 +8,7 @@ request; the only bound on a non-streamed response). A stalled request ends with
 OpenAI-shaped error (or an SSE error event) when its timeout passes, and is settled.
 
 ``client``: ``header_timeout_s``, ``body_timeout_s``, ``keepalive_s`` bound slow senders and
-idle connections (``gateway.http_guard``).
+idle connections (``gateway.front.http_guard``).
 
 ``retries``: at most ``max_attempts`` endpoints per model, a jittered exponential backoff of
 ``backoff_ms`` · 2^(n−1) (capped at ``max_backoff_ms``) before a retry caused by an overload

@@ -9,7 +9,7 @@ picked a prefill endpoint), and only then are the headers answered -- with the d
 client's -- followed by the body Envoy sends (the model renamed, ``max_tokens`` and usage
 asked for, ``kv_transfer_params``).
 
-Response: a 200 stream is relayed chunk by chunk through ``gateway.relay`` (renamed model,
+Response: a 200 stream is relayed chunk by chunk through ``gateway.request.relay`` (renamed model,
 usage picked up, tokens counted and charged progressively) with ``tokengate serve``'s
 ``x-tokengate-*`` and ``x-ratelimit-*`` headers; a whole answer is checked and renamed before
 its headers go; any other status becomes our OpenAI-shaped error. Every reservation is
@@ -26,18 +26,19 @@ from typing import Any
 
 import orjson
 
-from gateway import pipeline, quota
-from gateway.attempt import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
-from gateway.context import RequestContext
-from gateway.dispatch import open_request
 from gateway.epp import messages
 from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.pick import Picked, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
-from gateway.relay import RelayResult, relay_stream
-from gateway.respond import aggregate
-from gateway.respond import headers as client_headers
-from gateway.settle import hand_back
+from gateway.quota import ledger as quota
+from gateway.request import pipeline
+from gateway.request.attempt import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
+from gateway.request.context import RequestContext
+from gateway.request.dispatch import open_request
+from gateway.request.relay import RelayResult, relay_stream
+from gateway.request.respond import aggregate
+from gateway.request.respond import headers as client_headers
+from gateway.request.settle import hand_back
 from gateway.state import GatewayState
 from protocol.errors import APIError
 from protocol.validate import Kind

@@ -1,4 +1,4 @@
-"""Driving ``gateway.relay.relay_stream`` with the response body chunks Envoy streams to the
+"""Driving ``gateway.request.relay.relay_stream`` with the response body chunks Envoy streams to the
 EPP: ``LineFeed`` is the relay's line iterator, fed one chunk at a time; ``Collected`` is
 its sink, whose bytes go back to Envoy as that chunk's replacement. The relay renames the
 model, drops a usage chunk the client did not ask for, counts tokens and picks up usage,

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gateway.attempt import Attempt
 from gateway.config.policy import Model
-from gateway.context import RequestContext
-from gateway.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
-from gateway.endpoints import EndpointPool, EndpointState
+from gateway.request.attempt import Attempt
+from gateway.request.context import RequestContext
+from gateway.request.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
+from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState

@@ -24,9 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.epp.exchange import Exchange, OutOfOrder
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.epp.service import SERVICE, handler
-from gateway.process import ServeConfig, announce, drain, in_flight, make_state
-from gateway.reload import PolicyWatcher
-from gateway.routes import build_app
+from gateway.front.process import ServeConfig, announce, drain, in_flight, make_state
+from gateway.front.reload import PolicyWatcher
+from gateway.front.routes import build_app
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokengate.epp")

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import aiohttp
 
 from gateway.config.endpoint import KVEvents, KVPool
-from gateway.endpoints import EndpointState
+from gateway.routing.endpoints import EndpointState
 from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.prefix import ApproxIndex, PreciseIndex
 from gateway.routing.tiers import TierIndex, read_pool_capacity, read_tier_info

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from gateway.endpoints import EndpointState
+from gateway.routing.endpoints import EndpointState
 
 Scores = npt.NDArray[np.float64]
 

@@ -19,12 +19,12 @@ from typing import Any
 
 from gateway import clock as clk
 from gateway.config.policy import Model
-from gateway.endpoints import EndpointPool, EndpointState
+from gateway.request.tokenize import ChatPrompt, TokenCounter
 from gateway.routing import plugins
+from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
 from gateway.routing.prefix import ApproxIndex, PromptHasher
-from gateway.tokenize import ChatPrompt, TokenCounter
 from predictor.features import DEFAULT_PREFILL_RATE, EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
 from predictor.prior import RooflinePrior

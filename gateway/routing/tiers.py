@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.endpoints import EngineView
+from gateway.routing.endpoints import EngineView
 from gateway.routing.prefix import ApproxIndex, PreciseIndex, continued
 
 CPU = "CPU"

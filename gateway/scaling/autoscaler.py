@@ -37,8 +37,8 @@ import aiohttp
 
 from gateway.config.policy import Model
 from gateway.config.scaling import Scaling
-from gateway.endpoints import EndpointPool, EndpointState
 from gateway.metrics import GatewayMetrics
+from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.fleet import Fleet
 from gateway.scaling import roles
 from gateway.scaling.conversions import Conversions, starting_prefill_eta_ms

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gateway.config.policy import Model
-from gateway.endpoints import EndpointState
+from gateway.routing.endpoints import EndpointState
 from gateway.scaling.launcher import Instance
 
 

@@ -1,7 +1,7 @@
 """Answering the client from an opened upstream response: a stream relayed event by event
 (moved to another endpoint when its own is drained), or a whole body. Whatever happens here
 (the client leaves, the upstream breaks, a timeout), the endpoint's counters are given back and
-settlement (``gateway.settle``) is started exactly once, in ``finally``."""
+settlement (``gateway.request.settle``) is started exactly once, in ``finally``."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway import quota
-from gateway.aggregate import Aggregate
-from gateway.attempt import Routed, Sent, continue_stream
-from gateway.context import RequestContext
-from gateway.migrate import Live
-from gateway.relay import RelayResult, relay_stream
-from gateway.settle import hand_back
+from gateway.quota import ledger as quota
+from gateway.request.aggregate import Aggregate
+from gateway.request.attempt import Routed, Sent, continue_stream
+from gateway.request.context import RequestContext
+from gateway.request.migrate import Live
+from gateway.request.relay import RelayResult, relay_stream
+from gateway.request.settle import hand_back
 from protocol.errors import APIError
 
 _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '

@@ -6,10 +6,10 @@ counted in the limiter metrics, and every refusal on the way is counted too."""
 
 from __future__ import annotations
 
-from gateway import quota
 from gateway.config.policy import Model
-from gateway.context import RequestContext
-from gateway.limiter.store import StoreUnavailable
+from gateway.quota import ledger as quota
+from gateway.quota.limiter.store import StoreUnavailable
+from gateway.request.context import RequestContext
 from gateway.state import GatewayState
 from protocol.errors import APIError
 

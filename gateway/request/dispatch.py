@@ -1,7 +1,7 @@
 """Getting a request to an endpoint that answers: hold while a pool wakes from zero, route,
 send, and re-decide without a failed endpoint under the one retry policy
-(``gateway.retry.Retrier``); with a remote prefill first when routing picked one
-(``gateway.disagg``). Walks the model's fallback chain when every endpoint failed before the
+(``gateway.request.retry.Retrier``); with a remote prefill first when routing picked one
+(``gateway.request.disagg``). Walks the model's fallback chain when every endpoint failed before the
 first byte (or none can meet the SLO). Returns a ``Sent`` or the error to answer.
 
 Every reservation this module makes (a fallback's) is recorded in ``ctx.admissions``, so the
@@ -19,14 +19,16 @@ from urllib.parse import urlsplit
 import orjson
 from opentelemetry.trace import Span, SpanKind
 
-from gateway import admission, disagg, quota, slo
-from gateway.attempt import Attempt, Sent, attempt_on, retry
 from gateway.config.policy import Model
-from gateway.context import RequestContext
-from gateway.endpoints import EndpointPool, EndpointState
+from gateway.quota import admission
+from gateway.quota import ledger as quota
+from gateway.request import disagg, slo
+from gateway.request.attempt import Attempt, Sent, attempt_on, retry
+from gateway.request.context import RequestContext
+from gateway.request.settle import refund_later
+from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
-from gateway.settle import refund_later
 from gateway.state import GatewayState
 from gateway.tracing import candidates_attrs
 from protocol.errors import APIError
@@ -42,7 +44,7 @@ GATEWAY_ONLY_FIELDS = ("kv_transfer_params",)
 def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
     """The body sent upstream: the client's, with the upstream model name, the reserved
     ``max_tokens`` when the client gave none, a stream with usage asked for (always: a client
-    that did not ask for a stream gets the answer ``gateway.aggregate`` builds from it, so
+    that did not ask for a stream gets the answer ``gateway.request.aggregate`` builds from it, so
     every token is seen as it is made), and the prefill's ``kv_transfer_params`` when the
     prompt was prefilled elsewhere. Forwarded byte for byte when nothing needs to change
     (large agent prompts)."""

@@ -6,8 +6,8 @@ import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from gateway.limiter import bucket
-from gateway.limiter.store import (
+from gateway.quota.limiter import bucket
+from gateway.quota.limiter.store import (
     DEFAULT_LIFE_S,
     BucketState,
     Charge,

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from gateway.relay import event_payload
+from gateway.request.relay import event_payload
 
 _EXTRA = ("system_fingerprint", "kv_transfer_params", "service_tier")
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.config.policy import PRIORITY_RANK, Model, Route, Tenant
-from gateway.endpoints import EndpointState
+from gateway.routing.endpoints import EndpointState
 from gateway.routing.plugins import RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState

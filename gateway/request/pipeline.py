@@ -1,5 +1,5 @@
-"""One request's path: authenticate → parse → count → admit → route and send
-(``gateway.dispatch``) → answer (``gateway.respond``) → settle (``gateway.settle``).
+"""One request's path: authenticate → parse → count → admit → route and send (``dispatch``)
+→ answer (``respond``) → settle (``settle``), each in this package.
 
 This is the only sequencer; each step lives in its own module. Every reservation admitted for
 the request is settled exactly once, whatever happens after admission: the response's
@@ -21,13 +21,15 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from gateway import admission, quota, slo
 from gateway.config.policy import Policy
-from gateway.context import RequestContext
-from gateway.dispatch import open_model, open_request
-from gateway.http_guard import read_body
-from gateway.respond import respond
-from gateway.settle import refund_later
+from gateway.front.http_guard import read_body
+from gateway.quota import admission
+from gateway.quota import ledger as quota
+from gateway.request import slo
+from gateway.request.context import RequestContext
+from gateway.request.dispatch import open_model, open_request
+from gateway.request.respond import respond
+from gateway.request.settle import refund_later
 from gateway.state import GATEWAY, GatewayState
 from protocol import logs
 from protocol.errors import APIError, bad

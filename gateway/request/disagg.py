@@ -15,13 +15,13 @@ from typing import Any
 
 import orjson
 
-from gateway.attempt import Attempt, Failure
 from gateway.config.policy import Model
 from gateway.config.resilience import Timeouts
-from gateway.endpoints import EndpointPool
+from gateway.request.attempt import Attempt, Failure
+from gateway.request.upstream import UpstreamError
+from gateway.routing.endpoints import EndpointPool
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamError
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")

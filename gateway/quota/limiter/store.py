@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.limiter.bucket import Limit
+from gateway.quota.limiter.bucket import Limit
 
 
 @dataclass(frozen=True, slots=True)

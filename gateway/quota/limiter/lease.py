@@ -35,8 +35,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.limiter.bucket import Limit
-from gateway.limiter.store import (
+from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.store import (
     DEFAULT_LIFE_S,
     SETTLE_MARGIN_S,
     BucketState,

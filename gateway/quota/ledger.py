@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.config.policy import Limits, Model, Policy, Route
-from gateway.limiter.store import (
+from gateway.quota.limiter.store import (
     SETTLE_MARGIN_S,
     BucketState,
     Charge,

@@ -2,7 +2,7 @@
 hand-back, sending it (and, for a stream, waiting for its first event, so a failure before it
 can still be retried elsewhere), how failures and non-200 answers are judged, the one retry
 loop (``retry``: first attempts and migrations alike), and continuing a stream on another
-endpoint when its own is drained (``gateway.migrate``).
+endpoint when its own is drained (``gateway.request.migrate``).
 
 An upstream's error answer never reaches the client as it came: its body is read (capped),
 logged, and replaced by our OpenAI-shaped error with a safe message and a mapped status."""
@@ -20,22 +20,23 @@ from typing import Any, Protocol, TypeVar
 import orjson
 from opentelemetry.trace import Span
 
-from gateway import migrate, quota
 from gateway.config.resilience import Timeouts
-from gateway.context import RequestContext
-from gateway.endpoints import EndpointPool, EndpointState, Ticket
-from gateway.migrate import Live
-from gateway.relay import BadEvent, event_payload, parse_event
-from gateway.retry import Retrier
-from gateway.routing.plugins import RequestInfo
-from gateway.routing.router import Decision, Router
-from gateway.state import GatewayState
-from gateway.upstream import (
+from gateway.quota import ledger as quota
+from gateway.request import migrate
+from gateway.request.context import RequestContext
+from gateway.request.migrate import Live
+from gateway.request.relay import BadEvent, event_payload, parse_event
+from gateway.request.retry import Retrier
+from gateway.request.upstream import (
     UpstreamBroken,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamResponse,
 )
+from gateway.routing.endpoints import EndpointPool, EndpointState, Ticket
+from gateway.routing.plugins import RequestInfo
+from gateway.routing.router import Decision, Router
+from gateway.state import GatewayState
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
@@ -270,7 +271,7 @@ class Failure(Exception):
 
 
 def upstream_failure(exc: BaseException) -> Failure:
-    """A failed exchange (a timeout or one of ``gateway.upstream``'s errors) as a Failure."""
+    """A failed exchange (a timeout or an ``upstream`` error) as a Failure."""
     if isinstance(exc, TimeoutError):
         return Failure(APIError(504, "the upstream did not send its first token in time",
                                 type="server_error", code="upstream_timeout"), "timeout", True)
@@ -411,7 +412,7 @@ async def attempt_on(state: GatewayState, ctx: RequestContext, a: Attempt, body:
 
 async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.Admission,
                           sent: Sent, live: Live, generated: int) -> Sent | None:
-    """Continue a stream cut off a draining endpoint on another one (``gateway.migrate``),
+    """Continue a stream cut off a draining endpoint on another one (``gateway.request.migrate``),
     under the same retry loop as first attempts."""
     m = adm.model
     router = ctx.view.routers[m.name]

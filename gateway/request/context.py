@@ -1,4 +1,4 @@
-"""One request's context, as the pipeline (``gateway.pipeline``) carries it from step to
+"""One request's context, as the pipeline (``gateway.request.pipeline``) carries it from step to
 step and hands it to the attempt, migration and settlement code."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
-from gateway.quota import ContextTooLong
+from gateway.quota.ledger import ContextTooLong
+from gateway.request.tokenize import ChatPrompt
 from gateway.state import GatewayState, PolicyView
-from gateway.tokenize import ChatPrompt
 from gateway.tracing import RequestTrace
 from protocol import logs
 from protocol.chat_template import ChatTemplateError
@@ -17,7 +17,7 @@ from protocol.errors import bad
 from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:
-    from gateway.quota import Admission
+    from gateway.quota.ledger import Admission
 
 
 @dataclass(slots=True)

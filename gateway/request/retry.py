@@ -62,7 +62,7 @@ def backoff_s(r: Retries, retry: int, rng: random.Random) -> float:
 
 class Retrier:
     """The one retry policy of the request path, for first attempts and for moving a stream
-    (``gateway.dispatch``, ``gateway.attempt.continue_stream``): at most ``max_attempts``
+    (``dispatch``, ``attempt.continue_stream``): at most ``max_attempts``
     endpoints, each retry paid from the pool's budget and, after an overload answer or a
     stall, preceded by a jittered backoff."""
 

@@ -45,9 +45,9 @@ from redis import exceptions as rexc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.limiter import bucket
-from gateway.limiter.redis_client import FastRedis, NoScript, RespError
-from gateway.limiter.store import (
+from gateway.quota.limiter import bucket
+from gateway.quota.limiter.redis_client import FastRedis, NoScript, RespError
+from gateway.quota.limiter.store import (
     DEFAULT_LIFE_S,
     BucketState,
     Charge,
@@ -76,7 +76,7 @@ class Owed:
 
 
 def _script(name: str) -> str:
-    return (files("gateway.limiter") / "lua" / name).read_text()
+    return (files("gateway.quota.limiter") / "lua" / name).read_text()
 
 
 def _key(scope: str) -> str:

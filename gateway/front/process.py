@@ -21,15 +21,15 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.config.policy import load_policy
-from gateway.http_guard import GatewayRunner, GuardedHandler
-from gateway.limiter.lease import LeasedStore
-from gateway.limiter.memory import MemoryStore
-from gateway.limiter.redis_store import RedisStore
-from gateway.limiter.resilient import ResilientStore
-from gateway.limiter.store import RateStore
+from gateway.front.http_guard import GatewayRunner, GuardedHandler
+from gateway.front.reload import PolicyWatcher
+from gateway.front.routes import build_app
 from gateway.metrics import GatewayMetrics
-from gateway.reload import PolicyWatcher
-from gateway.routes import build_app
+from gateway.quota.limiter.lease import LeasedStore
+from gateway.quota.limiter.memory import MemoryStore
+from gateway.quota.limiter.redis_store import RedisStore
+from gateway.quota.limiter.resilient import ResilientStore
+from gateway.quota.limiter.store import RateStore
 from gateway.routing.fleet import Fleet
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.scaling.launcher import LocalLauncher

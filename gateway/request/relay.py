@@ -25,11 +25,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.migrate import Live, shift_usage
-from gateway.upstream import (
-    UpstreamBroken,
-    UpstreamError,
-)
+from gateway.request.migrate import Live, shift_usage
+from gateway.request.upstream import UpstreamBroken, UpstreamError
 
 log = logging.getLogger("tokengate.gateway")
 
@@ -46,7 +43,7 @@ class RelayResult:
     broken: bool = False  # the upstream stream broke after the first byte
     bytes_sent: bool = False
     client_gone: bool = False  # the client disconnected mid-stream
-    migrated: bool = False  # cut on purpose to continue elsewhere (gateway.migrate)
+    migrated: bool = False  # cut on purpose to continue elsewhere (gateway.request.migrate)
     stream_id: bytes | None = None  # the completion id the client sees
     done: bool = False  # the upstream's ``[DONE]`` arrived
     body: bytes | None = None  # a non-streamed answer, as relayed

@@ -9,7 +9,7 @@ What is charged (``served``):
 * any other stream that wrote tokens to the client (it left, the upstream broke or stalled,
   no usage came): the tokens the relay wrote, counted from the events themselves, plus the
   prompt (the upstream's count when its usage arrived, else the gateway's);
-* a non-streamed answer (built from the upstream's stream, ``gateway.aggregate``) relayed
+* a non-streamed answer (built from the upstream's stream, ``gateway.request.aggregate``) relayed
   whole: its ``usage``, or without one the gateway's prompt count and the tokens it counted;
 * a non-streamed request whose client left before the answer was complete: the prompt, once
   the engine had produced a token, plus every token it produced until the gateway closed
@@ -28,11 +28,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import quota
-from gateway.attempt import Routed
-from gateway.context import RequestContext
-from gateway.limiter.store import StoreUnavailable
-from gateway.relay import RelayResult
+from gateway.quota import ledger as quota
+from gateway.quota.limiter.store import StoreUnavailable
+from gateway.request.attempt import Routed
+from gateway.request.context import RequestContext
+from gateway.request.relay import RelayResult
 from gateway.routing import feedback
 
 log = logging.getLogger("tokengate.gateway")

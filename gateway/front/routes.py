@@ -17,13 +17,14 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import openapi, pipeline
 from gateway.config.resolved import resolved
-from gateway.endpoints import EndpointState
-from gateway.http_guard import SERVER, guard
-from gateway.limiter.resilient import ResilientStore
+from gateway.front import openapi
+from gateway.front.http_guard import SERVER, guard
+from gateway.front.reload import PolicyWatcher
+from gateway.quota.limiter.resilient import ResilientStore
 from gateway.redis_clients import coordination_client
-from gateway.reload import PolicyWatcher
+from gateway.request import pipeline
+from gateway.routing.endpoints import EndpointState
 from gateway.routing.prefix_hints import PrefixShare
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary

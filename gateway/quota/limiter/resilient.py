@@ -14,8 +14,8 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from gateway.limiter.memory import MemoryStore
-from gateway.limiter.store import (
+from gateway.quota.limiter.memory import MemoryStore
+from gateway.quota.limiter.store import (
     DEFAULT_LIFE_S,
     Charge,
     Decision,
