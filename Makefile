@@ -31,7 +31,7 @@ lint: install
 
 typecheck: install
 	$(BIN)/mypy tokengate protocol roofline gateway backend predictor loadtests engines simulator \
-	  stack
+	  stack benchmarks
 
 # Redis-backed tests start their own redis-server processes: make sure the program exists.
 redis-server:
@@ -53,52 +53,52 @@ test: install
 checks: lint typecheck
 
 soak: install
-	$(BIN)/python -m loadtests.soak --minutes 10 $(ARGS)
+	$(BIN)/python -m benchmarks.soak --minutes 10 $(ARGS)
 
 calibration: install
 	$(BIN)/python -m backend.calibration
 
 bench-backend: install
-	$(BIN)/python -m loadtests.bench_backend $(ARGS)
+	$(BIN)/python -m benchmarks.backend $(ARGS)
 
 bench-gateway: install
-	$(BIN)/python -m loadtests.bench_gateway $(ARGS)
+	$(BIN)/python -m benchmarks.gateway $(ARGS)
 
 bench-relay: install
-	$(BIN)/python -m loadtests.bench_relay $(ARGS)
+	$(BIN)/python -m benchmarks.relay $(ARGS)
 
 bench-limiter: install
-	$(BIN)/python -m loadtests.bench_limiter $(ARGS)
+	$(BIN)/python -m benchmarks.limiter $(ARGS)
 
 bench-routing: install
-	$(BIN)/python -m loadtests.bench_routing $(ARGS)
+	$(BIN)/python -m benchmarks.routing $(ARGS)
 
 bench-tiers: install
-	$(BIN)/python -m simulator.bench_tiers $(ARGS)
+	$(BIN)/python -m benchmarks.sim_tiers $(ARGS)
 
 bench-peers: install redis-server
-	$(BIN)/python -m loadtests.bench_peers $(ARGS)
+	$(BIN)/python -m benchmarks.peers $(ARGS)
 
 bench-servers: install
-	$(BIN)/python -m loadtests.bench_servers $(ARGS)
+	$(BIN)/python -m benchmarks.servers $(ARGS)
 
 bench-predictor: install
-	$(BIN)/python -m loadtests.bench_predictor $(ARGS)
+	$(BIN)/python -m benchmarks.predictor $(ARGS)
 
 bench-vllm: install vllm
-	$(BIN)/python -m loadtests.bench_vllm $(ARGS)
+	$(BIN)/python -m benchmarks.vllm $(ARGS)
 
 matrix: install
 	$(BIN)/python -m simulator.matrix $(ARGS)
 
 validate-sim: install
-	$(BIN)/python -m simulator.validate $(ARGS)
+	$(BIN)/python -m benchmarks.sim_validate $(ARGS)
 
 confirm: install
-	$(BIN)/python -m simulator.confirm $(ARGS)
+	$(BIN)/python -m benchmarks.sim_confirm $(ARGS)
 
 bench-accuracy: install
-	$(BIN)/python -m loadtests.bench_accuracy $(ARGS)
+	$(BIN)/python -m benchmarks.accuracy $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -17,7 +17,7 @@
   the training median by the weight (1, 0.75, 0.5, 0.25 or 0) that predicts those held-out
   requests best. Where the features explain the target the weight stays 1; where they do not
   (TPOT on an aggregated endpoint, set by prefill work that arrives after the decision, see
-  ``loadtests.predictability``) a tree fitted to noise would do worse than the median, and
+  ``benchmarks.predictability``) a tree fitted to noise would do worse than the median, and
   the shrinkage stops it.
 * ``save``/``load`` write and read both models (``predictor.models``) as XGBoost JSON;
   ``predictor.sync`` shares them across gateway replicas through Redis.

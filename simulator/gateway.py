@@ -11,7 +11,7 @@ it is what the real gateway sees of the world:
   tokenizing it again at the engine): ``overhead_s`` plus ``ingest_s_per_token`` per prompt
   token, the gateway's half of it only for tokens its cache has not seen (a conversation's
   new messages). The defaults were fitted on this machine kind, request by request against the real
-  stack on the same schedule (``simulator.validate``: 3.3 ms + 2.5 ms per 1K prompt tokens
+  stack on the same schedule (``benchmarks.sim_validate``: 3.3 ms + 2.5 ms per 1K prompt tokens
   between client and engine, the hops included);
 * *the scrape*: every ``scrape_s`` the engines' queue, batch and KV usage are read into the
   endpoint states, so decisions see them as stale as a real gateway does;

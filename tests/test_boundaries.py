@@ -3,9 +3,10 @@ package of ours; ``backend`` imports only those two (it is a separate program th
 gateway); ``gateway`` and ``predictor`` price work with ``roofline``, never the backend, and
 know nothing of the demo stack that launches them (``stack``);
 ``engines`` (real vLLM) imports only ``protocol``; nothing imports ``tokengate`` (the
-dispatcher) or ``loadtests`` but the dispatcher, the simulator and the tests, nor
-``simulator`` but the dispatcher; load tests that drive the
-gateway speak HTTP to it (only the component micro-benchmarks import gateway modules); and
+dispatcher) or ``loadtests`` but the dispatcher, the simulator, the benchmarks and the tests,
+nor ``simulator`` but the dispatcher and its own benchmarks, nor ``benchmarks`` but
+themselves; load tests and benchmarks that drive the gateway speak HTTP to it (only the
+component micro-benchmarks import gateway modules); and
 no two files import each other, directly or round a cycle -- every import counted, including
 those inside functions and under ``TYPE_CHECKING``."""
 
@@ -16,12 +17,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tokengate", "protocol", "roofline", "gateway", "backend", "predictor", "loadtests",
-            "engines", "simulator", "stack")
+            "engines", "simulator", "stack", "benchmarks")
 # Micro-benchmarks of one component may import that component (the brief allows it).
-# (bench_servers puts the gateway's UpstreamClient behind each candidate inbound server;
-# bench_envoy runs Envoy with gateway.epp.envoy's configurations and drives it over HTTP.)
-COMPONENT_BENCHMARKS = {"loadtests.bench_predictor", "loadtests.bench_relay",
-                        "loadtests.bench_servers", "loadtests.bench_envoy"}
+# (servers puts the gateway's UpstreamClient behind each candidate inbound server;
+# envoy runs Envoy with gateway.epp.envoy's configurations and drives it over HTTP.)
+COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
+                        "benchmarks.servers", "benchmarks.envoy"}
+# The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
+# read the demo policy it runs.
+SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
+                        "benchmarks.sim_tiers"}
 
 
 def _modules() -> dict[str, Path]:
@@ -118,15 +123,18 @@ def test_only_the_dispatcher_imports_the_load_harness_and_itself() -> None:
         pkg = _package(m)
         if pkg != "tokengate":
             assert not any(_package(i) == "tokengate" for i in deps), m
-        if pkg not in ("tokengate", "loadtests", "simulator"):
+        if pkg not in ("tokengate", "loadtests", "simulator", "benchmarks"):
             assert not any(_package(i) == "loadtests" for i in deps), m
-        if pkg not in ("tokengate", "simulator"):
+        if pkg != "benchmarks":
+            assert not any(_package(i) == "benchmarks" for i in deps), m
+        if pkg not in ("tokengate", "simulator") and m not in SIMULATOR_BENCHMARKS:
             assert not any(_package(i) == "simulator" for i in deps), m
 
 
 def test_load_tests_drive_the_gateway_over_http() -> None:
     for m, deps in graph().items():
-        if _package(m) == "loadtests" and m not in COMPONENT_BENCHMARKS:
+        if _package(m) in ("loadtests", "benchmarks") and m not in (
+                COMPONENT_BENCHMARKS | SIMULATOR_BENCHMARKS):
             assert not any(_package(i) == "gateway" for i in deps), (m, sorted(deps))
 
 

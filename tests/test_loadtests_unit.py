@@ -156,7 +156,7 @@ def test_target_mirrors_alternate_per_request() -> None:
 def test_predictability_tells_decision_time_from_hindsight() -> None:
     """A run where each stream's TPOT is set by the prefills that reach its endpoint while it
     decodes (arrivals after its own send): hindsight predicts it, decision time cannot."""
-    from loadtests.predictability import bounds
+    from benchmarks.predictability import bounds
 
     rng = random.Random(3)
     sends = sorted(rng.uniform(0, 400) for _ in range(400))
@@ -188,7 +188,7 @@ def test_predictability_counts_prompts_that_arrive_during_a_prefill() -> None:
     """A run where each prompt's TTFT grows with the prompts that reach its endpoint while it
     is being computed (they share its last chunk step): only the bound that knows those later
     arrivals predicts it."""
-    from loadtests.predictability import bounds
+    from benchmarks.predictability import bounds
 
     rng = random.Random(5)
     sends = sorted(rng.uniform(0, 300) for _ in range(400))
@@ -207,7 +207,7 @@ def test_predictability_counts_prompts_that_arrive_during_a_prefill() -> None:
 
 def test_the_soak_fails_on_errors_or_a_resource_that_keeps_growing() -> None:
     """``make soak`` (10 minutes, outside the suite) exits 1 on the verdict's reasons."""
-    from loadtests.soak import verdict
+    from benchmarks.soak import verdict
 
     ok = {"errors": 0, "error_rate": 0.0, "requests": 4000,
           "slopes_per_min": {"rss_mb": 0.99, "fds": 0.0, "upstream_conns": 0.1}}

@@ -12,7 +12,7 @@ from loadtests.traces import TRACES
 
 ROOT = Path(__file__).resolve().parent.parent
 # Reports of past runs record where their inputs were on the machine that ran them.
-HISTORY = ("loadtests/results/",)
+HISTORY = ("benchmarks/results/",)
 # The sibling folder a checkout of this project once read, named in pieces so this file does
 # not itself name a path outside the repository.
 SIBLING = "shared"

@@ -1,10 +1,10 @@
-"""The simulator against the real-time stack on the same schedules (``simulator.validate``):
+"""The simulator against the real-time stack on the same schedules (``benchmarks.sim_validate``):
 on three workloads (synthetic, the Azure code trace, agent sessions) a real ``tokengate up``
 fleet of four reference backends and the simulator agree on TTFT and TPOT p50 and p90 within
 10 % -- but for the p90s of the Azure code trace (15 %) and of the sessions (20 %). The real
 tails move with this 2-core machine's speed while the simulation is deterministic: the Azure
 code trace's real tail moves ~5 % run to run and the simulated TPOT p90 sits 8-10 % above it
-(three runs, ``loadtests/results/sim-2026-12-01``); the sessions' real TTFT p90 was 203.7 ms
+(three runs, ``benchmarks/results/sim-2026-12-01``); the sessions' real TTFT p90 was 203.7 ms
 in the final run there, 207.5-220.0 ms in four runs on a quiet machine (2026-12-01 21:30) and
 226-246 ms in four runs inside CI runs of the whole suite, against the same simulated
 201.1 ms. Gaps left to close (the simulator's fixed per-request overhead is one machine's,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator import validate
+from benchmarks import sim_validate as validate
 
 P90_TOLERANCE = {"azure-code": 0.15, "sessions": 0.20}
 
