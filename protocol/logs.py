@@ -100,13 +100,21 @@ def add_log_args(p: argparse.ArgumentParser, level: str = "info") -> None:
                    f"(env {FORMAT_ENV}; default: text)")
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler ``configure`` installs (told apart from anyone else's)."""
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
-    """Route every logger to stderr in ``fmt`` at ``level`` (replacing earlier handlers)."""
-    handler = logging.StreamHandler(sys.stderr)
+    """Route every logger to stderr in ``fmt`` at ``level``, as ``logging.basicConfig`` does:
+    only when logging is not configured already (by an embedding program, or a test runner
+    capturing logs); a handler of an earlier call is replaced."""
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(h)
+    if root.handlers:
+        return
+    handler = _Handler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_RequestFilter())
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper())
