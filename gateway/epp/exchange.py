@@ -32,9 +32,9 @@ from gateway.epp.pick import Picked, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.quota import ledger as quota
 from gateway.request import pipeline
-from gateway.request.attempt import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_request
+from gateway.request.failure import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
 from gateway.request.relay import RelayResult, relay_stream
 from gateway.request.respond import aggregate
 from gateway.request.respond import headers as client_headers

@@ -17,7 +17,8 @@ import orjson
 
 from gateway.config.policy import Model
 from gateway.config.resilience import Timeouts
-from gateway.request.attempt import Attempt, Failure
+from gateway.request.attempt import Attempt
+from gateway.request.failure import Failure
 from gateway.request.upstream import UpstreamError
 from gateway.routing.endpoints import EndpointPool
 from gateway.routing.router import Decision
