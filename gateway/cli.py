@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from protocol.logs import add_log_args
 from protocol.runtime import run_loop
@@ -84,19 +85,26 @@ def _serve_workers(ns: argparse.Namespace) -> int:
     return 0
 
 
-def run(ns: argparse.Namespace) -> int:
+def guarded(command: str, main: Callable[[], int]) -> int:
+    """``main``'s exit status; a bad policy or flag, or a start that fails (a port in use, a
+    missing program), is one line ``tokengate COMMAND: why`` and status 2; Ctrl-C is 0."""
     from gateway.config.policy import PolicyError
 
     try:
-        if ns.command == "serve":
-            return _serve_workers(ns)
+        return main()
+    except (PolicyError, ValueError, RuntimeError, OSError) as exc:
+        print(f"tokengate {command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def run(ns: argparse.Namespace) -> int:
+    def epp() -> int:
         from gateway.epp.server import EPPConfig, serve_epp
 
         run_loop(serve_epp(EPPConfig(ns.policy, ns.host, ns.port, ns.http_port, ns.redis,
                                      ns.drain_timeout), handle_signals=True))
-    except (PolicyError, ValueError, RuntimeError, OSError) as exc:
-        print(f"tokengate {ns.command}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
         return 0
-    return 0
+
+    return guarded(ns.command, (lambda: _serve_workers(ns)) if ns.command == "serve" else epp)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from gateway.config.policy import PolicyError
+from gateway.cli import guarded
 from gateway.config.routing import STRATEGIES
 from gateway.examples import DEMO_POLICY
 from protocol.logs import add_log_args
@@ -77,9 +76,9 @@ def shape_of(ns: argparse.Namespace) -> PoolShape:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from stack.up import UpConfig, up
+    def start() -> int:
+        from stack.up import UpConfig, up
 
-    try:
         if ns.envoy:
             from gateway.epp.envoy import binary
 
@@ -87,9 +86,6 @@ def run(ns: argparse.Namespace) -> int:
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape_of(ns), replicas=ns.replicas,
                              engine=ns.engine, envoy=ns.envoy)))
-    except (PolicyError, ValueError, RuntimeError, OSError) as exc:
-        print(f"tokengate up: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
         return 0
-    return 0
+
+    return guarded("up", start)

@@ -46,7 +46,6 @@ from protocol.errors import APIError
 log = logging.getLogger("tokengate.gateway")
 
 
-
 class Attempt:
     """One attempt on one endpoint, from its ticket to its hand-back. It alone takes and
     gives back the ticket (the endpoint's live counters), moves the in-flight gauge, ends the
