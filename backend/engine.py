@@ -21,20 +21,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.block_pool import BlockPool, KVBlock
 from backend.events import KVEventPublisher
 from backend.kv_manager import KVCacheManager
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import TierWalk
+from backend.pooling import Mode, ModelSlot, Multiplexer, Turn, capacity_bytes, pool_blocks
 from backend.request import Request, Status
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
 from backend.stream import RequestStream
 from backend.textgen import WordSource
-from protocol.kv_hash import root_hash
+from protocol.kv_hash import BlockHash, root_hash
 from protocol.tokenizer import Tokenizer
 from roofline.profiles import HardwareProfile, ModelProfile
+from roofline.switching import SwitchCost
 from roofline.timing import TimingModel
 
 log = logging.getLogger("tokengate.backend")
@@ -60,11 +62,7 @@ class EngineConfig:
 
 def num_gpu_blocks(model: ModelProfile, hw: HardwareProfile, cfg: EngineConfig) -> int:
     """KV blocks that fit per GPU after weights and activations, as vLLM sizes its cache."""
-    tp = model.tensor_parallel
-    free = hw.memory_bytes * cfg.gpu_memory_utilization - model.weight_bytes / tp \
-        - hw.activation_reserve_bytes
-    per_block = model.kv_bytes_per_token / tp * cfg.block_size
-    return max(0, int(free // per_block))
+    return pool_blocks(model, capacity_bytes(hw, cfg.gpu_memory_utilization), cfg.block_size)
 
 
 @dataclass(slots=True)
@@ -108,6 +106,18 @@ class LagStats:
         self.max_s = max(self.max_s, lag)
 
 
+@dataclass(slots=True)
+class Pooling:
+    """Several models on this instance (``backend.pooling``): served name → profile, in the
+    order they are preloaded, and how the GPU is shared among them."""
+
+    models: list[tuple[str, ModelProfile]]
+    mode: Mode = "token"
+    switch: SwitchCost = field(default_factory=SwitchCost)
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.05
+
+
 class Engine:
     def __init__(
         self,
@@ -118,6 +128,7 @@ class Engine:
         *,
         clock: Clock = time.monotonic,
         observer: StepObserver | None = None,
+        pooling: Pooling | None = None,
     ) -> None:
         self.model = model
         self.hardware = hardware
@@ -125,16 +136,12 @@ class Engine:
         self.config = config
         self.clock = clock
         self.observer = observer or StepObserver()
-        blocks = config.num_gpu_blocks or num_gpu_blocks(model, hardware, config)
-        if blocks <= 0:
-            raise ValueError(f"model {model.name} does not fit on {hardware.name} "
-                             f"at gpu_memory_utilization={config.gpu_memory_utilization}")
-        self.pool = BlockPool(blocks, enable_caching=config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size, root_hash(model.name))
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            config.block_size), self.kv)
-        self.timing = TimingModel(model, hardware, jitter=config.jitter, seed=config.seed)
+        self.mux = self._multiplexer(pooling)
+        primary = self.mux.slots[0]
+        self.pool = primary.pool
+        self.kv = primary.kv
+        self.scheduler = primary.scheduler
+        self.timing = primary.timing
         self.kv_puller: KVPuller | None = None
         self.tiers: KVTiers | None = None  # host memory and the shared pool (``use_tiers``)
         self.extra_step_s = 0.0  # fault injection: a slow GPU
@@ -147,6 +154,42 @@ class Engine:
         self._tasks: set[asyncio.Task[None]] = set()
         self._anchor: float | None = None
         self.failed: BaseException | None = None
+
+    def _multiplexer(self, pooling: Pooling | None) -> Multiplexer:
+        cfg = self.config
+        if pooling is None:
+            blocks = cfg.num_gpu_blocks or num_gpu_blocks(self.model, self.hardware, cfg)
+            if blocks <= 0:
+                raise ValueError(f"model {self.model.name} does not fit on "
+                                 f"{self.hardware.name} at gpu_memory_utilization="
+                                 f"{cfg.gpu_memory_utilization}")
+            slot = self._slot(self.model.name, self.model, blocks, root_hash(self.model.name))
+            return Multiplexer([slot], mode="dedicated", hardware=self.hardware,
+                               capacity=capacity_bytes(self.hardware,
+                                                       cfg.gpu_memory_utilization))
+        cap = capacity_bytes(self.hardware, cfg.gpu_memory_utilization)
+        slots = []
+        for name, profile in pooling.models:
+            blocks = pool_blocks(profile, cap, cfg.block_size)
+            if blocks <= 0:
+                raise ValueError(f"model {name} ({profile.name}) does not fit on "
+                                 f"{self.hardware.name}")
+            slots.append(self._slot(name, profile, blocks, root_hash(name)))
+        return Multiplexer(slots, mode=pooling.mode, hardware=self.hardware, capacity=cap,
+                           switch=pooling.switch, ttft_slo_s=pooling.ttft_slo_s,
+                           tpot_slo_s=pooling.tpot_slo_s)
+
+    def _slot(self, name: str, profile: ModelProfile, blocks: int, root: BlockHash) -> ModelSlot:
+        cfg = self.config
+        pool = BlockPool(blocks, enable_caching=cfg.enable_prefix_caching)
+        kv = KVCacheManager(pool, cfg.block_size, root)
+        sched = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                          cfg.block_size), kv)
+        timing = TimingModel(profile, self.hardware, jitter=cfg.jitter, seed=cfg.seed)
+        return ModelSlot(name, profile, sched, kv, pool, timing, cfg.block_size)
+
+    def slot_of(self, req: Request) -> ModelSlot:
+        return self.mux.by_name.get(req.model) or self.mux.slots[0]
 
     def use_tiers(self, tiers: KVTiers) -> None:
         """Look prompts up in host memory and the shared pool below the GPU prefix cache."""
@@ -177,7 +220,7 @@ class Engine:
                 and self.config.enable_prefix_caching:
             self._spawn(self._admit(req))
             return
-        self.scheduler.add(req)
+        self.slot_of(req).scheduler.add(req)
         self._wake.set()
 
     async def _admit(self, req: Request) -> None:
@@ -237,28 +280,29 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
-            if self.pool.events:
-                events = self.pool.drain_events()
+            events = [e for s in self.mux.slots for e in s.pool.drain_events()]
+            if events:
                 if self.tiers is not None:
                     events += self.tiers.on_computed(events)
                 self.kv_events.publish(events)
             self._apply_aborts()
             self._expire_held(self.clock())
-            if not self.scheduler.has_work():
+            turn = self.mux.next(self.clock()) if self.mux.has_work() else None
+            if turn is None:
                 await self._idle()
                 continue
-            plan = self.scheduler.schedule(self.clock())
-            for req in plan.preempted:
+            plan = turn.plan
+            for req in [*turn.dropped, *plan.preempted]:
                 if self.observer.on_preempt:
                     self.observer.on_preempt(req)
             for req in plan.transfers:
                 self._spawn(self._transfer(req))
             for req in plan.loads:
                 self._spawn(self._load(req))
-            if plan.empty:
+            if plan.empty and not turn.switch_s:
                 await self._idle()
                 continue
-            await self._execute(plan)
+            await self._execute(turn)
 
     async def _idle(self) -> None:
         self._anchor = None
@@ -269,14 +313,17 @@ class Engine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
-    async def _execute(self, plan: StepPlan) -> None:
+    async def _execute(self, turn: Turn) -> None:
+        plan = turn.plan
         now = self.clock()
         start = now
         if self._anchor is not None and now - self._anchor <= self.config.resync_s:
             start = self._anchor
         elif self._anchor is not None:
             self.lag.resyncs += 1
-        duration = self.timing.step_seconds(plan.work(), plan.num_sampled())
+        duration = turn.switch_s
+        if not plan.empty:
+            duration += turn.slot.timing.step_seconds(plan.work(), plan.num_sampled())
         scaled = duration * self.config.time_scale + self.extra_step_s
         target = start + scaled
         delay = target - self.clock()
@@ -289,10 +336,10 @@ class Engine:
         self._anchor = target
         if self.observer.on_step:
             self.observer.on_step(plan, duration, lag)
-        self._apply(plan, now)
+        self._apply(turn.slot, plan, now)
 
-    def _apply(self, plan: StepPlan, now: float) -> None:
-        for req in self.scheduler.update(plan):
+    def _apply(self, slot: ModelSlot, plan: StepPlan, now: float) -> None:
+        for req in slot.scheduler.update(plan):
             entry = self._entries.get(req.request_id)
             if entry is None:
                 continue
@@ -311,7 +358,7 @@ class Engine:
     def _finish(self, entry: _Entry, status: Status, now: float) -> None:
         req = entry.req
         keep = req.remote_decode and status is not Status.FINISHED_ABORTED
-        self.scheduler.finish(req, status, keep_blocks=keep)
+        self.slot_of(req).scheduler.finish(req, status, keep_blocks=keep)
         if keep:
             blocks = self.kv.take(req.request_id)
             full = req.num_prompt_tokens // self.config.block_size

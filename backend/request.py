@@ -49,6 +49,7 @@ class Request:
     target_output_tokens: int
     arrival_time: float
     cache_salt: str | None = None
+    model: str = ""  # the served model it names (an instance may host several)
     remote_decode: bool = False  # prefill side: keep the KV for a decode instance to pull
     remote_prefill: RemotePrefill | None = None
     pool_prefix: int = 0  # leading prompt blocks the shared KV pool held on arrival

@@ -234,6 +234,15 @@ class Scheduler:
         if not keep_blocks:
             self.kv.free(req.request_id)
 
+    def preempt_all(self) -> list[Request]:
+        """Drop the KV of every running request (another model needs the memory): each is
+        preempted as when its own cache is full, and recomputes when it runs again."""
+        victims = list(self.running)
+        self.running.clear()
+        for req in reversed(victims):
+            self._preempt(req)
+        return victims
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
