@@ -52,6 +52,9 @@ class BlockPool:
     num_blocks: int
     enable_caching: bool = True
     record_events: bool = True  # False: nobody follows this cache's events (the simulator)
+    # free blocks that may not be handed out: memory another model on the instance holds
+    # (``backend.pooling``); ``reserve`` sets it
+    reserved: int = 0
     blocks: list[KVBlock] = field(init=False)
     events: list[KVEvent] = field(init=False, default_factory=list)
     _free: OrderedDict[int, None] = field(init=False)
@@ -65,8 +68,25 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks with no reference (free or cached-but-evictable)."""
+        """Blocks with no reference (free or cached-but-evictable) that may be allocated."""
+        return max(0, len(self._free) - self.reserved)
+
+    @property
+    def num_unreferenced(self) -> int:
+        """Blocks with no reference, reserved ones included."""
         return len(self._free)
+
+    def reserve(self, n: int) -> None:
+        """Withhold ``n`` of the free blocks (at most all of them). Growing the reservation
+        forgets the prefixes cached in the blocks it covers, least recently freed first: the
+        memory they were in now holds another model's data."""
+        n = max(0, min(n, len(self._free)))
+        if n > self.reserved and self._cached:
+            for i, block_id in enumerate(self._free):
+                if i >= n:
+                    break
+                self._evict(self.blocks[block_id])
+        self.reserved = n
 
     @property
     def num_cached(self) -> int:
@@ -86,8 +106,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, evicting any hash they carried."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free")
         out: list[KVBlock] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)

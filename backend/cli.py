@@ -11,13 +11,21 @@ import sys
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from backend.config import KV_LINKS, KVPOOL_TOKEN_ENV, LOOPBACK_PEERS, ROLES, BackendConfig
+from backend.config import (
+    KV_LINKS,
+    KVPOOL_TOKEN_ENV,
+    LOOPBACK_PEERS,
+    ROLES,
+    BackendConfig,
+)
 from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
+from backend.pooling import MODES, Mode, PoolingConfig
 from protocol import logs
 from protocol.logs import add_log_args
 from protocol.runtime import run_loop
+from roofline.switching import SOURCES, SwitchCost
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,6 +44,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
       help="multiply every modelled duration (<1 runs faster)")
     a("--seed", type=int, default=0, help="random seed of output lengths and step noise")
     a("--served-model-name", help="model name clients use (default: the profile name)")
+    a("--models", metavar="NAME[=PROFILE],...",
+      help="host several models on this instance (each served as NAME, with the profile "
+      "PROFILE or the profile named NAME); replaces --model and --served-model-name")
+    a("--pooling", choices=MODES,
+      help="how hosted models share the GPU: dedicated (one model), request (switch when the "
+      "batch drains), token (switch between steps, by deadline); default token with --models")
+    a("--weights-from", choices=SOURCES, default="host",
+      help="where a switched-in model's weights come from (host memory over PCIe, or disk)")
+    a("--naive-switch", action="store_true",
+      help="re-initialise the engine on every switch (no Aegaeon-style component reuse)")
+    a("--slo-ttft", type=float, default=2.0, help="TTFT deadline (s) of token-level pooling")
+    a("--slo-tpot", type=float, default=0.05, help="TPOT deadline (s) of token-level pooling")
     a("--max-num-seqs", type=int, default=256,
       help="most requests in the running batch (vLLM's --max-num-seqs)")
     a("--max-num-batched-tokens", type=int, default=8192,
@@ -119,7 +139,30 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults,
         kv_events=_kv_events(ns.kv_events_config), tokenizer=ns.tokenizer,
         kv_offload_bytes=_offload(ns.kv_offload_gb), kv_pool_url=_pool_url(ns.kv_pool),
-        kv_pool_token=_pool_token(ns.kv_pool, ns.kv_pool_token_env))
+        kv_pool_token=_pool_token(ns.kv_pool, ns.kv_pool_token_env),
+        pooling=_pooling(ns))
+
+
+def _pooling(ns: argparse.Namespace) -> PoolingConfig | None:
+    if not ns.models:
+        if ns.pooling not in (None, "dedicated"):
+            raise ValueError(f"--pooling {ns.pooling} shares an instance among models: "
+                             "name them with --models")
+        return None
+    if ns.served_model_name:
+        raise ValueError("--models names the served models; drop --served-model-name")
+    models: list[tuple[str, str]] = []
+    for item in ns.models.split(","):
+        name, _, profile = item.strip().partition("=")
+        if not name:
+            raise ValueError(f"--models {ns.models!r}: an empty model name")
+        models.append((name, profile or name))
+    mode: Mode = ns.pooling or ("token" if len(models) > 1 else "dedicated")
+    if ns.slo_ttft <= 0 or ns.slo_tpot <= 0:
+        raise ValueError("--slo-ttft and --slo-tpot must be positive")
+    return PoolingConfig(tuple(models), mode,
+                         SwitchCost(source=ns.weights_from, optimised=not ns.naive_switch),
+                         ns.slo_ttft, ns.slo_tpot)
 
 
 def _offload(gb: float) -> float:

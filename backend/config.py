@@ -9,6 +9,7 @@ from typing import Literal
 from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
+from backend.pooling import PoolingConfig
 
 # The environment variable holding the shared secret of a KV pool (``tokengate kvpool``) and
 # the backends that use it.
@@ -63,7 +64,15 @@ class BackendConfig:
     tokenizer: str | None = None  # a tokenizer (model directory, tokenizer.json, tiktoken)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    pooling: PoolingConfig | None = None  # several models on this instance
+
+    @property
+    def served_names(self) -> list[str]:
+        return [n for n, _ in self.pooling.models] if self.pooling else [self.name]
 
     @property
     def name(self) -> str:
+        """The first (or only) served model."""
+        if self.pooling is not None:
+            return self.pooling.models[0][0]
         return self.served_model_name or self.model

@@ -21,23 +21,28 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from backend.block_pool import BlockPool, KVBlock
+from backend.block_pool import KVBlock
 from backend.events import KVEventPublisher
-from backend.kv_manager import KVCacheManager
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import TierWalk
-from backend.pooling import Mode, ModelSlot, Multiplexer, Turn, capacity_bytes, pool_blocks
+from backend.pooling import (
+    ModelSlot,
+    Multiplexer,
+    PoolingConfig,
+    Turn,
+    capacity_bytes,
+    new_slot,
+    pool_blocks,
+)
 from backend.request import Request, Status
-from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
+from backend.scheduler import StepPlan
 from backend.stream import RequestStream
 from backend.textgen import WordSource
 from protocol.kv_hash import BlockHash, root_hash
 from protocol.tokenizer import Tokenizer
 from roofline.profiles import HardwareProfile, ModelProfile
-from roofline.switching import SwitchCost
-from roofline.timing import TimingModel
 
 log = logging.getLogger("tokengate.backend")
 
@@ -106,18 +111,6 @@ class LagStats:
         self.max_s = max(self.max_s, lag)
 
 
-@dataclass(slots=True)
-class Pooling:
-    """Several models on this instance (``backend.pooling``): served name → profile, in the
-    order they are preloaded, and how the GPU is shared among them."""
-
-    models: list[tuple[str, ModelProfile]]
-    mode: Mode = "token"
-    switch: SwitchCost = field(default_factory=SwitchCost)
-    ttft_slo_s: float = 2.0
-    tpot_slo_s: float = 0.05
-
-
 class Engine:
     def __init__(
         self,
@@ -128,7 +121,8 @@ class Engine:
         *,
         clock: Clock = time.monotonic,
         observer: StepObserver | None = None,
-        pooling: Pooling | None = None,
+        pooling: PoolingConfig | None = None,
+        hosted: dict[str, ModelProfile] | None = None,
     ) -> None:
         self.model = model
         self.hardware = hardware
@@ -136,7 +130,7 @@ class Engine:
         self.config = config
         self.clock = clock
         self.observer = observer or StepObserver()
-        self.mux = self._multiplexer(pooling)
+        self.mux = self._multiplexer(pooling, hosted or {})
         primary = self.mux.slots[0]
         self.pool = primary.pool
         self.kv = primary.kv
@@ -155,7 +149,10 @@ class Engine:
         self._anchor: float | None = None
         self.failed: BaseException | None = None
 
-    def _multiplexer(self, pooling: Pooling | None) -> Multiplexer:
+    def _multiplexer(self, pooling: PoolingConfig | None,
+                     hosted: dict[str, ModelProfile]) -> Multiplexer:
+        """One slot per hosted model (``hosted``: served name -> profile, in ``pooling``'s
+        order); without ``pooling`` the one model, dedicated."""
         cfg = self.config
         if pooling is None:
             blocks = cfg.num_gpu_blocks or num_gpu_blocks(self.model, self.hardware, cfg)
@@ -169,7 +166,8 @@ class Engine:
                                                        cfg.gpu_memory_utilization))
         cap = capacity_bytes(self.hardware, cfg.gpu_memory_utilization)
         slots = []
-        for name, profile in pooling.models:
+        for name, _ in pooling.models:
+            profile = hosted[name]
             blocks = pool_blocks(profile, cap, cfg.block_size)
             if blocks <= 0:
                 raise ValueError(f"model {name} ({profile.name}) does not fit on "
@@ -181,12 +179,10 @@ class Engine:
 
     def _slot(self, name: str, profile: ModelProfile, blocks: int, root: BlockHash) -> ModelSlot:
         cfg = self.config
-        pool = BlockPool(blocks, enable_caching=cfg.enable_prefix_caching)
-        kv = KVCacheManager(pool, cfg.block_size, root)
-        sched = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                          cfg.block_size), kv)
-        timing = TimingModel(profile, self.hardware, jitter=cfg.jitter, seed=cfg.seed)
-        return ModelSlot(name, profile, sched, kv, pool, timing, cfg.block_size)
+        return new_slot(name, profile, self.hardware, blocks, root, block_size=cfg.block_size,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        max_num_seqs=cfg.max_num_seqs, enable_caching=cfg.enable_prefix_caching,
+                        jitter=cfg.jitter, seed=cfg.seed)
 
     def slot_of(self, req: Request) -> ModelSlot:
         return self.mux.by_name.get(req.model) or self.mux.slots[0]

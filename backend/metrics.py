@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from backend.engine import Engine, StepObserver
+from backend.pooling import ModelSlot
 from backend.request import Request, Status
 from backend.scheduler import StepPlan
 
@@ -40,12 +41,14 @@ class _EngineGauges(Collector):
 
     def collect(self) -> Iterator[Metric]:
         e = self._engine
-        sched = e.scheduler
-        usage = e.pool.usage()
-        yield self._gauge("vllm:num_requests_running", "Requests in model execution batches.",
-                          len(sched.running))
-        yield self._gauge("vllm:num_requests_waiting", "Requests waiting to be processed.",
-                          len(sched.waiting))
+        mux = e.mux
+        usage = e.pool.usage() if not mux.shared else mux.kv_usage()
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in model execution batches.",
+                 lambda s: len(s.scheduler.running)),
+                ("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                 lambda s: len(s.scheduler.waiting))):
+            yield self._per_model(name, doc, value)
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                           usage)
         yield self._gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage (older name).", usage)
@@ -63,6 +66,39 @@ class _EngineGauges(Collector):
                           "Modelled GPU-busy time since start (unscaled).", e.lag.busy_s)
         if e.tiers is not None:
             yield from self._tiers(e)
+        yield from self._pooling(e)
+
+    def _per_model(self, name: str, doc: str, value: Callable[[ModelSlot], float],
+                   kind: type[GaugeMetricFamily | CounterMetricFamily] = GaugeMetricFamily,
+                   ) -> Metric:
+        """One sample per hosted model, labelled with its served name."""
+        m = kind(name, doc, labels=list(self._labels))
+        rest = [v for k, v in self._labels.items() if k != "model_name"]
+        for slot in self._engine.mux.slots:
+            name_ = slot.name if self._engine.mux.shared else self._labels["model_name"]
+            m.add_metric([name_, *rest], value(slot))
+        return m
+
+    def _pooling(self, e: Engine) -> Iterator[Metric]:
+        """Which models are resident and what switching costs (several models per instance)."""
+        mux = e.mux
+        yield self._per_model("tokengate_backend_model_resident",
+                              "1 when the model's weights are on the GPU.",
+                              lambda s: float(s.resident))
+        yield self._per_model("tokengate_backend_model_load_seconds",
+                              "Modelled seconds to switch the model in now (0: resident).",
+                              lambda s: mux.load_seconds(s.name))
+        yield self._per_model("tokengate_backend_model_switches",
+                              "Times the model's weights were loaded to switch it in.",
+                              lambda s: float(s.loads), CounterMetricFamily)
+        yield self._per_model("tokengate_backend_model_switch_seconds",
+                              "Modelled seconds spent loading the model's weights.",
+                              lambda s: s.load_s, CounterMetricFamily)
+        c = CounterMetricFamily("tokengate_backend_kv_dropped_requests",
+                                "Requests whose KV was dropped to make room for another model.",
+                                labels=list(self._labels))
+        c.add_metric(list(self._labels.values()), mux.stats.kv_drops)
+        yield c
 
     def _tiers(self, e: Engine) -> Iterator[Metric]:
         """The lower KV tiers: what a router needs to price a load (capacity, seconds per

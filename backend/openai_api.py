@@ -34,7 +34,7 @@ _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "
 
 async def _prompt_ids(state: BackendState, g: GenerationRequest) -> list[int]:
     tok = state.tokenizer
-    m = state.model
+    m = state.hosted.get(g.model, state.model)
     if g.prompt_ids is not None:
         return g.prompt_ids
     size = len(g.prompt_text or "") + sum(len(x["content"]) for x in g.messages)
@@ -83,7 +83,7 @@ def _check_role(state: BackendState, g: GenerationRequest) -> tuple[bool, Remote
 def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
                  http_request: web.Request) -> tuple[Request, random.Random]:
     n = len(ids)
-    limit = state.max_model_len
+    limit = state.max_len.get(g.model, state.max_model_len)
     if n >= limit:
         raise bad(f"This model's maximum context length is {limit} tokens. However, your "
                   f"prompt has {n} tokens. Please reduce the length of the prompt.",
@@ -107,7 +107,7 @@ def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
     if state.engine.knows(rid):
         rid = f"{rid}-{state.counter}"
     req = Request(rid, ids, max_tokens, target, state.engine.clock(),
-                  cache_salt=g.cache_salt, remote_decode=remote_decode,
+                  cache_salt=g.cache_salt, model=g.model, remote_decode=remote_decode,
                   remote_prefill=remote_prefill)
     return req, rng
 
@@ -182,7 +182,7 @@ async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise APIError(status, "injected fault", type="rate_limit_exceeded" if status == 429
                        else "server_error", code="injected_fault")
     g = parse(kind, await read_body(request))
-    if g.model != state.config.name:
+    if g.model not in state.hosted:
         raise APIError(404, f"The model `{g.model}` does not exist.", param="model",
                        code="model_not_found")
     ids = await _prompt_ids(state, g)
@@ -216,7 +216,7 @@ async def _complete(state: BackendState, g: GenerationRequest, req: Request,
         raise APIError(500, d.error, type="server_error", code="engine_failed")
     text = "".join(parts)
     finish = _finish_reason(d.finish)
-    c = _Chunks(g.kind, req.request_id, state.config.name)
+    c = _Chunks(g.kind, req.request_id, g.model)
     if g.kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                   "logprobs": None, "finish_reason": finish}
@@ -246,7 +246,7 @@ async def _stream(request: web.Request, state: BackendState, g: GenerationReques
                                        "Cache-Control": "no-cache",
                                        "x-request-id": req.request_id})
     await resp.prepare(request)
-    c = _Chunks(g.kind, req.request_id, state.config.name)
+    c = _Chunks(g.kind, req.request_id, g.model)
     drop_after = state.faults.drop_after()
     sent = 0
     first = True
@@ -290,7 +290,8 @@ def _drop(request: web.Request) -> None:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    card = {"id": state.config.name, "object": "model", "created": 0, "owned_by": "tokengate",
-            "root": state.model.name, "parent": None, "max_model_len": state.max_model_len}
-    return web.json_response({"object": "list", "data": [card]}, dumps=lambda o: orjson.dumps(
+    cards = [{"id": name, "object": "model", "created": 0, "owned_by": "tokengate",
+              "root": profile.name, "parent": None, "max_model_len": state.max_len[name]}
+             for name, profile in state.hosted.items()]
+    return web.json_response({"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(
         o).decode())

@@ -7,9 +7,10 @@ runs a step only when its weights are resident; bringing them in costs
 ``SwitchCost.load_seconds`` and may first drop other models' weights (least recently used, idle
 ones first) and, only if that is not enough, the KV of other models' requests (they are
 preempted and recompute later). The model that runs may allocate only the memory left by the
-others: its pool is capped by *ballast* blocks, so its own scheduler preempts within its share
-exactly as vLLM does when its cache is full; raising the ballast evicts the model's least
-recently used cached prefixes, which is what another model's use of that memory would do.
+others: its pool withholds the rest (``BlockPool.reserve``), so its own scheduler preempts
+within its share exactly as vLLM does when its cache is full; withholding more forgets the
+model's least recently used cached prefixes, which is what another model's use of that memory
+would do.
 
 Three policies pick the model of the next step (``MODES``):
 
@@ -24,6 +25,9 @@ Three policies pick the model of the next step (``MODES``):
   (switch there, prefill, switch back); otherwise the running models take turns by earliest
   deadline, and the current one keeps the GPU until another's deadline comes within the cost
   of switching to it (plus one TPOT): weighted round-robin whose quanta follow the deadlines.
+  A model whose weights had to be loaded keeps the GPU, while it has work, for ``QUANTUM``
+  times the load's cost, so switching never takes more than 1/(1+QUANTUM) of the GPU's time
+  however late everyone is (EDF alone would switch at every step under overload).
 
 Pure and synchronous: the reference backend's engine loop and the simulator drive the same
 object and charge ``Turn.switch_s`` as GPU time before the step.
@@ -36,16 +40,31 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from backend.block_pool import BlockPool, KVBlock
+from backend.block_pool import BlockPool
 from backend.kv_manager import KVCacheManager
 from backend.request import Request, Status
-from backend.scheduler import Scheduler, StepPlan
+from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
+from protocol.kv_hash import BlockHash
 from roofline.profiles import HardwareProfile, ModelProfile
 from roofline.switching import SwitchCost
 from roofline.timing import TimingModel
 
 Mode = Literal["dedicated", "request", "token"]
+# token mode: a model whose weights were loaded to switch it in keeps the GPU (while it has
+# work) for QUANTUM times the load's cost, so loading costs at most 1/(1+QUANTUM) of the time
+QUANTUM = 4.0
 MODES: tuple[Mode, ...] = ("dedicated", "request", "token")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    """The models one instance hosts (served name, profile name) and how they share it."""
+
+    models: tuple[tuple[str, str], ...]
+    mode: Mode = "token"
+    switch: SwitchCost = field(default_factory=SwitchCost)
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.05
 
 
 @dataclass(slots=True)
@@ -72,7 +91,6 @@ class ModelSlot:
     last_active: float = -math.inf
     loads: int = 0
     load_s: float = 0.0
-    ballast: list[KVBlock] = field(default_factory=list)
 
     @property
     def weight_bytes(self) -> float:
@@ -85,8 +103,8 @@ class ModelSlot:
 
     @property
     def used_blocks(self) -> int:
-        """Blocks requests reference (not ballast, not free-but-cached)."""
-        return self.pool.num_blocks - self.pool.num_free - len(self.ballast)
+        """Blocks requests reference (not free-but-cached ones)."""
+        return self.pool.num_blocks - self.pool.num_unreferenced
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -100,6 +118,18 @@ class ModelSlot:
         return min((r.arrival_time for r in self.scheduler.waiting
                     if r.first_token_time is None
                     and r.status is not Status.WAITING_FOR_REMOTE_KVS), default=math.inf)
+
+
+def new_slot(name: str, profile: ModelProfile, hardware: HardwareProfile, blocks: int,
+             root: BlockHash, *, block_size: int = 16, max_num_batched_tokens: int = 8192,
+             max_num_seqs: int = 256, enable_caching: bool = True, jitter: float = 0.03,
+             seed: int = 0, record_events: bool = True) -> ModelSlot:
+    """A hosted model with its own block pool, KV cache manager, scheduler and timing."""
+    pool = BlockPool(blocks, enable_caching=enable_caching, record_events=record_events)
+    kv = KVCacheManager(pool, block_size, root)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, block_size), kv)
+    timing = TimingModel(profile, hardware, jitter=jitter, seed=seed)
+    return ModelSlot(name, profile, sched, kv, pool, timing, block_size)
 
 
 @dataclass(slots=True)
@@ -157,6 +187,7 @@ class Multiplexer:
         self.tpot_slo_s = tpot_slo_s
         self.stats = SwitchStats()
         self.active: ModelSlot | None = None
+        self._hold_until = -math.inf  # token mode keeps a switched-in model until then
         self._load_s = {s.name: self.switch.load_seconds(s.profile, hardware) for s in slots}
         if len(slots) == 1:
             slots[0].resident = True
@@ -184,6 +215,12 @@ class Multiplexer:
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.slots)
 
+    def kv_usage(self) -> float:
+        """Fraction of the memory left by resident weights that requests' KV holds."""
+        kv = self.capacity - sum(s.weight_bytes for s in self.slots if s.resident)
+        used = sum(s.used_blocks * s.block_bytes for s in self.slots)
+        return min(1.0, used / kv) if kv > 0 else 1.0
+
     # -- the decision --------------------------------------------------------------------
     def next(self, now: float) -> Turn | None:
         """Plan the next step (None: no model has work)."""
@@ -192,8 +229,10 @@ class Multiplexer:
             return None
         turn = Turn(slot, StepPlan())
         if slot is not self.active or not slot.resident:
-            turn.switch_s = self._switch_to(slot, turn.dropped)
+            turn.switch_s = self._switch_to(slot, turn.dropped, now)
         else:
+            if self.shared and self.free_bytes() < self._kv_floor(slot):
+                self._make_room(slot, self._kv_floor(slot), turn.dropped)
             self._cap(slot)
         slot.last_active = now
         turn.plan = slot.scheduler.schedule(now + turn.switch_s)
@@ -215,6 +254,8 @@ class Multiplexer:
 
     def _choose_token(self, now: float, cands: list[ModelSlot],
                       active: ModelSlot | None) -> ModelSlot:
+        if active is not None and now < self._hold_until:
+            return active  # amortising the switch that brought it in
         deadlines = {s.name: self._deadline(s) for s in cands}
         if active is None:
             return min(cands, key=lambda s: deadlines[s.name])
@@ -236,11 +277,12 @@ class Multiplexer:
 
     def _deadline(self, s: ModelSlot) -> float:
         d = self._decode_deadline(s)
-        for r in s.scheduler.waiting:
-            if r.first_token_time is None:
-                est = s.timing.prefill_seconds(r.num_prompt_tokens,
-                                               s.scheduler.config.max_num_batched_tokens)
-                d = min(d, r.arrival_time + self.ttft_slo_s - est)
+        head = min((r for r in s.scheduler.waiting if r.first_token_time is None),
+                   key=lambda r: r.arrival_time, default=None)
+        if head is not None:
+            est = s.timing.prefill_seconds(head.num_prompt_tokens,
+                                           s.scheduler.config.max_num_batched_tokens)
+            d = min(d, head.arrival_time + self.ttft_slo_s - est)
         return d
 
     def _decode_deadline(self, s: ModelSlot) -> float:
@@ -265,7 +307,7 @@ class Multiplexer:
         return spare >= incoming.weight_bytes
 
     # -- switching and memory --------------------------------------------------------------
-    def _switch_to(self, slot: ModelSlot, dropped: list[Request]) -> float:
+    def _switch_to(self, slot: ModelSlot, dropped: list[Request], now: float) -> float:
         self.stats.turns += 1
         cost = 0.0
         if not slot.resident:
@@ -278,10 +320,11 @@ class Multiplexer:
             self.stats.switch_s += cost
         elif self.free_bytes() < self._kv_floor(slot):
             self._make_room(slot, self._kv_floor(slot), dropped)
+        self._hold_until = now + cost * (1 + QUANTUM)
         self.active = slot
         for s in self.slots:
             if s is not slot:
-                self._set_ballast(s, 0)
+                s.pool.reserve(0)
         self._cap(slot)
         return cost
 
@@ -307,30 +350,17 @@ class Multiplexer:
         for s in others:
             if self.free_bytes() >= need:
                 return
-            self._set_ballast(s, 0)
+            s.pool.reserve(0)
             victims = s.scheduler.preempt_all()
             self.stats.kv_drops += len(victims)
             dropped.extend(victims)
-
-    @staticmethod
-    def _set_ballast(s: ModelSlot, n: int) -> None:
-        """Shrink a model's ballast to ``n`` blocks."""
-        if len(s.ballast) > n:
-            extra = s.ballast[n:]
-            del s.ballast[n:]
-            s.pool.free(extra)
 
     def _cap(self, slot: ModelSlot) -> None:
         """Let the running model allocate only what the others leave it."""
         if not self.shared:
             return
-        allowed = int(self.free_bytes() // slot.block_bytes)
-        own_free = slot.pool.num_free + len(slot.ballast)
-        target = max(0, own_free - max(0, allowed))
-        if target > len(slot.ballast):
-            slot.ballast.extend(slot.pool.allocate(target - len(slot.ballast)))
-        else:
-            self._set_ballast(slot, target)
+        allowed = max(0, int(self.free_bytes() // slot.block_bytes))
+        slot.pool.reserve(slot.pool.num_unreferenced - allowed)
 
     def _preload(self) -> None:
         """Start with as many models resident as fit (in the order given), none running."""

@@ -36,6 +36,8 @@ class BackendState:
     max_model_len: int
     load_seconds: float
     role: Role
+    hosted: dict[str, ModelProfile] = field(default_factory=dict)  # served name -> profile
+    max_len: dict[str, int] = field(default_factory=dict)  # served name -> context limit
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ready: bool = False
     counter: int = 0
@@ -48,27 +50,55 @@ class BackendState:
         catalog = ProfileCatalog()
         if config.profiles_file:
             load_profiles(config.profiles_file, catalog)
-        model = catalog.get_model(config.model, config.tensor_parallel)
+        hosted = cls._hosted(config, catalog)
+        model = next(iter(hosted.values()))
         hardware = catalog.get_hardware(config.hardware)
         tok = tokenizer or Tokenizer(model.tokenizer)
         ref: list[BackendState] = []
-        engine = Engine(model, hardware, tok, config.engine)
+        pooling = config.pooling
+        engine = Engine(model, hardware, tok, config.engine, pooling=pooling, hosted=hosted)
         metrics = BackendMetrics(engine, config.name, lambda: ref[0].role)
         engine.observer = metrics.observer()
         engine.extra_step_s = config.faults.slow_step_s
-        max_len = min(config.max_model_len or model.max_model_len, engine.capacity_tokens)
-        if max_len < (config.max_model_len or model.max_model_len):
-            log.warning("max_model_len capped at %d: the KV cache holds only that many tokens",
-                        max_len)
+        max_len = {}
+        for slot in engine.mux.slots:
+            want = config.max_model_len or slot.profile.max_model_len
+            max_len[slot.name] = min(want, slot.pool.num_blocks * config.engine.block_size)
+            if max_len[slot.name] < want:
+                log.warning("max_model_len of %s capped at %d: the KV cache holds only that "
+                            "many tokens", slot.name, max_len[slot.name])
+        # startup loads the first model; the others are switched in (``backend.pooling``)
         load_s = model.weight_bytes / model.tensor_parallel / config.load_bandwidth_bps
         state = cls(config=config, model=model, hardware=hardware, tokenizer=tok, engine=engine,
                     metrics=metrics, faults=Faults(config.faults, config.engine.seed),
-                    lengths=LengthDistribution.parse(config.output_len), max_model_len=max_len,
-                    load_seconds=load_s * config.engine.time_scale, role=config.role)
+                    lengths=LengthDistribution.parse(config.output_len),
+                    max_model_len=max_len[engine.mux.slots[0].name],
+                    load_seconds=load_s * config.engine.time_scale, role=config.role,
+                    hosted=hosted, max_len=max_len)
         ref.append(state)
         if config.kv_offload_bytes > 0 or config.kv_pool_url:
+            if pooling is not None:
+                raise ValueError("KV tiers (--kv-offload-gb, --kv-pool) serve one model per "
+                                 "instance; drop them or --models")
             engine.use_tiers(cls._tiers(config, model, hardware, ref[0]))
         return state
+
+    @staticmethod
+    def _hosted(config: BackendConfig, catalog: ProfileCatalog) -> dict[str, ModelProfile]:
+        if config.pooling is None:
+            return {config.name: catalog.get_model(config.model, config.tensor_parallel)}
+        if config.role != "both":
+            raise ValueError("a prefill or decode role serves one model per instance; "
+                             "drop --role or --models")
+        hosted = {name: catalog.get_model(profile, config.tensor_parallel)
+                  for name, profile in config.pooling.models}
+        if len(hosted) != len(config.pooling.models):
+            raise ValueError("--models names a model twice")
+        tokenizers = {m.tokenizer for m in hosted.values()}
+        if len(tokenizers) > 1 and not config.tokenizer:
+            raise ValueError("models sharing an instance must share a tokenizer "
+                             f"({', '.join(sorted(tokenizers))}); pick one with --tokenizer")
+        return hosted
 
     @staticmethod
     def _tiers(config: BackendConfig, model: ModelProfile, hardware: HardwareProfile,

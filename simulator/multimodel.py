@@ -1,0 +1,242 @@
+"""Many models on a fleet, in virtual time: each instance is a reference backend hosting
+several models (``backend.pooling.Multiplexer``: the same scheduler, memory accounting and
+switch costs as ``tokengate backend --models``), placed by token velocity and routed by
+residency (``gateway.routing.placement``).
+
+One event per engine step: the instance asks its multiplexer for the next turn, takes the
+switch time plus the step's modelled time (``TimingModel``, seeded jitter as the backend's),
+then applies the step (tokens sampled, finished requests freed) and plans the next one.
+Prompts carry no content, so prefix caching is off: this measures sharing GPUs, not reuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backend.pooling import (
+    MODES,
+    Mode,
+    Multiplexer,
+    Turn,
+    capacity_bytes,
+    new_slot,
+    pool_blocks,
+)
+from backend.request import Request
+from gateway.routing.placement import InstanceView, pick, placement
+from protocol.kv_hash import root_hash
+from roofline.profiles import HardwareProfile, ModelProfile
+from roofline.switching import SwitchCost
+from simulator.events import EventLoop
+from simulator.longtail import ModelRequest
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    instances: int
+    mode: Mode
+    profile: ModelProfile
+    hardware: HardwareProfile
+    per_instance: int = 8  # models an instance hosts (what its host memory holds)
+    switch: SwitchCost = field(default_factory=SwitchCost)
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.05
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.9
+    jitter: float = 0.03
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"pooling must be one of {', '.join(MODES)}, not {self.mode!r}")
+
+
+class SimInstance:
+    """One pooled instance on the event loop."""
+
+    def __init__(self, name: str, models: Sequence[str], cfg: FleetConfig,
+                 loop: EventLoop, seed: int) -> None:
+        self.name = name
+        self.loop = loop
+        cap = capacity_bytes(cfg.hardware, cfg.gpu_memory_utilization)
+        blocks = pool_blocks(cfg.profile, cap, 16)
+        if blocks <= 0:
+            raise ValueError(f"{cfg.profile.name} does not fit on {cfg.hardware.name}")
+        slots = [new_slot(m, cfg.profile, cfg.hardware, blocks, root_hash(m),
+                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          max_num_seqs=cfg.max_num_seqs, enable_caching=False,
+                          jitter=cfg.jitter, seed=seed + k, record_events=False)
+                 for k, m in enumerate(models)]
+        mode: Mode = "dedicated" if len(slots) == 1 else cfg.mode
+        self.mux = Multiplexer(slots, mode=mode, hardware=cfg.hardware, capacity=cap,
+                               switch=cfg.switch, ttft_slo_s=cfg.ttft_slo_s,
+                               tpot_slo_s=cfg.tpot_slo_s)
+        self.busy = False
+        self.busy_s = 0.0
+        self.steps = 0
+        self.live: dict[str, ModelRequest] = {}
+
+    def view(self) -> InstanceView:
+        queued = 0.0
+        for s in self.mux.slots:
+            tokens = sum(r.num_prompt_tokens - r.num_computed_tokens
+                         for r in s.scheduler.waiting)
+            if tokens:
+                queued += s.timing.prefill_seconds(tokens, s.scheduler.config
+                                                   .max_num_batched_tokens)
+            if s.scheduler.running:
+                queued += s.timing.decode_step_seconds(len(s.scheduler.running), 1024)
+        return InstanceView(self.name, frozenset(self.mux.by_name),
+                            frozenset(self.mux.resident()),
+                            {m: self.mux.load_seconds(m) for m in self.mux.by_name}, queued)
+
+    def submit(self, mr: ModelRequest) -> None:
+        req = Request(str(mr.rid), [0] * mr.prompt_tokens, mr.output_tokens, mr.output_tokens,
+                      self.loop.now, model=mr.model)
+        mr.instance = self.name
+        self.live[req.request_id] = mr
+        self.mux.by_name[mr.model].scheduler.add(req)
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        turn = self.mux.next(self.loop.now)
+        if turn is None or (turn.plan.empty and not turn.switch_s):
+            self.busy = False
+            return
+        self.busy = True
+        plan = turn.plan
+        dur = turn.switch_s
+        if not plan.empty:
+            dur += turn.slot.timing.step_seconds(plan.work(), plan.num_sampled())
+        self.busy_s += dur
+        self.steps += 1
+        self.loop.after(dur, self._done, turn)
+
+    def _done(self, turn: Turn) -> None:
+        now = self.loop.now
+        sched = turn.slot.scheduler
+        for req in sched.update(turn.plan):
+            mr = self.live[req.request_id]
+            status = req.append_output(0)
+            if mr.first_token is None:
+                mr.first_token = req.first_token_time = now
+            mr.tokens += 1
+            if status is not None:
+                sched.finish(req, status)
+                mr.done = now
+                del self.live[req.request_id]
+        self._step()
+
+
+@dataclass(slots=True)
+class FleetResult:
+    requests: list[ModelRequest]
+    instances: list[SimInstance]
+    hosts: list[list[str]]
+    virtual_s: float
+
+    def summary(self, ttft_s: float, tpot_s: float) -> dict[str, Any]:
+        reqs = self.requests
+        met = [r.meets(ttft_s, tpot_s) for r in reqs]
+        ttft = np.array([r.ttft for r in reqs if r.ttft is not None]) * 1e3
+        tpot = np.array([r.tpot for r in reqs if r.tpot is not None]) * 1e3
+        switches = sum(i.mux.stats.switches for i in self.instances)
+        span = max(self.virtual_s, 1e-9)
+        good_tokens = sum(r.output_tokens for r, ok in zip(reqs, met, strict=True) if ok)
+
+        def pct(a: np.ndarray, q: float) -> float | None:
+            return float(np.percentile(a, q)) if len(a) else None
+
+        return {
+            "instances": len(self.instances),
+            "requests": len(reqs),
+            "attainment": float(np.mean(met)) if met else 1.0,
+            "completed": sum(r.done is not None for r in reqs),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+            "goodput_tokens_per_s_per_gpu": good_tokens / span / self.gpus,
+            "switches": switches,
+            "switch_s": sum(i.mux.stats.switch_s for i in self.instances),
+            "kv_drops": sum(i.mux.stats.kv_drops for i in self.instances),
+            "utilisation": sum(i.busy_s for i in self.instances) / span / len(self.instances),
+            "models_per_instance": max(len(h) for h in self.hosts),
+        }
+
+    @property
+    def gpus(self) -> int:
+        return len(self.instances) * max(self.instances[0].mux.slots[0].profile
+                                         .tensor_parallel, 1)
+
+
+def velocities(requests: Sequence[ModelRequest]) -> dict[str, float]:
+    """Tokens per second each model is asked for over the workload."""
+    span = max((r.t for r in requests), default=0.0) or 1.0
+    v: dict[str, float] = {}
+    for r in requests:
+        v[r.model] = v.get(r.model, 0.0) + (r.prompt_tokens + r.output_tokens) / span
+    return v
+
+
+def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig) -> FleetResult:
+    """Serve ``requests`` (fresh copies: the inputs are left untouched) on the fleet."""
+    reqs = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
+            for r in requests]
+    per = 1 if cfg.mode == "dedicated" else cfg.per_instance
+    hosts = placement(velocities(reqs), cfg.instances, per)
+    loop = EventLoop()
+    insts = [SimInstance(f"i{k}", h or [next(iter(velocities(reqs)))], cfg, loop,
+                         cfg.seed * 1000 + k) for k, h in enumerate(hosts)]
+
+    def arrive(mr: ModelRequest) -> None:
+        inst = pick(mr.model, [i.view() for i in insts])
+        if inst is None:
+            raise ValueError(f"no instance hosts {mr.model}")
+        insts[int(inst.name[1:])].submit(mr)
+
+    for mr in reqs:
+        loop.at(mr.t, arrive, mr)
+    loop.run()
+    end = max((r.done for r in reqs if r.done is not None), default=0.0)
+    return FleetResult(reqs, insts, hosts, max(end, max((r.t for r in reqs), default=0.0)))
+
+
+def fewest_gpus(requests: Sequence[ModelRequest], base: FleetConfig, target: float,
+                max_instances: int, log: Any = None) -> tuple[int | None, list[dict[str, Any]]]:
+    """The fewest instances whose SLO attainment reaches ``target`` (binary search over
+    ``1..max_instances``, attainment taken as non-decreasing in instances), with every trial."""
+    trials: list[dict[str, Any]] = []
+    cache: dict[int, float] = {}
+
+    def attain(n: int) -> float:
+        if n not in cache:
+            cfg = FleetConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
+                                 "instances": n})
+            res = run_fleet(requests, cfg)
+            row = res.summary(base.ttft_slo_s, base.tpot_slo_s)
+            row["gpus"] = res.gpus
+            trials.append(row)
+            cache[n] = row["attainment"]
+            if log is not None:
+                log(row)
+        return cache[n]
+
+    models = len({r.model for r in requests})
+    per = 1 if base.mode == "dedicated" else base.per_instance
+    lo = max(1, math.ceil(models / per))
+    hi = max(lo, max_instances)
+    if attain(hi) < target:
+        return None, trials
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if attain(mid) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, trials
