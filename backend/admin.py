@@ -61,6 +61,27 @@ def snapshot(state: BackendState) -> dict[str, Any]:
                  "busy_s": e.lag.busy_s},
         "draining": {r: pending_for_role(state, r) for r in ("prefill", "decode")
                      if r != state.role and state.role != "both"},
+        "pooling": pooling(state),
+    }
+
+
+def pooling(state: BackendState) -> dict[str, Any]:
+    """The hosted models: residency, queues, what switching costs and has cost."""
+    mux = state.engine.mux
+    st = mux.stats
+    return {
+        "mode": mux.mode,
+        "active": mux.active.name if mux.active is not None else None,
+        "free_bytes": mux.free_bytes(),
+        "switches": st.switches, "switch_s": st.switch_s, "turns": st.turns,
+        "weight_evictions": st.weight_evictions, "kv_dropped_requests": st.kv_drops,
+        "models": {s.name: {"profile": s.profile.name, "resident": s.resident,
+                            "running": len(s.scheduler.running),
+                            "waiting": len(s.scheduler.waiting),
+                            "kv_blocks": s.used_blocks, "wait_s": mux.wait_seconds(s.name),
+                            "switches": s.loads, "switch_s": s.load_s,
+                            "max_model_len": state.max_len.get(s.name)}
+                   for s in mux.slots},
     }
 
 

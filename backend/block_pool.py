@@ -57,32 +57,34 @@ class BlockPool:
     reserved: int = 0
     blocks: list[KVBlock] = field(init=False)
     events: list[KVEvent] = field(init=False, default_factory=list)
-    _free: OrderedDict[int, None] = field(init=False)
+    # The free queue is the never-used blocks ``_fresh..num_blocks-1`` (created on first use:
+    # a pool of many thousand blocks costs nothing until it fills) followed by ``_free``.
+    _fresh: int = field(init=False, default=0)
+    _free: OrderedDict[int, None] = field(init=False, default_factory=OrderedDict)
     _cached: dict[BlockHash, KVBlock] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0:
             raise ValueError("a KV cache needs at least one block")
-        self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
-        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.blocks = []
 
     @property
     def num_free(self) -> int:
         """Blocks with no reference (free or cached-but-evictable) that may be allocated."""
-        return max(0, len(self._free) - self.reserved)
+        return max(0, self.num_unreferenced - self.reserved)
 
     @property
     def num_unreferenced(self) -> int:
         """Blocks with no reference, reserved ones included."""
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     def reserve(self, n: int) -> None:
         """Withhold ``n`` of the free blocks (at most all of them). Growing the reservation
         forgets the prefixes cached in the blocks it covers, least recently freed first: the
         memory they were in now holds another model's data."""
-        n = max(0, min(n, len(self._free)))
+        n = max(0, min(n, self.num_unreferenced))
         if n > self.reserved and self._cached:
-            for i, block_id in enumerate(self._free):
+            for i, block_id in enumerate(self._free, start=self.num_blocks - self._fresh):
                 if i >= n:
                     break
                 self._evict(self.blocks[block_id])
@@ -94,7 +96,7 @@ class BlockPool:
 
     def usage(self) -> float:
         """Fraction of blocks referenced by requests (vLLM's ``kv_cache_usage_perc``)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_unreferenced / self.num_blocks
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         """The block holding this prefix hash, if cached."""
@@ -102,14 +104,20 @@ class BlockPool:
 
     def free_order(self) -> list[int]:
         """Free block ids from next-to-evict to last-to-evict (for tests and debugging)."""
-        return list(self._free)
+        return [*range(self._fresh, self.num_blocks), *self._free]
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, evicting any hash they carried."""
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free")
         out: list[KVBlock] = []
-        for _ in range(n):
+        fresh = min(n, self.num_blocks - self._fresh)
+        for _ in range(fresh):
+            block = KVBlock(self._fresh, 1)
+            self.blocks.append(block)
+            self._fresh += 1
+            out.append(block)
+        for _ in range(n - fresh):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
@@ -154,7 +162,7 @@ class BlockPool:
 
     def reset_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is referenced."""
-        if len(self._free) != self.num_blocks:
+        if self.num_unreferenced != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -85,9 +85,10 @@ class _EngineGauges(Collector):
         yield self._per_model("tokengate_backend_model_resident",
                               "1 when the model's weights are on the GPU.",
                               lambda s: float(s.resident))
-        yield self._per_model("tokengate_backend_model_load_seconds",
-                              "Modelled seconds to switch the model in now (0: resident).",
-                              lambda s: mux.load_seconds(s.name))
+        yield self._per_model("tokengate_backend_model_wait_seconds",
+                              "Modelled seconds before the model could run a step: its "
+                              "weights' load (0: resident), another model's batch draining.",
+                              lambda s: mux.wait_seconds(s.name))
         yield self._per_model("tokengate_backend_model_switches",
                               "Times the model's weights were loaded to switch it in.",
                               lambda s: float(s.loads), CounterMetricFamily)

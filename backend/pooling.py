@@ -91,15 +91,13 @@ class ModelSlot:
     last_active: float = -math.inf
     loads: int = 0
     load_s: float = 0.0
+    weight_bytes: float = field(init=False)  # per GPU
+    block_bytes: float = field(init=False)  # per GPU
 
-    @property
-    def weight_bytes(self) -> float:
-        return self.profile.weight_bytes / max(self.profile.tensor_parallel, 1)
-
-    @property
-    def block_bytes(self) -> float:
-        return self.profile.kv_bytes_per_token / max(self.profile.tensor_parallel, 1) \
-            * self.block_size
+    def __post_init__(self) -> None:
+        tp = max(self.profile.tensor_parallel, 1)
+        self.weight_bytes = self.profile.weight_bytes / tp
+        self.block_bytes = self.profile.kv_bytes_per_token / tp * self.block_size
 
     @property
     def used_blocks(self) -> int:
@@ -208,9 +206,25 @@ class Multiplexer:
         s = self.by_name[name]
         return 0.0 if s.resident else self._load_s[name]
 
+    def wait_seconds(self, name: str) -> float:
+        """Predicted seconds before ``name`` could run a step: its weights' load and, with
+        request-level pooling, the drain of another model's running batch (at most the
+        tokens its requests may still ask for, ``max_tokens``)."""
+        d = self.load_seconds(name)
+        a = self.active
+        if self.mode == "request" and a is not None and a.name != name and a.scheduler.running:
+            run = a.scheduler.running
+            left = max(r.max_tokens - r.num_output_tokens for r in run)
+            d += left * a.timing.decode_step_seconds(len(run), 1024)
+        return d
+
     def free_bytes(self) -> float:
-        return self.capacity - sum(s.weight_bytes for s in self.slots if s.resident) \
-            - sum(s.used_blocks * s.block_bytes for s in self.slots)
+        used = 0.0
+        for s in self.slots:
+            used += s.used_blocks * s.block_bytes
+            if s.resident:
+                used += s.weight_bytes
+        return self.capacity - used
 
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.slots)
@@ -356,9 +370,20 @@ class Multiplexer:
             dropped.extend(victims)
 
     def _cap(self, slot: ModelSlot) -> None:
-        """Let the running model allocate only what the others leave it."""
+        """Let the running model allocate only what the others leave it, after dropping the
+        weights of idle models its queued work needs the memory of."""
         if not self.shared:
             return
+        bs = slot.block_size
+        want = (sum(-(-(r.num_tokens + 1) // bs) for r in slot.requests())
+                - slot.used_blocks) * slot.block_bytes
+        if self.free_bytes() < want:
+            for s in sorted((s for s in self.slots if s is not slot and s.resident
+                             and not s.has_work()), key=lambda s: s.last_active):
+                s.resident = False
+                self.stats.weight_evictions += 1
+                if self.free_bytes() >= want:
+                    break
         allowed = max(0, int(self.free_bytes() // slot.block_bytes))
         slot.pool.reserve(slot.pool.num_unreferenced - allowed)
 

@@ -94,7 +94,7 @@ class SimInstance:
                 queued += s.timing.decode_step_seconds(len(s.scheduler.running), 1024)
         return InstanceView(self.name, frozenset(self.mux.by_name),
                             frozenset(self.mux.resident()),
-                            {m: self.mux.load_seconds(m) for m in self.mux.by_name}, queued)
+                            {m: self.mux.wait_seconds(m) for m in self.mux.by_name}, queued)
 
     def submit(self, mr: ModelRequest) -> None:
         req = Request(str(mr.rid), [0] * mr.prompt_tokens, mr.output_tokens, mr.output_tokens,

@@ -10,8 +10,9 @@ laid out heaviest first, each on the instance carrying the least velocity that d
 host that model yet.
 
 **Routing** by residency: among the instances hosting the model, the one with the earliest
-predicted start — the switch it needs (0 when the weights are resident) plus the work queued
-ahead of it, in modelled seconds.
+predicted start — what the instance says the model waits for the GPU (its switch, 0 when the
+weights are resident; with request-level pooling, another model's batch draining) plus the
+work queued ahead of it, in modelled seconds.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class InstanceView:
     name: str
     hosts: frozenset[str]
     resident: frozenset[str]
-    load_seconds: Mapping[str, float]  # switching a model in now (0: resident)
+    wait_s: Mapping[str, float]  # before the model could run: its switch (0: resident), ...
     queued_s: float  # modelled seconds of work queued ahead of a new request
 
 
@@ -72,8 +73,7 @@ def pick(model: str, instances: Sequence[InstanceView]) -> InstanceView | None:
     for inst in instances:
         if model not in inst.hosts:
             continue
-        start = inst.queued_s + (0.0 if model in inst.resident
-                                 else inst.load_seconds.get(model, 0.0))
+        start = inst.queued_s + inst.wait_s.get(model, 0.0)
         if best is None or start < best_s:
             best, best_s = inst, start
     return best

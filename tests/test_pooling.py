@@ -1,0 +1,183 @@
+"""Several models on one instance (``backend.pooling``): switch costs pinned to the profiles,
+the three scheduling policies, and the memory budget shared by weights and KV.
+
+The multiplexer is driven here as the engine loop drives it, in virtual time: ask for a turn,
+advance the clock by the switch plus the step's modelled time, apply the step."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from backend.pooling import QUANTUM, Multiplexer, capacity_bytes, new_slot, pool_blocks
+from backend.request import Request
+from protocol.kv_hash import root_hash
+from roofline.profiles import HARDWARE, MODELS, ModelProfile
+from roofline.switching import SwitchCost
+
+H100 = HARDWARE["h100-sxm"]
+SMALL = MODELS["llama-3-8b"]  # 16 GB of weights: four fit on an H100 with room for KV
+BIG = dataclasses.replace(SMALL, name="big-20b", params=20e9)  # 40 GB: one at a time
+
+
+def mux(profiles: list[ModelProfile], mode: str = "token", **kw: object) -> Multiplexer:
+    cap = capacity_bytes(H100, 0.9)
+    slots = [new_slot(f"m{i}", p, H100, pool_blocks(p, cap, 16), root_hash(f"m{i}"),
+                      jitter=0.0)
+             for i, p in enumerate(profiles)]
+    return Multiplexer(slots, mode=mode, hardware=H100, capacity=cap,  # type: ignore[arg-type]
+                       **kw)  # type: ignore[arg-type]
+
+
+class Driver:
+    """The engine loop in virtual time; records every turn and every request's tokens."""
+
+    def __init__(self, m: Multiplexer) -> None:
+        self.m = m
+        self.now = 0.0
+        self.turns: list[tuple[str, float, float]] = []  # model, start, switch seconds
+        self.first: dict[str, float] = {}
+        self.done: dict[str, float] = {}
+        self.dropped: list[str] = []
+        self.reqs: dict[str, Request] = {}
+
+    def add(self, model: str, rid: str, prompt: int = 200, out: int = 50) -> Request:
+        token = len(self.reqs) + 1  # distinct prompts: no prefix is shared
+        req = Request(rid, [token] * prompt, out, out, self.now, model=model)
+        self.reqs[rid] = req
+        self.m.by_name[model].scheduler.add(req)
+        return req
+
+    def step(self) -> bool:
+        turn = self.m.next(self.now)
+        if turn is None:
+            return False
+        assert self.m.free_bytes() >= -1.0, "weights and KV exceed the GPU's memory"
+        self.turns.append((turn.slot.name, self.now, turn.switch_s))
+        self.dropped += [r.request_id for r in turn.dropped]
+        self.now += turn.switch_s
+        if not turn.plan.empty:
+            self.now += turn.slot.timing.step_seconds(turn.plan.work(),
+                                                      turn.plan.num_sampled())
+        sched = turn.slot.scheduler
+        for req in sched.update(turn.plan):
+            status = req.append_output(0)
+            if req.first_token_time is None:
+                req.first_token_time = self.now
+                self.first[req.request_id] = self.now
+            if status is not None:
+                sched.finish(req, status)
+                self.done[req.request_id] = self.now
+        return True
+
+    def run(self, until: float = 1e9) -> None:
+        while self.now < until and self.step():
+            pass
+
+
+def test_a_switch_costs_the_weights_over_pcie_and_nothing_when_resident() -> None:
+    m = mux([BIG, BIG])
+    d = Driver(m)
+    assert m.resident() == ["m0"]  # the second does not fit beside the first
+    d.add("m1", "a")
+    d.step()
+    name, _, switch = d.turns[0]
+    want = BIG.weight_bytes / H100.pcie_bandwidth + SwitchCost().optimised_overhead_s
+    assert name == "m1" and switch == pytest.approx(want)  # 40 GB / 50 GB/s + 10 ms = 0.81 s
+    assert m.resident() == ["m1"] and m.stats.weight_evictions == 1
+    assert d.first["a"] >= want  # no token before the weights are in
+
+    disk = SwitchCost(source="disk", optimised=False)
+    assert disk.load_seconds(BIG, H100) == pytest.approx(40e9 / 6e9 + 2.5)
+
+    both = mux([SMALL, SMALL])
+    assert both.resident() == ["m0", "m1"]
+    d2 = Driver(both)
+    d2.add("m1", "b")
+    d2.add("m0", "c")
+    d2.run()
+    assert all(s == 0.0 for _, _, s in d2.turns) and both.stats.switches == 0
+
+
+def test_request_pooling_switches_only_when_the_batch_has_drained() -> None:
+    m = mux([BIG, BIG], mode="request")
+    d = Driver(m)
+    d.add("m0", "a", out=40)
+    d.step()
+    d.add("m1", "b", out=10)
+    d.run()
+    assert d.first["b"] > d.done["a"]  # b waited for a's whole batch
+    assert [t[0] for t in d.turns].index("m1") == len([t for t in d.turns if t[0] == "m0"])
+
+
+def test_token_pooling_serves_another_model_between_steps_within_the_tpot_slo() -> None:
+    m = mux([BIG, BIG], mode="token", tpot_slo_s=0.05)
+    d = Driver(m)
+    d.add("m0", "a", out=400)
+    d.step()
+    d.add("m1", "b", out=400)
+    d.run()
+    assert d.first["b"] < d.done["a"]  # b did not wait for a to finish
+    assert m.stats.switches >= 2  # and a got the GPU back
+    for rid in ("a", "b"):
+        tpot = (d.done[rid] - d.first[rid]) / 399
+        assert tpot <= 0.05, f"{rid}: average TPOT {tpot * 1e3:.1f} ms over the SLO"
+    one = m.load_seconds("m0") or m.load_seconds("m1")
+    assert m.stats.switch_s <= d.now / (1 + QUANTUM) + one  # loads amortised by the quantum
+
+
+def test_kv_of_a_switched_out_model_stays_while_memory_allows() -> None:
+    m = mux([SMALL, SMALL])
+    d = Driver(m)
+    d.add("m0", "a", out=300)
+    for _ in range(5):
+        d.step()
+    d.add("m1", "b", out=300)
+    d.run()
+    assert not d.dropped and d.reqs["a"].num_preemptions == 0
+
+
+def test_kv_is_dropped_and_recomputed_when_the_next_model_needs_the_memory() -> None:
+    # Two 30 GB models on 74.7 GB. m0's requests hold ~40 GB of KV; switching m1 in evicts
+    # m0's weights first and then, still short of 30 GB + m1's prompt, drops m0's KV.
+    big30 = dataclasses.replace(SMALL, name="big-15b", params=15e9)
+    m = mux([big30, big30], mode="token")
+    d = Driver(m)
+    per = int(10e9 // SMALL.kv_bytes_per_token)  # ~10 GB of KV each
+    for i in range(4):
+        d.add("m0", f"a{i}", prompt=per, out=400)
+    while not all(f"a{i}" in d.first for i in range(4)):
+        d.step()
+    d.add("m1", "b", prompt=per, out=50)
+    d.run()
+    assert any(r.startswith("a") for r in d.dropped)
+    assert sum(d.reqs[f"a{i}"].num_preemptions for i in range(4)) >= 1
+    assert set(d.done) == {"a0", "a1", "a2", "a3", "b"}  # a's recomputed and finished
+    assert m.stats.kv_drops >= 1 and m.stats.weight_evictions >= 1
+
+
+def test_memory_is_never_overcommitted_under_a_random_mix() -> None:
+    rng = random.Random(3)
+    m = mux([BIG, SMALL, SMALL, BIG], mode="token")
+    d = Driver(m)
+    for i in range(60):
+        d.add(f"m{rng.randrange(4)}", f"r{i}", prompt=rng.randint(10, 4000),
+              out=rng.randint(1, 200))
+        for _ in range(rng.randint(0, 30)):
+            d.step()
+    d.run()
+    assert len(d.done) == 60
+    assert all(s.used_blocks == 0 for s in m.slots)
+
+
+def test_bad_configurations_are_refused() -> None:
+    with pytest.raises(ValueError, match="dedicated"):
+        mux([SMALL, SMALL], mode="dedicated")
+    with pytest.raises(ValueError, match="pooling mode"):
+        mux([SMALL], mode="bogus")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        mux([SMALL, dataclasses.replace(SMALL, tensor_parallel=2)])
+    with pytest.raises(ValueError, match="weights source"):
+        SwitchCost(source="tape")  # type: ignore[arg-type]
