@@ -40,6 +40,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--hindsight", action="store_true",
                    help="route by the hindsight oracle (true costs at decision time)")
     p.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
+    add_pooling_args(p)
+
+
+def add_pooling_args(p: argparse.ArgumentParser) -> None:
+    from backend.pooling import MODES
+    from roofline.switching import SOURCES
+
+    g = p.add_argument_group("many models on a shared fleet (replaces --policy routing)")
+    g.add_argument("--pooling", choices=MODES,
+                   help="serve many models: dedicated (one per GPU), request (switch when a "
+                   "batch drains), token (switch between steps)")
+    g.add_argument("--longtail", type=int, metavar="N",
+                   help="a generated workload of N models (Zipf popularity, bursty Azure "
+                   "arrivals) at --rate for --duration; or a --trace JSONL naming a model per "
+                   "row")
+    g.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of --longtail")
+    g.add_argument("--models-per-gpu", type=int, default=8,
+                   help="models an instance hosts ready to switch in (its host memory)")
+    g.add_argument("--weights-from", choices=SOURCES, default="host",
+                   help="where switched-in weights come from")
+    g.add_argument("--naive-switch", action="store_true",
+                   help="re-initialise the engine on every switch")
 
 
 def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,6 +81,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--strategy", default="predicted", help="routing strategy of every layout")
     p.add_argument("--policy", default=None, help="policy YAML (default: the demo policy)")
     p.add_argument("--out", required=True, help="directory for the plan, its table and plot")
+    p.add_argument("--jitter", type=float, default=0.03, help="the backends' step-time noise")
+    add_pooling_args(p)
 
 
 def _spec(ns: argparse.Namespace) -> WorkloadSpec | None:
@@ -82,6 +106,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     from loadtests.metrics import SLO
     from simulator.plan import PlanConfig, search, write
 
+    if ns.pooling:
+        return _plan_pooled(ns)
     spec = _spec(ns)
     if spec is None:
         return 2
@@ -113,6 +139,8 @@ def run(ns: argparse.Namespace) -> int:
     from simulator.gateway import Delays
     from simulator.run import SimConfig, simulate
 
+    if ns.pooling:
+        return _simulate_pooled(ns)
     spec = _spec(ns)
     if spec is None:
         return 2
@@ -136,4 +164,39 @@ def run(ns: argparse.Namespace) -> int:
           f"({sim['speedup']:.0f}x real time; {sim['fit_wait_s']:.1f} s of it waiting for "
           f"predictor fits)")
     print(f"report: {Path(ns.out) / 'report.md'}")
+    return 0
+
+
+def _simulate_pooled(ns: argparse.Namespace) -> int:
+    from roofline.profiles import ProfileError
+    from simulator import pooled_run
+
+    try:
+        rep = pooled_run.simulate(ns)
+    except (ValueError, OSError, ProfileError) as exc:
+        print(f"tokengate simulate: {exc}", file=sys.stderr)
+        return 2
+    path = pooled_run.write(Path(ns.out), "report.json", rep)
+    print(f"simulated {rep['requests']} requests of {rep['models']} models on {rep['gpus']} "
+          f"GPU(s), {rep['pooling']} pooling: {pooled_run.summary_line(rep)}")
+    print(f"report: {path}")
+    return 0
+
+
+def _plan_pooled(ns: argparse.Namespace) -> int:
+    from roofline.profiles import ProfileError
+    from simulator import pooled_run
+
+    try:
+        doc = pooled_run.plan(ns, log=lambda t: print(
+            f"  {t['instances']} instance(s): attainment {t['attainment']:.1%}, "
+            f"{t['switches']} switches", flush=True))
+    except (ValueError, OSError, ProfileError) as exc:
+        print(f"tokengate plan: {exc}", file=sys.stderr)
+        return 2
+    path = pooled_run.write(Path(ns.out), "plan.json", doc)
+    rec = doc["recommended_gpus"]
+    print(f"recommended: {rec} GPUs ({ns.pooling} pooling)" if rec is not None
+          else f"no fleet of up to {ns.max_gpus} instances met the target")
+    print(f"plan: {path}")
     return 0
