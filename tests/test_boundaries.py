@@ -26,7 +26,7 @@ COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
 # The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
-                        "benchmarks.sim_tiers"}
+                        "benchmarks.sim_tiers", "benchmarks.sim_models"}
 
 
 def _modules() -> dict[str, Path]:

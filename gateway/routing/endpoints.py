@@ -176,6 +176,10 @@ class EngineView:
     preemptions: float = 0.0
     waiting_by_reason: dict[str, float] = field(default_factory=dict)
     max_model_len: int | None = None  # from /v1/models (vLLM and the reference backend say)
+    # several models on one engine (tokengate backend --models): seconds each waits before
+    # it could run (its switch; 0 when resident), and which are resident
+    model_wait_s: dict[str, float] = field(default_factory=dict)
+    resident: frozenset[str] = frozenset()
     started_at: float | None = None  # process_start_time_seconds: a change is a restart
     models_read_at: float = -math.inf  # when /v1/models was last asked (every 30 s at most)
     scraped_at: float = 0.0

@@ -25,6 +25,7 @@ import aiohttp
 from gateway.config.endpoint import KVEvents, KVPool
 from gateway.routing.endpoints import EndpointState
 from gateway.routing.kv_events import KVEventFollowers
+from gateway.routing.placement import read_residency
 from gateway.routing.prefix import ApproxIndex, PreciseIndex
 from gateway.routing.tiers import TierIndex, read_pool_capacity, read_tier_info
 
@@ -171,6 +172,7 @@ class Fleet:
         m = parse_vllm_metrics(text)
         host = e.engine.host_blocks
         read_tier_info(text, e.engine)
+        e.engine.model_wait_s, e.engine.resident = read_residency(text)
         if e.engine.host_blocks and e.engine.host_blocks != host:
             self.tiers.set_host_capacity(e.url, e.engine.host_blocks)
         e.engine.running = m.get("vllm:num_requests_running", 0.0)

@@ -17,9 +17,14 @@ work queued ahead of it, in modelled seconds.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+_WAIT = re.compile(r'^tokengate_backend_model_(wait_seconds|resident)\{([^}]*)\}\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def placement(velocity: Mapping[str, float], instances: int, per_instance: int
@@ -77,3 +82,27 @@ def pick(model: str, instances: Sequence[InstanceView]) -> InstanceView | None:
         if best is None or start < best_s:
             best, best_s = inst, start
     return best
+
+
+def read_residency(text: str) -> tuple[dict[str, float], frozenset[str]]:
+    """From an engine's ``/metrics``: what each hosted model waits before it could run (the
+    reference backend's ``tokengate_backend_model_wait_seconds``) and which are resident.
+    Empty for an engine that hosts one model the classic way (vLLM)."""
+    wait: dict[str, float] = {}
+    resident: set[str] = set()
+    for line in text.splitlines():
+        if not line.startswith("tokengate_backend_model_"):
+            continue
+        m = _WAIT.match(line)
+        if m is None:
+            continue
+        name = dict(_LABEL.findall(m.group(2))).get("model_name")
+        if name is None:
+            continue
+        with contextlib.suppress(ValueError):
+            value = float(m.group(3))
+            if m.group(1) == "wait_seconds":
+                wait[name] = value
+            elif value >= 1.0:
+                resident.add(name)
+    return wait, frozenset(resident)

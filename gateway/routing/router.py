@@ -150,11 +150,14 @@ class Router:
         tiered = self.model.routing.kv_tiers and self._tree is None and bool(req.hashes)
         precise = self.fleet.precise if self.precise else None
         last = max(req.prompt_tokens - 1, 0)
+        name = self.model.upstream_name
         for e in eps:
             blocks = index.matched(e.url, req.hashes) if req.hashes else 0
             cached = min(blocks * bs, last)
             c = Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks,
                           index_blocks=index.size(e.url))
+            # an engine shared by several models: switching this one in comes first
+            switch_ms = e.engine.model_wait_s.get(name, 0.0) * 1e3
             if tiered and cached < last:
                 t = self.fleet.tiers.lookup(e.url, e.engine, req.hashes, blocks, last // bs,
                                             self.kv_pool, precise)
@@ -163,6 +166,7 @@ class Router:
                     c.load_ms = t.load_ms(e.engine, bs)
                     c.cached_tokens = min(cached + c.host_tokens + c.pool_tokens, last)
                     c.uncached_tokens = req.prompt_tokens - c.cached_tokens
+            c.load_ms += switch_ms
             out.append(c)
         return out
 
