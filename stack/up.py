@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from backend.config import KVPOOL_TOKEN_ENV
 from engines import vllm
-from gateway.config.endpoint import KVEvents
+from gateway.config.endpoint import Endpoint, KVEvents
 from gateway.config.policy import Model, Policy, Settings
 from gateway.front.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
@@ -95,38 +95,54 @@ def _check_ports(cfg: UpConfig, policy: Policy) -> None:
 
 
 def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
+    """A reference backend per loopback endpoint. Models that list the same endpoint share
+    one backend (``--models``), switched as the first of them says (``backend.pooling``)."""
     _check_ports(cfg, policy)
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     urls = []
+    shared: dict[str, list[tuple[Model, Endpoint, str | None]]] = {}
     for m in policy.models.values():
         pool = _start_pool(cfg, m, log_dir)
         if pool is not None:
             urls.append(pool)
         for ep in m.endpoints:
             u = urlsplit(ep.url)
-            if not loopback(u.hostname) or u.port is None:
-                continue
-            log = open(log_dir / f"backend-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
-            cmd = [sys.executable, "-m", "tokengate", "backend", "--host", u.hostname or "",
-                   "--port", str(u.port), "--model", m.backend.model, "--hardware",
-                   m.backend.sim_hardware, "--served-model-name", m.upstream_name,
-                   "--time-scale", str(cfg.time_scale), "--role", ep.role]
-            if m.backend.max_num_batched_tokens:
-                cmd += ["--max-num-batched-tokens", str(m.backend.max_num_batched_tokens)]
-            if m.backend.tensor_parallel:
-                cmd += ["--tensor-parallel", str(m.backend.tensor_parallel)]
-            if ep.kv_events is not None:
-                cmd += ["--kv-events-config", _events_flag(ep.kv_events)]
-            if m.backend.kv_offload_gb:
-                cmd += ["--kv-offload-gb", str(m.backend.kv_offload_gb)]
-            if pool is not None:
-                cmd += ["--kv-pool", pool]
-            cfg.children.append(subprocess.Popen(cmd, stdout=log, stderr=log,
-                                                 env=_pool_env(cfg)))
-            log.close()
-            urls.append(f"{u.scheme}://{u.netloc}")
+            if loopback(u.hostname) and u.port is not None:
+                shared.setdefault(u.netloc, []).append((m, ep, pool))
+    for netloc, members in shared.items():
+        u = urlsplit(members[0][1].url)
+        log = open(log_dir / f"backend-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
+        cfg.children.append(subprocess.Popen(_backend_cmd(cfg, members), stdout=log,
+                                             stderr=log, env=_pool_env(cfg)))
+        log.close()
+        urls.append(f"{u.scheme}://{netloc}")
     return urls
+
+
+def _backend_cmd(cfg: UpConfig, members: list[tuple[Model, Endpoint, str | None]]
+                 ) -> list[str]:
+    m, ep, pool = members[0]
+    u = urlsplit(ep.url)
+    cmd = [sys.executable, "-m", "tokengate", "backend", "--host", u.hostname or "",
+           "--port", str(u.port), "--hardware", m.backend.sim_hardware,
+           "--time-scale", str(cfg.time_scale), "--role", ep.role]
+    names = list(dict.fromkeys(f"{x.upstream_name}={x.backend.model}" for x, _, _ in members))
+    if len(names) > 1:
+        cmd += ["--models", ",".join(names), "--pooling", m.backend.pooling]
+    else:
+        cmd += ["--model", m.backend.model, "--served-model-name", m.upstream_name]
+    if m.backend.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(m.backend.max_num_batched_tokens)]
+    if m.backend.tensor_parallel:
+        cmd += ["--tensor-parallel", str(m.backend.tensor_parallel)]
+    if ep.kv_events is not None:
+        cmd += ["--kv-events-config", _events_flag(ep.kv_events)]
+    if m.backend.kv_offload_gb:
+        cmd += ["--kv-offload-gb", str(m.backend.kv_offload_gb)]
+    if pool is not None:
+        cmd += ["--kv-pool", pool]
+    return cmd
 
 
 def _events_flag(kv: KVEvents) -> str:

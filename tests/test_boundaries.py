@@ -26,7 +26,8 @@ COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
 # The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
-                        "benchmarks.sim_tiers", "benchmarks.sim_models"}
+                        "benchmarks.sim_tiers", "benchmarks.sim_models",
+                        "benchmarks.sim_models_confirm"}
 
 
 def _modules() -> dict[str, Path]:

@@ -22,6 +22,7 @@ class BackendSpec:
     tensor_parallel: int | None = None  # GPUs per instance (default: the model profile's)
     kv_offload_gb: float = 0.0  # host memory per instance for KV below the GPU cache
     kv_pool_gb: float = 0.0  # a shared KV pool for the pool's instances (``up`` starts it)
+    pooling: str = "token"  # models sharing an endpoint: switch between batches or steps
 
     @property
     def sim_hardware(self) -> str:
@@ -39,4 +40,6 @@ def parse_backend(d: Decoder, raw: Any, path: str) -> BackendSpec:
     for k in ("kv_offload_gb", "kv_pool_gb"):
         if bkw.get(k, 0) < 0:
             raise d.fail(f"{path}.{k}", "must not be negative")
+    if bkw.get("pooling", "token") not in ("request", "token"):
+        raise d.fail(f"{path}.pooling", f"expected request or token, got {bkw['pooling']!r}")
     return BackendSpec(**bkw)

@@ -208,7 +208,10 @@ SECTIONS: dict[str, Section] = {
          "kv_offload_gb": _k("number ≥ 0", 0.0, "Host memory per instance keeping KV below "
                              "the GPU cache."),
          "kv_pool_gb": _k("number ≥ 0", 0.0, "A shared KV pool of this size (needs the "
-                          "model's `kv_pool`).")}),
+                          "model's `kv_pool`)."),
+         "pooling": _k("`request` or `token`", "token", "How models that list the same "
+                       "endpoint share its GPU: one reference backend hosts them all and "
+                       "switches between batches (`request`) or between steps (`token`).")}),
     "routing": Section(
         "models.NAME.routing",
         "How the model's pool picks an endpoint: a strategy, or filters, scorers and a "
