@@ -62,6 +62,10 @@ def snapshot(state: BackendState) -> dict[str, Any]:
         "draining": {r: pending_for_role(state, r) for r in ("prefill", "decode")
                      if r != state.role and state.role != "both"},
         "pooling": pooling(state),
+        "lora": None if state.lora is None else {
+            "max_loras": state.lora.config.max_loras, "loads": state.lora.loads,
+            "adapters": {a.name: {"path": a.path, "rank": a.rank, "bytes": a.bytes}
+                         for a in state.lora.adapters.values()}},
     }
 
 

@@ -21,6 +21,7 @@ from backend.config import (
 from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
+from backend.lora import LoraConfig
 from backend.pooling import MODES, Mode, PoolingConfig
 from protocol import logs
 from protocol.logs import add_log_args
@@ -54,6 +55,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
       help="where a switched-in model's weights come from (host memory over PCIe, or disk)")
     a("--naive-switch", action="store_true",
       help="re-initialise the engine on every switch (no Aegaeon-style component reuse)")
+    a("--enable-lora", action="store_true",
+      help="serve LoRA adapters of the (first) model, as vLLM --enable-lora")
+    a("--max-loras", type=int, default=1, help="distinct adapters one batch may hold")
+    a("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    a("--lora-modules", nargs="+", metavar="NAME=PATH",
+      help="adapters served from the start (PEFT directories)")
     a("--slo-ttft", type=float, default=2.0, help="TTFT deadline (s) of token-level pooling")
     a("--slo-tpot", type=float, default=0.05, help="TPOT deadline (s) of token-level pooling")
     a("--max-num-seqs", type=int, default=256,
@@ -121,7 +128,7 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
         num_gpu_blocks=ns.num_gpu_blocks, enable_prefix_caching=not ns.no_prefix_caching,
         time_scale=ns.time_scale, jitter=ns.jitter, seed=ns.seed,
-        kv_hold_timeout_s=ns.kv_hold_timeout)
+        kv_hold_timeout_s=ns.kv_hold_timeout, max_loras=ns.max_loras if ns.enable_lora else 0)
     faults = FaultConfig(
         error_rate=ns.fault_error_rate, error_status=ns.fault_error_status,
         stall_s=ns.fault_stall, stall_rate=ns.fault_stall_rate, drop_rate=ns.fault_drop_rate,
@@ -140,7 +147,23 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         kv_events=_kv_events(ns.kv_events_config), tokenizer=ns.tokenizer,
         kv_offload_bytes=_offload(ns.kv_offload_gb), kv_pool_url=_pool_url(ns.kv_pool),
         kv_pool_token=_pool_token(ns.kv_pool, ns.kv_pool_token_env),
-        pooling=_pooling(ns))
+        pooling=_pooling(ns), lora=_lora(ns))
+
+
+def _lora(ns: argparse.Namespace) -> LoraConfig | None:
+    if not ns.enable_lora:
+        if ns.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    if ns.max_loras <= 0 or ns.max_lora_rank <= 0:
+        raise ValueError("--max-loras and --max-lora-rank must be positive")
+    modules = []
+    for item in ns.lora_modules or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+        modules.append((name, path))
+    return LoraConfig(ns.max_loras, ns.max_lora_rank, tuple(modules))
 
 
 def _pooling(ns: argparse.Namespace) -> PoolingConfig | None:

@@ -9,6 +9,7 @@ from typing import Literal
 from backend.engine import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
+from backend.lora import LoraConfig
 from backend.pooling import PoolingConfig
 
 # The environment variable holding the shared secret of a KV pool (``tokengate kvpool``) and
@@ -65,6 +66,7 @@ class BackendConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     pooling: PoolingConfig | None = None  # several models on this instance
+    lora: LoraConfig | None = None  # LoRA adapters of the (first) model
 
     @property
     def served_names(self) -> list[str]:

@@ -63,6 +63,7 @@ class EngineConfig:
     seed: int = 0
     kv_hold_timeout_s: float = 480.0
     resync_s: float = 0.010
+    max_loras: int = 0  # distinct LoRA adapters per batch (0: no limit)
 
 
 def num_gpu_blocks(model: ModelProfile, hw: HardwareProfile, cfg: EngineConfig) -> int:
@@ -182,7 +183,7 @@ class Engine:
         return new_slot(name, profile, self.hardware, blocks, root, block_size=cfg.block_size,
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                         max_num_seqs=cfg.max_num_seqs, enable_caching=cfg.enable_prefix_caching,
-                        jitter=cfg.jitter, seed=cfg.seed)
+                        jitter=cfg.jitter, seed=cfg.seed, max_loras=cfg.max_loras)
 
     def slot_of(self, req: Request) -> ModelSlot:
         return self.mux.by_name.get(req.model) or self.mux.slots[0]

@@ -7,6 +7,7 @@ by one app (no process globals), labelled ``model_name`` and ``engine`` as vLLM 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -67,6 +68,20 @@ class _EngineGauges(Collector):
         if e.tiers is not None:
             yield from self._tiers(e)
         yield from self._pooling(e)
+        if e.config.max_loras:
+            yield self._lora(e)
+
+    def _lora(self, e: Engine) -> Metric:
+        """vLLM's ``vllm:lora_requests_info``: the adapters with running and waiting requests
+        in its labels, the time of the reading as its value."""
+        running = sorted({r.lora for s in e.mux.slots for r in s.scheduler.running if r.lora})
+        waiting = sorted({r.lora for s in e.mux.slots for r in s.scheduler.waiting if r.lora})
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters",
+                                      "running_lora_adapters"])
+        g.add_metric([str(e.config.max_loras), ",".join(waiting), ",".join(running)],
+                     time.time())
+        return g
 
     def _per_model(self, name: str, doc: str, value: Callable[[ModelSlot], float],
                    kind: type[GaugeMetricFamily | CounterMetricFamily] = GaugeMetricFamily,

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from backend.config import peer_allowed
 from backend.request import RemotePrefill, Request, Status
-from backend.state import STATE, BackendState
+from backend.state import STATE, BackendState, base_of
 from backend.stream import Delta, RequestStream
 from backend.textgen import WordSource
 from protocol.bodies import read_body
@@ -107,7 +107,8 @@ def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
     if state.engine.knows(rid):
         rid = f"{rid}-{state.counter}"
     req = Request(rid, ids, max_tokens, target, state.engine.clock(),
-                  cache_salt=g.cache_salt, model=g.model, remote_decode=remote_decode,
+                  cache_salt=g.cache_salt, model=g.model,
+                  lora=None if g.model in state.hosted else g.model, remote_decode=remote_decode,
                   remote_prefill=remote_prefill)
     return req, rng
 
@@ -182,7 +183,7 @@ async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise APIError(status, "injected fault", type="rate_limit_exceeded" if status == 429
                        else "server_error", code="injected_fault")
     g = parse(kind, await read_body(request))
-    if g.model not in state.hosted:
+    if base_of(state, g.model) is None:
         raise APIError(404, f"The model `{g.model}` does not exist.", param="model",
                        code="model_not_found")
     ids = await _prompt_ids(state, g)
@@ -293,5 +294,10 @@ async def models(request: web.Request) -> web.Response:
     cards = [{"id": name, "object": "model", "created": 0, "owned_by": "tokengate",
               "root": profile.name, "parent": None, "max_model_len": state.max_len[name]}
              for name, profile in state.hosted.items()]
+    if state.lora is not None:
+        base = next(iter(state.hosted))
+        cards += [{"id": a.name, "object": "model", "created": 0, "owned_by": "tokengate",
+                   "root": a.path, "parent": base, "max_model_len": state.max_len[base]}
+                  for a in state.lora.adapters.values()]
     return web.json_response({"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(
         o).decode())

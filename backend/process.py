@@ -20,8 +20,9 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backend import admin, openai_api, pd
+from backend import admin, lora_api, openai_api, pd
 from backend.config import BackendConfig
+from backend.lora import runtime_updates_allowed
 from backend.state import STATE, BackendState
 from protocol.errors import APIError, errors
 from protocol.tokenizer import Tokenizer
@@ -108,6 +109,9 @@ def build_app(state: BackendState) -> web.Application:
     r.add_post("/admin/role", admin.set_role)
     r.add_get("/admin/faults", admin.get_faults)
     r.add_post("/admin/faults", admin.set_faults)
+    if state.lora is not None and runtime_updates_allowed():
+        r.add_post("/v1/load_lora_adapter", lora_api.load)
+        r.add_post("/v1/unload_lora_adapter", lora_api.unload)
     return app
 
 

@@ -11,6 +11,8 @@ Each call to ``schedule`` returns the plan of one step under a token budget
 2. Then, if nothing was preempted this step, waiting requests in FCFS order while there is
    budget and fewer than ``max_num_seqs`` are running. A fresh (or preempted) request first
    takes its longest cached prefix; a prompt longer than the remaining budget is chunked.
+   A batch holds the requests of at most ``max_loras`` LoRA adapters (as vLLM's
+   ``--max-loras``): a request whose adapter would be one more waits, and those behind it go.
 3. A decode-side request of a prefill/decode handoff gets blocks for its whole prompt and waits
    for the KV pull (``transfers``) without spending budget.
 4. With lower KV tiers (``tiers``: host memory, the shared pool), a fresh request whose prefix
@@ -68,6 +70,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     block_size: int = 16
+    max_loras: int = 0  # distinct LoRA adapters one batch may hold (0: no limit)
 
 
 class Scheduler:
@@ -117,10 +120,13 @@ class Scheduler:
             return plan
 
         skipped: list[Request] = []
+        loras = {r.lora for r in self.running if r.lora} if self.config.max_loras else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.status is Status.WAITING_FOR_REMOTE_KVS:
-                skipped.append(self.waiting.popleft())
+            if req.status is Status.WAITING_FOR_REMOTE_KVS or (
+                    req.lora and loras and req.lora not in loras
+                    and len(loras) >= self.config.max_loras):
+                skipped.append(self.waiting.popleft())  # its adapter would be one too many
                 continue
             computed, hit = ([], 0) if req.num_computed_tokens else kv.computed_blocks(req)
             rp = req.remote_prefill
@@ -159,6 +165,8 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = Status.RUNNING
             self.running.append(req)
+            if req.lora and self.config.max_loras:
+                loras.add(req.lora)
             plan.add(req, n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))

@@ -15,8 +15,10 @@ from backend.engine import Engine
 from backend.faults import Faults
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import HostTier, LoadCost
+from backend.lora import LoraRegistry
 from backend.metrics import BackendMetrics
 from backend.textgen import LengthDistribution
+from protocol.errors import APIError
 from protocol.tokenizer import Tokenizer
 from roofline.profiles import HardwareProfile, ModelProfile, ProfileCatalog, load_profiles
 
@@ -38,6 +40,7 @@ class BackendState:
     role: Role
     hosted: dict[str, ModelProfile] = field(default_factory=dict)  # served name -> profile
     max_len: dict[str, int] = field(default_factory=dict)  # served name -> context limit
+    lora: LoraRegistry | None = None
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ready: bool = False
     counter: int = 0
@@ -76,6 +79,13 @@ class BackendState:
                     load_seconds=load_s * config.engine.time_scale, role=config.role,
                     hosted=hosted, max_len=max_len)
         ref.append(state)
+        if config.lora is not None:
+            state.lora = LoraRegistry(config.lora, model, frozenset(hosted))
+            for name, path in config.lora.modules:
+                try:
+                    state.lora.register(name, path)
+                except APIError as exc:
+                    raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from None
         if config.kv_offload_bytes > 0 or config.kv_pool_url:
             if pooling is not None:
                 raise ValueError("KV tiers (--kv-offload-gb, --kv-pool) serve one model per "
@@ -117,3 +127,12 @@ class BackendState:
 
 
 STATE: web.AppKey[BackendState] = web.AppKey("tokengate_backend_state", BackendState)
+
+
+def base_of(state: BackendState, model: str) -> str | None:
+    """The hosted model a request naming ``model`` runs on: itself, or an adapter's base."""
+    if model in state.hosted:
+        return model
+    if state.lora is not None and model in state.lora.adapters:
+        return next(iter(state.hosted))
+    return None
