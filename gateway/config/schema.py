@@ -145,6 +145,8 @@ SECTIONS: dict[str, Section] = {
                              "`auto` (the tokenizer's template when it has one)."),
          "upstream_model": _k("string", NONE, "The name the endpoints know it by (default: "
                               "NAME)."),
+         "lora": _k("lora", NONE, "The model is a LoRA adapter its endpoints load on demand "
+                    "(below)."),
          "price": _k("price", "(free)", "Dollars per 1,000 tokens, for `budget` limits and "
                      "spend metrics."),
          "fallback": _k("list of model names", [], "Cheaper models to serve from, in order, "
@@ -165,6 +167,20 @@ SECTIONS: dict[str, Section] = {
          "routing": _k("routing", "(below)", "How the pool picks an endpoint."),
          "scaling": _k("scaling", NONE, "A pool that grows, shrinks and wakes from zero."),
          "kv_pool": _k("kv_pool", NONE, "The shared KV pool its engines use.")}),
+    "lora": Section(
+        "models.NAME.lora",
+        "A LoRA adapter of a base model its endpoints serve (vLLM with `--enable-lora` and "
+        "`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, or `tokengate backend --enable-lora`): routed "
+        "to an endpoint that has it loaded when one is free enough, else loaded there first "
+        "through `/v1/load_lora_adapter`.",
+        {"path": _k("string", REQUIRED, "The adapter's directory as the engine sees it "
+                    "(`lora_path`)."),
+         "max_loaded": _k("integer > 0", NONE, "The most adapters kept loaded on one "
+                          "endpoint: loading another first unloads the least recently used "
+                          "(default: no limit)."),
+         "load_ms": _k("number > 0", 200.0, "What a load is expected to cost, until loads "
+                       "have been measured (routing prefers endpoints holding the adapter "
+                       "by this much).")}),
     "endpoint": Section(
         "models.NAME.endpoints[]", "One engine serving the model.",
         {"url": _k("http(s) URL", REQUIRED, "Its OpenAI base URL, e.g. "

@@ -25,6 +25,7 @@ from gateway.quota import ledger as quota
 from gateway.request import disagg, slo
 from gateway.request.attempt import Attempt, Sent, attempt_on, retry
 from gateway.request.context import RequestContext
+from gateway.request.failure import Failure
 from gateway.request.settle import refund_later
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import RequestInfo
@@ -114,6 +115,7 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
         started_at = time.perf_counter()
+        await load_adapter(state, m, pool, ep)
         kv = await prefill(state, ctx, m, router, decision)
         a = Attempt(state, ctx, pool, ep, info.prompt_tokens + reserved,
                     0 if kv is not None else decision.endpoint.uncached_tokens,
@@ -129,6 +131,22 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     return await retry(state, ctx, router, info, first, [], try_one,
                        APIError(502, f"no endpoint of {m.name} answered", type="server_error",
                                 code="upstream_unavailable"), m.name)
+
+
+async def load_adapter(state: GatewayState, m: Model, pool: EndpointPool,
+                       ep: EndpointState) -> None:
+    """A LoRA adapter is loaded on ``ep`` before the request goes there; a load the engine
+    refuses fails the request (502 naming the adapter), not the endpoint."""
+    if m.lora is None:
+        return
+    limits = [x.lora.max_loaded for x in state.view.policy.models.values()
+              if x.lora is not None and x.lora.max_loaded is not None
+              and any(e.url == ep.url for e in x.endpoints)]
+    try:
+        await state.fleet.adapters.ensure(m, ep, pool.auth_headers(ep),
+                                          min(limits) if limits else None)
+    except APIError as exc:
+        raise Failure(exc, "adapter", False, endpoint_fault=False) from None
 
 
 async def traced_route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,

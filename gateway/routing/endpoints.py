@@ -152,6 +152,11 @@ class LiveLoad:
             self.head_done_at = now
 
 
+def base_url(url: str) -> str:
+    """``http://host:port/v1`` → ``http://host:port`` (where /metrics and /health live)."""
+    return url[:-3] if url.endswith("/v1") else url
+
+
 @dataclass(slots=True, eq=False)
 class EngineView:
     """The engine's own view of itself, scraped from its metrics every ~200 ms. Written by

@@ -23,7 +23,8 @@ from collections.abc import Iterable
 import aiohttp
 
 from gateway.config.endpoint import KVEvents, KVPool
-from gateway.routing.endpoints import EndpointState
+from gateway.routing.adapters import AdapterLoader
+from gateway.routing.endpoints import EndpointState, base_url
 from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.placement import read_residency
 from gateway.routing.prefix import ApproxIndex, PreciseIndex
@@ -35,11 +36,6 @@ _LINE = re.compile(r"^(vllm:[a-z_]+|process_start_time_seconds)(\{[^}]*\})?\s+"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 PROBE_TIMEOUT_S = 0.5
 MODELS_EVERY_S = 30.0  # an engine without max_model_len in /v1/models is asked again this often
-
-
-def base_url(url: str) -> str:
-    """``http://host:port/v1`` → ``http://host:port`` (where /metrics and /health live)."""
-    return url[:-3] if url.endswith("/v1") else url
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
@@ -77,6 +73,7 @@ class Fleet:
     def __init__(self, *, interval_s: float = 0.2, trip_after: int = 3,
                  cooldown_s: float = 5.0) -> None:
         self.endpoints: dict[str, EndpointState] = {}
+        self.adapters = AdapterLoader()  # LoRA adapters each endpoint holds
         self.approx = ApproxIndex()
         self.precise = PreciseIndex()
         self.tiers = TierIndex()
@@ -196,6 +193,7 @@ class Fleet:
             self.approx.forget(e.url)
             self.tiers.forget(e.url)
             self.precise.clear(e.url)
+            self.adapters.forget(e.url)
             v.max_model_len, v.models_read_at = None, -math.inf
         v.started_at = started if started is not None else v.started_at
         if v.max_model_len is None and time.monotonic() - v.models_read_at > MODELS_EVERY_S:
@@ -267,5 +265,6 @@ class Fleet:
 
     async def close(self) -> None:
         await self.kv_events.close()
+        await self.adapters.close()
         if self._session is not None:
             await self._session.close()

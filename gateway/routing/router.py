@@ -156,8 +156,10 @@ class Router:
             cached = min(blocks * bs, last)
             c = Candidate(e, cached, req.prompt_tokens - cached, matched_blocks=blocks,
                           index_blocks=index.size(e.url))
-            # an engine shared by several models: switching this one in comes first
-            switch_ms = e.engine.model_wait_s.get(name, 0.0) * 1e3
+            # an engine shared by several models: switching this one in comes first; an
+            # adapter it does not hold: loading it
+            switch_ms = e.engine.model_wait_s.get(name, 0.0) * 1e3 \
+                + self.fleet.adapters.cost_ms(self.model, e)
             if tiered and cached < last:
                 t = self.fleet.tiers.lookup(e.url, e.engine, req.hashes, blocks, last // bs,
                                             self.kv_pool, precise)
