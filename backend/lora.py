@@ -73,7 +73,7 @@ def read_adapter(name: str, path: str, model: ModelProfile, max_rank: int, int_i
         if isinstance(targets, str):
             targets = [targets]
     except (OSError, ValueError, KeyError, TypeError):
-        raise APIError(404, f"Loading lora {name} failed: No adapter found for {path}",
+        raise APIError(404, f"Loading lora {name} failed: No adapter found for <path>",
                        type="NotFoundError", param="lora_path", code="lora_not_found") from None
     if rank <= 0 or rank > max_rank:
         raise APIError(400, f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.",

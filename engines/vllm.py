@@ -14,7 +14,10 @@ tiny random-weight model is built into ``.models/tiny-llama`` (``TOKENGATE_VLLM_
   ``tcp://127.0.0.1:P+1``;
 * prefill/decode over the real NixlConnector (``kv_both``, CPU buffers, UCX over TCP on lo and
   a side-channel port of its own);
-* OTLP traces (``--otlp-traces-endpoint``) when asked.
+* OTLP traces (``--otlp-traces-endpoint``) when asked;
+* LoRA (``--enable-lora --max-loras N``, rank 8) with vLLM's runtime adapter endpoints
+  (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) when asked; ``build_adapters`` makes random-weight
+  adapters for the tiny model.
 
 Nothing here talks to anything but loopback, and nothing is downloaded at run time
 (``HF_HUB_OFFLINE``, ``VLLM_NO_USAGE_STATS``).
@@ -70,6 +73,15 @@ def ensure_model() -> Path:
     return out
 
 
+def build_adapters(out: Path, names: list[str], model: Path | None = None) -> dict[str, Path]:
+    """Random-weight LoRA adapters for the tiny model (``engines/in_venv/lora.py``), by name."""
+    model = model or ensure_model()
+    builder = ROOT / "engines" / "in_venv" / "lora.py"
+    subprocess.run([str(python()), str(builder), str(model), str(out), *names], check=True,
+                   stdout=subprocess.DEVNULL)
+    return {n: out / n for n in names}
+
+
 @dataclass(slots=True)
 class VllmSpec:
     port: int
@@ -81,6 +93,8 @@ class VllmSpec:
     max_model_len: int = 2048
     kv_cache_bytes: int = 64 * 1024 * 1024
     extra_args: list[str] = field(default_factory=list)
+    # LoRA (--enable-lora): adapters per batch, with the runtime load/unload endpoints on
+    max_loras: int | None = None
 
     @property
     def url(self) -> str:
@@ -112,6 +126,8 @@ class VllmSpec:
                 "kv_buffer_device": "cpu"})]
         if self.otlp_endpoint:
             cmd += ["--otlp-traces-endpoint", self.otlp_endpoint]
+        if self.max_loras is not None:
+            cmd += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", "8"]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -128,6 +144,8 @@ class VllmSpec:
             env.update({"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port)})
+        if self.max_loras is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
             env["OTEL_SERVICE_NAME"] = f"vllm-{self.port}"

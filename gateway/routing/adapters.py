@@ -72,13 +72,6 @@ class AdapterLoader:
             if h.names is not None and name in h.names:
                 h.names.move_to_end(name)
                 return
-            if limit is not None and h.names is not None:
-                while len(h.names) >= limit:
-                    victim = next(iter(h.names))
-                    await self._post(ep, "/v1/unload_lora_adapter", {"lora_name": victim},
-                                     headers)
-                    h.names.pop(victim, None)
-                    self.unloads += 1
             t0 = time.perf_counter()
             status, text = await self._post(ep, "/v1/load_lora_adapter",
                                             {"lora_name": name, "lora_path": m.lora.path},
@@ -95,8 +88,16 @@ class AdapterLoader:
             self.loads += 1
             prev = self.load_ms.get(name)
             self.load_ms[name] = took if prev is None else 0.7 * prev + 0.3 * took
-            if h.names is not None:
-                h.names[name] = None
+            if h.names is None:
+                return
+            h.names[name] = None
+            # only now, so that a load that fails never costs another adapter its place
+            while limit is not None and len(h.names) > limit:
+                victim = next(iter(h.names))
+                await self._post(ep, "/v1/unload_lora_adapter", {"lora_name": victim},
+                                 headers)
+                h.names.pop(victim, None)
+                self.unloads += 1
 
     def forget(self, url: str) -> None:
         """The endpoint restarted or went away: ask it again next time."""
