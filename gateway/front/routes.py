@@ -125,6 +125,7 @@ async def admin_endpoints(request: web.Request) -> web.Response:
                        "healthy": e.healthy(time.monotonic()), "waiting": e.engine.waiting,
                        "running": e.engine.running, "kv_usage": e.engine.kv_usage,
                        "resident_models": sorted(e.engine.resident),
+                       "lora_adapters": state.fleet.adapters.listed(e.url),
                        "model_wait_s": e.engine.model_wait_s,
                        "block_size": e.engine.block_size, "num_gpu_blocks": e.engine.num_gpu_blocks,
                        "index_blocks": (state.fleet.precise if view.routers[name].precise

@@ -54,6 +54,11 @@ class AdapterLoader:
         h = self.held.get(url)
         return None if h is None or h.names is None else name in h.names
 
+    def listed(self, url: str) -> list[str] | None:
+        """The adapters the endpoint holds, least recently used first (None: not read yet)."""
+        h = self.held.get(url)
+        return None if h is None or h.names is None else list(h.names)
+
     def cost_ms(self, m: Model, ep: EndpointState) -> float:
         """What routing ``m`` (an adapter) to ``ep`` adds to its TTFT: 0 where it is loaded."""
         if m.lora is None or self.holds(ep.url, m.upstream_name):
