@@ -7,6 +7,7 @@ import asyncio
 
 from aiohttp import web
 
+from backend.lora import LoraRegistry
 from backend.state import STATE
 from protocol.bodies import json_object
 from protocol.errors import APIError
@@ -19,23 +20,24 @@ def _field(body: dict[str, object], key: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-async def load(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if state.lora is None:
+async def _registry(request: web.Request) -> tuple[LoraRegistry, dict[str, object]]:
+    registry = request.app[STATE].lora
+    if registry is None:
         raise APIError(400, "LoRA is not enabled on this server (--enable-lora)",
                        type="InvalidUserInput", code="lora_disabled")
-    body = await json_object(request)
-    adapter = state.lora.register(_field(body, "lora_name"), _field(body, "lora_path"))
-    await asyncio.sleep(adapter.bytes / DISK_BANDWIDTH * state.config.engine.time_scale)
+    return registry, await json_object(request)
+
+
+async def load(request: web.Request) -> web.Response:
+    registry, body = await _registry(request)
+    adapter = registry.register(_field(body, "lora_name"), _field(body, "lora_path"))
+    scale = request.app[STATE].config.engine.time_scale
+    await asyncio.sleep(adapter.bytes / DISK_BANDWIDTH * scale)
     return web.Response(text=f"Success: LoRA adapter '{adapter.name}' added successfully.")
 
 
 async def unload(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if state.lora is None:
-        raise APIError(400, "LoRA is not enabled on this server (--enable-lora)",
-                       type="InvalidUserInput", code="lora_disabled")
-    body = await json_object(request)
+    registry, body = await _registry(request)
     name = _field(body, "lora_name")
-    state.lora.unregister(name)
+    registry.unregister(name)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

@@ -7,9 +7,12 @@ licence."""
 from __future__ import annotations
 
 import csv
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 TRACES = Path(__file__).resolve().parent / "data" / "traces"
 
@@ -27,6 +30,18 @@ def _parse_ts(raw: str) -> datetime:
     # "2023-11-16 18:15:46.6805900": seven fractional digits, more than %f takes.
     head, _, frac = raw.strip().partition(".")
     return datetime.strptime(f"{head}.{(frac or '0')[:6]:0<6}", "%Y-%m-%d %H:%M:%S.%f")
+
+
+def jsonl_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed JSON)`` of each non-blank line (ValueError names a bad line)."""
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
 
 
 def load_azure(path: str | Path, *, window_s: float | None = None,

@@ -14,7 +14,6 @@ before the run starts so the event loop only sends during it.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import numpy as np
 
 from backend.textgen import LengthDistribution
 from loadtests.prompts import PromptMaker
-from loadtests.traces import load_azure
+from loadtests.traces import jsonl_rows, load_azure
 
 Endpoint = Literal["chat", "completions"]
 
@@ -75,21 +74,14 @@ def synthetic(n: int, rate: float, burstiness: float, inputs: LengthDistribution
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
     rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ok = all(k in row for k in ("timestamp", "input_length", "output_length",
-                                            "hash_ids"))
-            except json.JSONDecodeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"{path}:{line_no}: not a Mooncake trace row")
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
+    for line_no, row in jsonl_rows(path):
+        ok = isinstance(row, dict) and all(
+            k in row for k in ("timestamp", "input_length", "output_length", "hash_ids"))
+        if not ok:
+            raise ValueError(f"{path}:{line_no}: not a Mooncake trace row")
+        rows.append(row)
+        if limit is not None and len(rows) >= limit:
+            break
     return rows
 
 

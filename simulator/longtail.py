@@ -14,12 +14,11 @@ requests on a model market). Prompt and output lengths are the trace rows' own.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.traces import TRACES, load_azure
+from loadtests.traces import TRACES, jsonl_rows, load_azure
 
 AZURE_CONV = TRACES / "azure_llm_2023_conv.csv"
 
@@ -100,22 +99,18 @@ def longtail(models: int, rate: float, duration_s: float, *, zipf_s: float = 1.0
 
 def from_jsonl(path: str | Path, default: str) -> list[ModelRequest]:
     out: list[ModelRequest] = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                t = float(row.get("t", row.get("timestamp", 0.0)))
-                n_in = int(row["input_tokens"])
-                n_out = int(row["output_tokens"])
-                model = str(row.get("model") or default)
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ValueError(f"{path}:{line_no}: expected t, model, input_tokens, "
-                                 f"output_tokens ({exc})") from None
-            if n_in <= 0 or n_out <= 0:
-                raise ValueError(f"{path}:{line_no}: token counts must be positive")
-            out.append(ModelRequest(0, model, t, n_in, n_out))
+    for line_no, row in jsonl_rows(path):
+        try:
+            t = float(row.get("t", row.get("timestamp", 0.0)))
+            n_in = int(row["input_tokens"])
+            n_out = int(row["output_tokens"])
+            model = str(row.get("model") or default)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}:{line_no}: expected t, model, input_tokens, "
+                             f"output_tokens ({exc})") from None
+        if n_in <= 0 or n_out <= 0:
+            raise ValueError(f"{path}:{line_no}: token counts must be positive")
+        out.append(ModelRequest(0, model, t, n_in, n_out))
     if not out:
         raise ValueError(f"{path}: no rows")
     out.sort(key=lambda r: r.t)

@@ -1,0 +1,102 @@
+"""Many models on a shared fleet, simulated: the long-tail workload, placement by token
+velocity, the three pooling modes on the same arrivals, and ``simulate``/``plan
+--pooling``'s outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gateway.routing.placement import InstanceView, pick, placement, read_residency
+from roofline.profiles import HARDWARE, MODELS
+from simulator.longtail import from_jsonl, longtail
+from simulator.multimodel import FleetConfig, run_fleet
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_long_tail_is_zipf_and_bursty_and_seeded() -> None:
+    reqs = longtail(16, 4.0, 600, seed=3)
+    counts = Counter(r.model for r in reqs)
+    assert counts["m00"] > 3 * counts["m08"]  # popularity falls with rank
+    assert 0.7 * 2400 < len(reqs) < 1.3 * 2400  # 4 req/s for 600 s, give or take bursts
+    assert [(r.model, r.t) for r in reqs] == [(r.model, r.t) for r in longtail(16, 4.0, 600,
+                                                                                 seed=3)]
+    assert all(reqs[i].t <= reqs[i + 1].t for i in range(len(reqs) - 1))
+
+
+def test_a_trace_names_a_model_per_row(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"t": 5, "model": "a", "input_tokens": 10, "output_tokens": 3}\n\n'
+                 '{"t": 6, "input_tokens": 20, "output_tokens": 4}\n')
+    reqs = from_jsonl(f, "base")
+    assert [(r.model, r.t, r.prompt_tokens) for r in reqs] == [("a", 0.0, 10), ("base", 1.0, 20)]
+    f.write_text('{"t": 5, "model": "a", "input_tokens": 0, "output_tokens": 3}\n')
+    with pytest.raises(ValueError, match=":1: token counts"):
+        from_jsonl(f, "base")
+
+
+def test_placement_follows_token_velocity_and_gives_every_model_a_home() -> None:
+    v = {"hot": 1000.0, "warm": 100.0, **{f"cold{i}": 1.0 for i in range(6)}}
+    hosts = placement(v, 4, 3)
+    flat = Counter(m for h in hosts for m in h)
+    assert set(flat) == set(v) and all(len(h) <= 3 for h in hosts)
+    assert flat["hot"] == 4 and flat["hot"] >= flat["warm"] >= flat["cold0"] == 1
+    assert placement({"a": 1.0, "b": 1.0}, 2, 1) in ([["a"], ["b"]], [["b"], ["a"]])
+    with pytest.raises(ValueError, match="do not fit"):
+        placement({f"m{i}": 1.0 for i in range(5)}, 2, 2)
+
+
+def test_routing_prefers_where_the_model_waits_least() -> None:
+    a = InstanceView("a", frozenset({"x", "y"}), frozenset({"y"}), {"x": 0.8, "y": 0.0}, 0.1)
+    b = InstanceView("b", frozenset({"x"}), frozenset({"x"}), {"x": 0.0}, 0.5)
+    assert pick("x", [a, b]) is b and pick("y", [a, b]) is a and pick("z", [a, b]) is None
+    text = ('tokengate_backend_model_wait_seconds{engine="0",model_name="x"} 0.33\n'
+            'tokengate_backend_model_resident{engine="0",model_name="x"} 0.0\n'
+            'tokengate_backend_model_resident{engine="0",model_name="y"} 1.0\n')
+    assert read_residency(text) == ({"x": 0.33}, frozenset({"y"}))
+
+
+def test_token_pooling_holds_the_slo_where_request_pooling_cannot() -> None:
+    """The same 8-model long tail on 2 GPUs: switching between steps by deadline keeps
+    ~all requests within TTFT 2 s / TPOT 50 ms; switching only when a batch drains leaves
+    requests of other models queued behind whole batches."""
+    reqs = longtail(8, 2.0, 240, seed=8)
+    h100, llama = HARDWARE["h100-sxm"], MODELS["llama-3-8b"]
+    token = run_fleet(reqs, FleetConfig(2, "token", llama, h100)).summary(2.0, 0.05)
+    request = run_fleet(reqs, FleetConfig(2, "request", llama, h100)).summary(2.0, 0.05)
+    dedicated = run_fleet(reqs, FleetConfig(8, "dedicated", llama, h100)).summary(2.0, 0.05)
+    assert dedicated["attainment"] >= 0.99 and dedicated["switches"] == 0
+    assert token["attainment"] >= 0.95
+    assert request["attainment"] < token["attainment"] - 0.1
+    assert token["completed"] == request["completed"] == len(reqs)
+
+
+def test_simulate_and_plan_with_pooling_write_their_reports(tmp_path: Path) -> None:
+    common = ["--pooling", "token", "--longtail", "6", "--rate", "1.5", "--duration", "90"]
+    sim = subprocess.run([sys.executable, "-m", "tokengate", "simulate", *common,
+                          "--backends", "2", "--out", str(tmp_path / "sim")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert sim.returncode == 0, sim.stderr
+    rep = json.loads((tmp_path / "sim" / "report.json").read_text())
+    assert rep["gpus"] == 2 and rep["models"] == 6 and set(rep["per_model"]) == {
+        f"m{i}" for i in range(6)}
+    plan = subprocess.run([sys.executable, "-m", "tokengate", "plan", *common, "--model",
+                           "llama-3-8b", "--hardware", "h100-sxm", "--max-gpus", "4",
+                           "--target-goodput", "0.95", "--out", str(tmp_path / "plan")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    rec = doc["recommended_gpus"]
+    assert isinstance(rec, int) and 1 <= rec <= 4
+    by_size = {t["instances"]: t["attainment"] for t in doc["trials"]}
+    assert by_size[rec] >= 0.95 and all(a < 0.95 for n, a in by_size.items() if n < rec)
+    bad = subprocess.run([sys.executable, "-m", "tokengate", "simulate", "--pooling", "token",
+                          "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "--longtail" in bad.stderr
