@@ -194,8 +194,13 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig) -> FleetResult
     insts = [SimInstance(f"i{k}", h or [next(iter(velocities(reqs)))], cfg, loop,
                          cfg.seed * 1000 + k) for k, h in enumerate(hosts)]
 
+    homes: dict[str, list[SimInstance]] = {}
+    for inst_, hosted in zip(insts, hosts, strict=True):
+        for m in hosted:
+            homes.setdefault(m, []).append(inst_)
+
     def arrive(mr: ModelRequest) -> None:
-        inst = pick(mr.model, [i.view() for i in insts])
+        inst = pick(mr.model, [i.view() for i in homes.get(mr.model, ())])
         if inst is None:
             raise ValueError(f"no instance hosts {mr.model}")
         insts[int(inst.name[1:])].submit(mr)
@@ -231,6 +236,8 @@ def fewest_gpus(requests: Sequence[ModelRequest], base: FleetConfig, target: flo
     per = 1 if base.mode == "dedicated" else base.per_instance
     lo = max(1, math.ceil(models / per))
     hi = max(lo, max_instances)
+    if attain(lo) >= target:
+        return lo, trials  # the fewest that can host every model already suffice
     if attain(hi) < target:
         return None, trials
     while lo < hi:
