@@ -39,6 +39,7 @@ from simulator.longtail import ModelRequest, longtail
 from simulator.multimodel import FleetConfig, run_fleet
 
 KEY = "confirm-key"
+DIRECT = False  # --direct: send to the backend itself, not through the gateway
 TTFT_S, TPOT_S = 2.0, 0.05
 
 
@@ -93,9 +94,10 @@ def real(reqs: list[ModelRequest], models: list[str], log_dir: Path) -> dict[str
         asyncio.run(wait_stack(proc, gw_port, log_dir, "pooled"))
         live = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
                 for r in reqs]
-        state = asyncio.run(drive(live, gw_port, port))
+        state = asyncio.run(drive(live, port if DIRECT else gw_port, port))
         return {**figures(live), "switches": state["pooling"]["switches"],
-                "lag_max_s": state["loop"]["max_lag_s"]}
+                "lag_max_s": state["loop"]["max_lag_s"], "resyncs": state["loop"]["resyncs"],
+                "steps": state["loop"]["steps"]}
     finally:
         stop_stack(proc)
 
@@ -117,7 +119,11 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/models-confirm")
+    ap.add_argument("--direct", action="store_true",
+                    help="send to the backend directly (the gateway's share of a gap)")
     ns = ap.parse_args()
+    global DIRECT
+    DIRECT = ns.direct
     runs = []
     for k in range(ns.rounds):
         reqs = longtail(ns.models, ns.rate, ns.duration, seed=100 + k)
