@@ -18,7 +18,7 @@ from backend.config import (
     ROLES,
     BackendConfig,
 )
-from backend.engine import EngineConfig
+from backend.engine_config import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
 from backend.lora import LoraConfig

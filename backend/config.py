@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
-from backend.engine import EngineConfig
+from backend.engine_config import EngineConfig
 from backend.events import KVEventsConfig
 from backend.faults import FaultConfig
 from backend.lora import LoraConfig

@@ -24,23 +24,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from backend.block_pool import KVBlock
+from backend.engine_config import EngineConfig, multiplexer
 from backend.events import KVEventPublisher
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import TierWalk
 from backend.pooling import (
     ModelSlot,
-    Multiplexer,
     PoolingConfig,
     Turn,
-    capacity_bytes,
-    new_slot,
-    pool_blocks,
 )
 from backend.request import Request, Status
 from backend.scheduler import StepPlan
 from backend.stream import RequestStream
 from backend.textgen import WordSource
-from protocol.kv_hash import BlockHash, root_hash
 from protocol.tokenizer import Tokenizer
 from roofline.profiles import HardwareProfile, ModelProfile
 
@@ -48,27 +44,6 @@ log = logging.getLogger("tokengate.backend")
 
 Clock = Callable[[], float]
 KVPuller = Callable[[Request], Awaitable[bool]]
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: int | None = None  # overrides the memory-derived size
-    enable_prefix_caching: bool = True
-    time_scale: float = 1.0
-    jitter: float = 0.03
-    seed: int = 0
-    kv_hold_timeout_s: float = 480.0
-    resync_s: float = 0.010
-    max_loras: int = 0  # distinct LoRA adapters per batch (0: no limit)
-
-
-def num_gpu_blocks(model: ModelProfile, hw: HardwareProfile, cfg: EngineConfig) -> int:
-    """KV blocks that fit per GPU after weights and activations, as vLLM sizes its cache."""
-    return pool_blocks(model, capacity_bytes(hw, cfg.gpu_memory_utilization), cfg.block_size)
 
 
 @dataclass(slots=True)
@@ -131,7 +106,7 @@ class Engine:
         self.config = config
         self.clock = clock
         self.observer = observer or StepObserver()
-        self.mux = self._multiplexer(pooling, hosted or {})
+        self.mux = multiplexer(model, hardware, config, pooling, hosted or {})
         primary = self.mux.slots[0]
         self.pool = primary.pool
         self.kv = primary.kv
@@ -149,41 +124,6 @@ class Engine:
         self._tasks: set[asyncio.Task[None]] = set()
         self._anchor: float | None = None
         self.failed: BaseException | None = None
-
-    def _multiplexer(self, pooling: PoolingConfig | None,
-                     hosted: dict[str, ModelProfile]) -> Multiplexer:
-        """One slot per hosted model (``hosted``: served name -> profile, in ``pooling``'s
-        order); without ``pooling`` the one model, dedicated."""
-        cfg = self.config
-        if pooling is None:
-            blocks = cfg.num_gpu_blocks or num_gpu_blocks(self.model, self.hardware, cfg)
-            if blocks <= 0:
-                raise ValueError(f"model {self.model.name} does not fit on "
-                                 f"{self.hardware.name} at gpu_memory_utilization="
-                                 f"{cfg.gpu_memory_utilization}")
-            slot = self._slot(self.model.name, self.model, blocks, root_hash(self.model.name))
-            return Multiplexer([slot], mode="dedicated", hardware=self.hardware,
-                               capacity=capacity_bytes(self.hardware,
-                                                       cfg.gpu_memory_utilization))
-        cap = capacity_bytes(self.hardware, cfg.gpu_memory_utilization)
-        slots = []
-        for name, _ in pooling.models:
-            profile = hosted[name]
-            blocks = pool_blocks(profile, cap, cfg.block_size)
-            if blocks <= 0:
-                raise ValueError(f"model {name} ({profile.name}) does not fit on "
-                                 f"{self.hardware.name}")
-            slots.append(self._slot(name, profile, blocks, root_hash(name)))
-        return Multiplexer(slots, mode=pooling.mode, hardware=self.hardware, capacity=cap,
-                           switch=pooling.switch, ttft_slo_s=pooling.ttft_slo_s,
-                           tpot_slo_s=pooling.tpot_slo_s)
-
-    def _slot(self, name: str, profile: ModelProfile, blocks: int, root: BlockHash) -> ModelSlot:
-        cfg = self.config
-        return new_slot(name, profile, self.hardware, blocks, root, block_size=cfg.block_size,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens,
-                        max_num_seqs=cfg.max_num_seqs, enable_caching=cfg.enable_prefix_caching,
-                        jitter=cfg.jitter, seed=cfg.seed, max_loras=cfg.max_loras)
 
     def slot_of(self, req: Request) -> ModelSlot:
         return self.mux.by_name.get(req.model) or self.mux.slots[0]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from backend.block_pool import BlockPool, KVBlock, KVEvent
-from backend.engine import EngineConfig, num_gpu_blocks
+from backend.engine_config import EngineConfig, num_gpu_blocks
 from backend.kv_tiers import CPU, POOL, HostTier, LoadCost, TierStats, TierWalk, computed_blocks
 from backend.kvpool_store import PoolBlock, PoolStore
 from backend.request import Request, Status

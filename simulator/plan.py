@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from backend.engine import EngineConfig, num_gpu_blocks
+from backend.engine_config import EngineConfig, num_gpu_blocks
 from loadtests.metrics import SLO
 from roofline.profiles import HARDWARE, MODELS
 from simulator.run import SimConfig, simulate

@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 from backend.config import KV_LINKS
-from backend.engine import EngineConfig
+from backend.engine_config import EngineConfig
 from backend.kvpool_store import PoolStore
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy

@@ -13,7 +13,7 @@ from threaded import ServerThread, start_server_thread
 from vllm_stack import vllm_fleet  # noqa: F401 - the real vLLM instances, one session
 
 from backend.config import BackendConfig
-from backend.engine import EngineConfig
+from backend.engine_config import EngineConfig
 from backend.process import serve
 from backend.state import BackendState
 from protocol.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ import dataclasses
 import random
 from typing import Any
 
-from backend.engine import EngineConfig
+from backend.engine_config import EngineConfig
 from backend.request import Request
 from loadtests import workloads
 from roofline.profiles import HARDWARE, MODELS

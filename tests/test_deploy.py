@@ -11,7 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from backend.engine import Engine, EngineConfig
+from backend.engine import Engine
+from backend.engine_config import EngineConfig
 from backend.metrics import BackendMetrics
 from gateway.config.policy import parse_policy
 from gateway.metrics import GatewayMetrics

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine import Engine, EngineConfig, StepObserver
+from backend.engine import Engine, StepObserver
+from backend.engine_config import EngineConfig
 from backend.request import Request
 from backend.scheduler import StepPlan
 from backend.stream import RequestStream

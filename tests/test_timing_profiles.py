@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine import EngineConfig, num_gpu_blocks
+from backend.engine_config import EngineConfig, num_gpu_blocks
 from roofline.profiles import HARDWARE, MODELS, ProfileError, load_profiles
 from roofline.timing import TimingModel
 

@@ -26,6 +26,7 @@ from gateway.config.backend_spec import BackendSpec, parse_backend
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
 from gateway.config.endpoint import Endpoint, KVPool, parse_endpoint, parse_kv_pool
+from gateway.config.lora import Lora, parse_lora
 from gateway.config.resilience import (
     ClientLimits,
     Retries,
@@ -97,15 +98,6 @@ class Model:
     @property
     def upstream_name(self) -> str:
         return self.upstream_model or self.name
-
-
-@dataclass(frozen=True, slots=True)
-class Lora:
-    """The model is a LoRA adapter its endpoints load on demand (``gateway.routing.adapters``)."""
-
-    path: str
-    max_loaded: int | None = None
-    load_ms: float = 200.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,12 +230,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     if "kv_pool" in m:
         kw["kv_pool"] = parse_kv_pool(d, m["kv_pool"], f"{path}.kv_pool")
     if "lora" in m:
-        lm = d.mapping(m["lora"], f"{path}.lora", schema.keys("lora"), schema.required("lora"))
-        kw["lora"] = Lora(
-            d.string(lm["path"], f"{path}.lora.path"),
-            d.integer(lm["max_loaded"], f"{path}.lora.max_loaded")
-            if "max_loaded" in lm else None,
-            d.number(lm["load_ms"], f"{path}.lora.load_ms") if "load_ms" in lm else 200.0)
+        kw["lora"] = parse_lora(d, m["lora"], f"{path}.lora")
     if kw.get("backend", BackendSpec()).kv_pool_gb and "kv_pool" not in kw:
         raise d.fail(f"{path}.backend.kv_pool_gb", "needs the model's kv_pool (its url)")
     return Model(name, tuple(eps), scaling=scaling, **kw)
