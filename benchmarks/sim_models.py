@@ -78,7 +78,8 @@ def rates(duration: float, gpus: int, log: list[dict[str, Any]]) -> dict[str, An
         best = 0.0
         for f in FACTORS:
             reqs = longtail(32, RATE_PER_MODEL * 32 * f, duration, seed=32)
-            s = run_fleet(reqs, config(mode, gpus)).summary(2.0, 0.05)
+            s = run_fleet(reqs, config(mode, gpus), int((1 - TARGET) * len(reqs))).summary(
+                2.0, 0.05)
             log.append({"models": 32, "mode": mode, "rate_factor": f, **s})
             print(f"  rate x{f} {mode:8} on {gpus} GPUs: attainment {s['attainment']:.3f}",
                   flush=True)
