@@ -39,7 +39,6 @@ from simulator.longtail import ModelRequest, longtail
 from simulator.multimodel import FleetConfig, run_fleet
 
 KEY = "confirm-key"
-DIRECT = False  # --direct: send to the backend itself, not through the gateway
 TTFT_S, TPOT_S = 2.0, 0.05
 
 
@@ -81,7 +80,9 @@ def figures(reqs: list[ModelRequest]) -> dict[str, Any]:
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "completed": len(ttft)}
 
 
-def real(reqs: list[ModelRequest], models: list[str], log_dir: Path) -> dict[str, Any]:
+def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: bool = False
+         ) -> dict[str, Any]:
+    """The stack through ``tokengate up``; ``direct``: sent to the backend, not the gateway."""
     port, gw_port = free_port(), free_port()
     pol = log_dir / "policy.yaml"
     pol.write_text(yaml.safe_dump(policy(models, port), sort_keys=False))
@@ -94,7 +95,7 @@ def real(reqs: list[ModelRequest], models: list[str], log_dir: Path) -> dict[str
         asyncio.run(wait_stack(proc, gw_port, log_dir, "pooled"))
         live = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
                 for r in reqs]
-        state = asyncio.run(drive(live, port if DIRECT else gw_port, port))
+        state = asyncio.run(drive(live, port if direct else gw_port, port))
         return {**figures(live), "switches": state["pooling"]["switches"],
                 "lag_max_s": state["loop"]["max_lag_s"], "resyncs": state["loop"]["resyncs"],
                 "steps": state["loop"]["steps"]}
@@ -122,8 +123,6 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true",
                     help="send to the backend directly (the gateway's share of a gap)")
     ns = ap.parse_args()
-    global DIRECT
-    DIRECT = ns.direct
     runs = []
     for k in range(ns.rounds):
         reqs = longtail(ns.models, ns.rate, ns.duration, seed=100 + k)
@@ -132,7 +131,8 @@ def main() -> None:
                                           HARDWARE["h100-sxm"], per_instance=ns.models,
                                           seed=k))
         simulated = {**figures(sim.requests), "switches": sim.instances[0].mux.stats.switches}
-        measured = real(reqs, models, Path(tempfile.mkdtemp(prefix="tokengate-models-")))
+        measured = real(reqs, models, Path(tempfile.mkdtemp(prefix="tokengate-models-")),
+                        ns.direct)
         ratio = {k2: measured[k2] / simulated[k2] for k2 in
                  ("attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms")
                  if simulated[k2]}
