@@ -354,14 +354,9 @@ class Multiplexer:
     def _make_room(self, slot: ModelSlot, need: float, dropped: list[Request]) -> None:
         """Free ``need`` bytes: idle models' weights first, then busy ones', then other
         models' KV (their requests preempted), least recently active first."""
+        self._drop_weights(slot, need, busy=True)
         others = sorted((s for s in self.slots if s is not slot),
                         key=lambda s: (s.has_work(), s.last_active))
-        for s in others:
-            if self.free_bytes() >= need:
-                return
-            if s.resident:
-                s.resident = False
-                self.stats.weight_evictions += 1
         for s in others:
             if self.free_bytes() >= need:
                 return
@@ -369,6 +364,17 @@ class Multiplexer:
             victims = s.scheduler.preempt_all()
             self.stats.kv_drops += len(victims)
             dropped.extend(victims)
+
+    def _drop_weights(self, keep: ModelSlot, need: float, *, busy: bool) -> None:
+        """Drop other models' weights, idle ones and then (``busy``) busy ones, least
+        recently active first, until ``need`` bytes are free."""
+        for s in sorted((s for s in self.slots if s is not keep and s.resident
+                         and (busy or not s.has_work())),
+                        key=lambda s: (s.has_work(), s.last_active)):
+            if self.free_bytes() >= need:
+                return
+            s.resident = False
+            self.stats.weight_evictions += 1
 
     def _cap(self, slot: ModelSlot) -> None:
         """Let the running model allocate only what the others leave it, after dropping the
@@ -378,13 +384,7 @@ class Multiplexer:
         bs = slot.block_size
         want = (sum(-(-(r.num_tokens + 1) // bs) for r in slot.requests())
                 - slot.used_blocks) * slot.block_bytes
-        if self.free_bytes() < want:
-            for s in sorted((s for s in self.slots if s is not slot and s.resident
-                             and not s.has_work()), key=lambda s: s.last_active):
-                s.resident = False
-                self.stats.weight_evictions += 1
-                if self.free_bytes() >= want:
-                    break
+        self._drop_weights(slot, want, busy=False)
         allowed = max(0, int(self.free_bytes() // slot.block_bytes))
         slot.pool.reserve(slot.pool.num_unreferenced - allowed)
 
