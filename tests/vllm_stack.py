@@ -3,8 +3,10 @@
 Each runs the tiny random-weight Llama (``make vllm``) pinned to its own core, with prefix
 caching, KV events over ZMQ (vLLM connects to 127.0.0.1:P, where the gateway binds; its replay
 socket binds P+1), the real NixlConnector (``kv_both``, so either can prefill for the other)
-and OTLP traces to the session's receiver. If vLLM is not installed the fixture fails, with
-the command that installs it: these tests never skip.
+and OTLP traces to the session's receiver. Instance 1 also serves LoRA adapters
+(``--enable-lora --max-loras 2`` with the runtime load/unload endpoints): a third vLLM beside
+these two did not start within four minutes on a 2-core CI machine. If vLLM is not installed
+the fixture fails, with the command that installs it: these tests never skip.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import pytest
 from engines import vllm
 from loadtests.otlp_receiver import OTLPReceiver
 from protocol.loopback import free_port
+
+LORA_INSTANCE = 1
+LORA_SLOTS = 2
 
 
 @dataclass
@@ -65,7 +70,8 @@ def vllm_fleet() -> Iterator[VllmFleet]:
     otlp = OTLPReceiver()
     logs_dir = Path(tempfile.mkdtemp(prefix="tokengate-vllm-"))
     specs = [vllm.VllmSpec(port=free_port(), core=i, kv_events_port=_port_pair(),
-                           nixl_port=free_port(), otlp_endpoint=otlp.endpoint)
+                           nixl_port=free_port(), otlp_endpoint=otlp.endpoint,
+                           max_loras=LORA_SLOTS if i == LORA_INSTANCE else None)
              for i in range(2)]
     fleet = VllmFleet(specs, model, otlp)
     try:
