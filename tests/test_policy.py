@@ -118,6 +118,11 @@ def test_header_and_error_formatting() -> None:
     assert err.status == 429 and err.code == "rate_limit_exceeded" and err.type == "tokens"
     assert err.headers["retry-after"] == "13" and err.headers["retry-after-ms"] == "12300"
     assert "limit 1000, used 900, requested 300" in err.message
+    money = BucketState("tenant:a", Limit("budget", 5, 86400, 5), 0.01, 3600,
+                        requested=0.02, retry_after_s=60)
+    err = rate_limit_error(Decision(False, None, (money,), money))
+    assert err.status == 429 and err.type == "dollars" and err.code == "budget_exceeded"
+    assert "dollars per day" in err.message
 
 
 def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_survived(

@@ -183,6 +183,8 @@ def rate_limit_error(d: Decision) -> APIError:
     headers = {"retry-after": str(max(1, math.ceil(retry))),
                "retry-after-ms": str(max(1, math.ceil(retry * 1000))),
                **ratelimit_headers(d.states)}
+    if kind == "budget":  # a dollar allowance spent: say so, not "tokens"
+        return APIError(429, msg, type="dollars", code="budget_exceeded", headers=headers)
     return APIError(429, msg, type="requests" if kind == "requests" else "tokens",
                     code="rate_limit_exceeded", headers=headers)
 
