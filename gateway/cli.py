@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from gateway.config.flow import FLOW_MODES
 from protocol.logs import add_log_args
 from protocol.runtime import run_loop
 
@@ -27,6 +28,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests get to finish")
+    p.add_argument("--flow-control", choices=FLOW_MODES, default=None,
+                   help="how requests wait when a pool is saturated (overrides the policy's "
+                   "settings.flow_control.mode): fcfs (no gateway queue), priority, "
+                   "round_robin or fair")
     add_log_args(p)
     e = sub.add_parser("epp", help="run tokengate as the Endpoint Picker (ext_proc) behind "
                        "Envoy: the Gateway API Inference Extension's protocol")
@@ -73,10 +78,13 @@ def _serve_workers(ns: argparse.Namespace) -> int:
                    "--log-format", ns.log_format]
             if ns.redis:
                 cmd += ["--redis", ns.redis]
+            if ns.flow_control:
+                cmd += ["--flow-control", ns.flow_control]
             children.append(subprocess.Popen(cmd))
     try:
         run_loop(serve(ServeConfig(ns.policy, ns.host, ns.port, ns.redis, reuse,
-                               ns.drain_timeout), handle_signals=True))
+                               ns.drain_timeout, flow_mode=ns.flow_control),
+                       handle_signals=True))
     finally:
         for c in children:
             c.terminate()

@@ -98,6 +98,20 @@ class GatewayMetrics:
         self.migrations = Counter("tokengate_migrations",
                                   "In-flight streams moved to another endpoint.",
                                   ["pool", "outcome"], registry=r)
+        # flow control (gateway.flow)
+        self.flow_waiting = Gauge("tokengate_flow_waiting_requests",
+                                  "Requests waiting in the gateway for a saturated pool.",
+                                  ["model", "priority"], registry=r)
+        self.flow_wait = Histogram("tokengate_flow_wait_seconds",
+                                   "Time requests waited in the gateway's flow control.",
+                                   ["model", "priority"], buckets=_LAT, registry=r)
+        self.flow_shed = Counter("tokengate_flow_shed",
+                                 "Requests flow control refused (queue full or waited too "
+                                 "long).", ["model", "priority", "reason"], registry=r)
+        self.flow_service = Counter("tokengate_flow_service_tokens",
+                                    "Weighted tokens served under fair flow control (the "
+                                    "fair-share counters' increments).", ["model", "tenant"],
+                                    registry=r)
         self._children: dict[tuple[object, ...], Any] = {}
 
     def series(self, name: str, *labels: str) -> Any:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
+from gateway.flow.control import FlowGates
 from gateway.metrics import GatewayMetrics
 from gateway.quota.limiter.store import RateStore
 from gateway.request.migrate import LiveStreams
@@ -82,6 +83,11 @@ class GatewayState:
     draining: bool = False
     tracer: Tracer = field(default_factory=lambda: Tracer(None))
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    flow_mode: str | None = None  # ``--flow-control``: overrides the policy's mode
+    flow: FlowGates = field(init=False)  # flow control's gate per model
+
+    def __post_init__(self) -> None:
+        self.flow = FlowGates(self.metrics, self.flow_mode)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

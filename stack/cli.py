@@ -7,6 +7,7 @@ import argparse
 import os
 
 from gateway.cli import guarded
+from gateway.config.flow import FLOW_MODES
 from gateway.config.routing import STRATEGIES
 from gateway.examples import DEMO_POLICY
 from protocol.logs import add_log_args
@@ -38,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     u.add_argument("--envoy", action="store_true",
                    help="put a real Envoy on --port, with tokengate as its endpoint picker "
                         "(ext_proc; gateway/epp/configs/envoy-epp.yaml)")
+    u.add_argument("--flow-control", choices=FLOW_MODES, default=None,
+                   help="how requests wait in the gateway when a pool is saturated "
+                        "(overrides the policy's settings.flow_control.mode)")
     add_shape_args(u)
 
 
@@ -85,7 +89,7 @@ def run(ns: argparse.Namespace) -> int:
             binary()  # before anything starts: says how to install Envoy when it is missing
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape_of(ns), replicas=ns.replicas,
-                             engine=ns.engine, envoy=ns.envoy)))
+                             engine=ns.engine, envoy=ns.envoy, flow_mode=ns.flow_control)))
         return 0
 
     return guarded("up", start)

@@ -46,6 +46,7 @@ class UpConfig:
     replicas: int = 1  # gateway processes, sharing --redis, each on its own port
     engine: str = "reference"  # or "vllm": real vLLM instances (engines.vllm)
     envoy: bool = False  # a real Envoy on the port, tokengate its EPP (stack.behind_envoy)
+    flow_mode: str | None = None  # --flow-control: overrides the policy's mode
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     # The shared secret of the KV pools this launcher starts and their backends (one per run).
     kvpool_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
@@ -203,7 +204,8 @@ def start_replicas(cfg: UpConfig, policy_path: str) -> list[int]:
         cfg.children.append(subprocess.Popen(
             [sys.executable, "-m", "tokengate", "serve", "--policy", policy_path,
              "--host", cfg.host, "--port", str(port), "--redis", cfg.redis_url,
-             "--log-level", "warning"]))
+             "--log-level", "warning",
+             *(["--flow-control", cfg.flow_mode] if cfg.flow_mode else [])]))
     wait_healthy([f"http://{cfg.host}:{port}" for port in ports], 60)
     return ports
 
@@ -249,7 +251,8 @@ async def up(cfg: UpConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url)
+        serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url,
+                                flow_mode=cfg.flow_mode)
         replicas = start_replicas(cfg, path)
         task = asyncio.ensure_future(behind_envoy(path, cfg.host, cfg.port, cfg.redis_url,
                                                   ready=ready, stop=stop) if cfg.envoy

@@ -26,6 +26,7 @@ from gateway.config.backend_spec import BackendSpec, parse_backend
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
 from gateway.config.endpoint import Endpoint, KVPool, parse_endpoint, parse_kv_pool
+from gateway.config.flow import FlowControl, parse_flow_control
 from gateway.config.lora import Lora, parse_lora
 from gateway.config.resilience import (
     ClientLimits,
@@ -119,6 +120,7 @@ class Tenant:
     # InferenceObjective) unless ``max_priority`` grants a higher one explicitly.
     priority: Literal["critical", "standard", "flex"] = "standard"
     max_priority: Literal["critical", "standard", "flex"] | None = None
+    weight: float = 1.0  # its share of a saturated pool under fair flow control
 
     @property
     def priority_ceiling(self) -> str:
@@ -162,6 +164,7 @@ class Settings:
     public_metrics: bool = False
     metrics_tenant_label: bool = True
     tracing: Tracing | None = None
+    flow_control: FlowControl = field(default_factory=FlowControl)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +261,9 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
         if "max_priority" in m else None
     if ceiling is not None and PRIORITY_RANK[ceiling] < PRIORITY_RANK[priority]:
         raise d.fail(f"{path}.max_priority", f"is below the tenant's priority ({priority})")
+    weight = d.number(m["weight"], f"{path}.weight") if "weight" in m else 1.0
     return Tenant(name, tuple(keys), _limits(d, m.get("limits"), f"{path}.limits"), model_limits,
-                  priority, ceiling)
+                  priority, ceiling, weight)
 
 
 def _settings(d: Decoder, raw: Any) -> Settings:
@@ -297,6 +301,8 @@ def _settings(d: Decoder, raw: Any) -> Settings:
             kw[k] = m[k]
     if "tracing" in m:
         kw["tracing"] = parse_tracing(d, m["tracing"])
+    if "flow_control" in m:
+        kw["flow_control"] = parse_flow_control(d, m["flow_control"], "settings.flow_control")
     return Settings(**kw)
 
 

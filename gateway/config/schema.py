@@ -100,7 +100,32 @@ SECTIONS: dict[str, Section] = {
          "public_metrics": _k("boolean", False, "Serve `/metrics` without the admin key."),
          "metrics_tenant_label": _k("boolean", True, "Name tenants in metrics; false writes "
                                     "`*`, so no series names a customer."),
-         "tracing": _k("tracing", NONE, "OpenTelemetry traces; off (and free) when absent.")}),
+         "tracing": _k("tracing", NONE, "OpenTelemetry traces; off (and free) when absent."),
+         "flow_control": _k("flow_control", "(below)", "How requests wait in the gateway "
+                            "when a pool is saturated.")}),
+    "flow_control": Section(
+        "settings.flow_control",
+        "When every endpoint of a model is saturated, requests wait in the gateway, one queue "
+        "per flow (a tenant, or the tenant's `x-fairness-id`), and leave in the order `mode` "
+        "says: priority band first (critical, standard, flex), then fair share, then the "
+        "earliest TTFT deadline. Nothing waits while an endpoint has room.",
+        {"mode": _k("fcfs | priority | round_robin | fair", "fcfs", "`fcfs`: no gateway "
+                    "queue (the engines' own order); `priority`: bands, then arrival; "
+                    "`round_robin`: bands, then flows in turn; `fair`: bands, then the flow "
+                    "with the least weighted tokens served (VTC). `serve --flow-control` "
+                    "overrides it."),
+         "max_queued": _k("integer > 0", 1024, "Requests waiting per model; beyond, the "
+                          "worst (lowest band, most-served flow, latest deadline) is shed "
+                          "with 429."),
+         "max_wait_ms": _k("number > 0", 30_000.0, "Longest wait before a 429."),
+         "flex_max_wait_ms": _k("number > 0", 300_000.0, "Longest wait of a flex request."),
+         "queue_depth": _k("integer > 0", 5, "An endpoint with this many requests sent and "
+                           "not started is saturated…"),
+         "kv_threshold": _k("number 0–1", 0.8, "…and so is one whose KV cache is this full."),
+         "input_weight": _k("number > 0", 1.0, "Fair share counts this per prompt token…"),
+         "output_weight": _k("number > 0", 2.0, "…and this per output token."),
+         "sync_ms": _k("number > 0", 100.0, "Replicas exchange their fair-share counters "
+                       "through Redis this often.")}),
     "timeouts": _TIMEOUTS,
     "retries": Section(
         "settings.retries",
@@ -314,7 +339,9 @@ SECTIONS: dict[str, Section] = {
                         "get, and the highest an `x-priority` header or InferenceObjective "
                         "may ask for."),
          "max_priority": _k("critical | standard | flex", NONE, "A higher band it may ask "
-                            "for explicitly (default: `priority`).")}),
+                            "for explicitly (default: `priority`)."),
+         "weight": _k("number > 0", 1.0, "Its share of a saturated pool under fair flow "
+                      "control, against other tenants' weights.")}),
     "key": Section(
         "tenants.NAME.keys[]", "One API key. The policy holds its SHA-256, never the key.",
         {"name": _k("string", "key0, key1, …", "Shown in logs and `/admin/policy`."),

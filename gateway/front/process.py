@@ -50,6 +50,7 @@ class ServeConfig:
     seed: int = 0
     predictor_path: str | None = None  # load the predictor from here at start, save at stop
     log_dir: str | None = None  # where launched backends log (scaling pools)
+    flow_mode: str | None = None  # --flow-control: overrides the policy's mode
 
 
 def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
@@ -80,7 +81,7 @@ def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
     state = GatewayState(build_view(policy, tokenizers, executor, fleet, predictor,
                                     scalers=scalers), store,
                          metrics, tokenizers, executor, fleet=fleet, predictor=predictor,
-                         redis_url=cfg.redis_url, scalers=scalers)
+                         redis_url=cfg.redis_url, scalers=scalers, flow_mode=cfg.flow_mode)
     sync_tracer(state)
     return state, PolicyWatcher(cfg.policy, state)
 

@@ -17,6 +17,7 @@ from protocol.errors import bad
 from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:
+    from gateway.flow.control import Pass
     from gateway.quota.ledger import Admission
 
 
@@ -41,6 +42,8 @@ class RequestContext:
     trace: RequestTrace | None = None  # None unless the policy turns tracing on
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
     outcome: str | None = None  # how the request ended, once counted (``finish``)
+    flow: str = ""  # its flow under flow control: the tenant, or tenant/x-fairness-id
+    flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in

@@ -20,6 +20,7 @@ import orjson
 from opentelemetry.trace import Span, SpanKind
 
 from gateway.config.policy import Model
+from gateway.flow.control import Pass
 from gateway.quota import admission
 from gateway.quota import ledger as quota
 from gateway.request import disagg, slo
@@ -91,12 +92,41 @@ async def route(state: GatewayState, ctx: RequestContext, m: Model, prompt_token
         prompt_text=g.prompt_text, salt=g.cache_salt,
         prompt_tokens=prompt_tokens, expected_output=reserved,
         slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
-    first = await slo.decide(state, ctx.route, m, router, info,
-                             exclude(router.pool) if exclude is not None else ())
+    turn = await flow_turn(state, ctx, m, info.prompt_tokens, reserved)
+    try:
+        first = await slo.decide(state, ctx.route, m, router, info,
+                                 exclude(router.pool) if exclude is not None else ())
+    finally:
+        if turn is not None:
+            turn.sent()
     state.metrics.routing_seconds.observe(time.perf_counter() - t0)
     if isinstance(first, APIError):
         return first
     return router, info, first
+
+
+async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                    reserved: int) -> Pass | None:
+    """Wait for the request's turn on ``m`` when the pool is saturated (flow control; None
+    when the policy and ``--flow-control`` leave it off)."""
+    cfg = ctx.view.policy.settings.flow_control
+    if not state.flow.queues(cfg):
+        return None
+    name = m.name
+
+    def endpoints() -> Sequence[EndpointState]:
+        pool = state.view.pools.get(name)
+        return pool.endpoints if pool is not None else ()
+
+    gate = state.flow.get(name, cfg, endpoints)
+    deadline = ctx.received_at + (ctx.slo[0] or cfg.max_wait_ms) / 1000.0
+    turn = await gate.enter(ctx.flow, ctx.priority, deadline, prompt_tokens, reserved,
+                            ctx.view.policy.tenants[ctx.tenant].weight, ctx.tenant_label)
+    old = ctx.flow_passes.pop(name, None)
+    if old is not None:  # tried on this model before: that turn served nothing
+        old.settled(0, 0)
+    ctx.flow_passes[name] = turn
+    return turn
 
 
 async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,

@@ -68,6 +68,18 @@ def authenticate(headers: Headers, policy: Policy) -> str:
     return found[0]
 
 
+def flow_id(headers: Headers, tenant: str) -> str:
+    """The request's flow under flow control: its tenant, or finer when it names one
+    (``x-fairness-id``, e.g. an agent session: printable ASCII, at most 128 characters)."""
+    fid = headers.get("x-fairness-id")
+    if fid is None:
+        return tenant
+    if not _REQUEST_ID.match(fid):
+        raise bad("header x-fairness-id must be 1 to 128 printable ASCII characters without "
+                  "spaces", "x-fairness-id")
+    return f"{tenant}/{fid}"
+
+
 def gate(state: GatewayState, headers: Headers) -> str:
     """The tenant, before any body is read: 503 while draining, 401 without a valid key."""
     if state.draining:
@@ -99,6 +111,7 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
     ctx.slo = (slo.header(headers, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
     ctx.priority = slo.priority(headers, policy.tenants[tenant])
+    ctx.flow = flow_id(headers, tenant)
     ctx.trace = state.tracer.request(kind, g.model, headers, {
         "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
         "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,
@@ -181,3 +194,6 @@ def settle_leftovers(ctx: RequestContext) -> None:
     for adm in ctx.admissions:
         if adm.open:
             refund_later(ctx, adm)
+            turn = ctx.flow_passes.pop(adm.model.name, None)
+            if turn is not None:  # nothing will be served on it: no fair-share charge
+                turn.settled(0, 0)

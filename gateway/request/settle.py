@@ -193,6 +193,9 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
     state = ctx.state
     m = adm.model.name
     used = await served(ctx, adm, r)
+    turn = ctx.flow_passes.pop(m, None)
+    if turn is not None:  # its fair-share charge becomes what it was served
+        turn.settled(*((used.prompt, used.completion) if used is not None else (0, 0)))
     if used is not None and used.rejected:
         _distrust(ctx, sent, used)
     if ctx.trace is not None:

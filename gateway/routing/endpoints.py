@@ -59,6 +59,8 @@ class LiveLoad:
     step_seq_s: float = 0.0  # decayed sums of sequence-seconds and tokens
     step_tokens: float = 0.0
     step_ms: float = 0.0  # per-sequence time between tokens here, lately (0 before any)
+    # called when a request here starts or ends (flow control lets the next one through)
+    watchers: list[Callable[[], None]] = field(default_factory=list)
 
     def oldest_pending_ms(self, now: float) -> float:
         """How long the oldest request still waiting for its first token has waited."""
@@ -330,6 +332,8 @@ class EndpointPool:
         e.live.prefill_tokens -= t.prefill_tokens
         e.live.decoding += 1
         e.live.prefill_done(t.key, t.prefill_tokens, now)
+        for w in e.live.watchers:
+            w()
 
     @staticmethod
     def release(t: Ticket) -> None:
@@ -345,6 +349,8 @@ class EndpointPool:
         else:
             e.live.prefill_tokens -= t.prefill_tokens
             e.live.pending.pop(t.key, None)
+            for w in e.live.watchers:
+                w()
 
     def succeeded(self, e: EndpointState) -> None:
         e.health.reset_health()

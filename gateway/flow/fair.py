@@ -1,0 +1,200 @@
+"""Which waiting request goes next when the fleet is saturated: pure data and arithmetic, the
+same for ``serve``, the EPP and the simulator (no clock, no I/O).
+
+Requests wait in *flows* (a tenant, or finer when the request names one: ``x-fairness-id``,
+an agent session). The order:
+
+1. **priority band** first, strictly: critical, then standard, then flex;
+2. within a band, by the ``mode``:
+
+   * ``fcfs``: arrival order, flows ignored (what an engine's own queue does);
+   * ``priority``: bands, then arrival order;
+   * ``round_robin``: bands, then one request per backlogged flow in turn (llm-d's default
+     fairness policy within a band);
+   * ``fair``: bands, then the backlogged flow with the least *virtual service* (VTC, Sheng et
+     al., OSDI 2024): each flow's counter grows by ``(w_in·input + w_out·output) / weight``
+     for the tokens it is served (input when it is dispatched, output as reserved then, made
+     exact when it settles), and a flow that becomes backlogged is lifted to the least
+     counter among the backlogged (or to the counter of the flow that left last when none
+     is), so an idle flow cannot bank credit;
+3. within a flow, earliest deadline first (the request's TTFT SLO after its arrival; arrival
+   order among requests without one).
+
+VTC's bound: between two flows that are backlogged over an interval, the difference in
+weighted service stays within ``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest
+request (Theorem 4.4 of the paper), here ``bound(max_input, max_output)``.
+
+Bounded: at ``max_queued`` requests, a new one sheds the worst waiting request, which may be
+itself: the lowest band's most-served flow's latest deadline (flex first).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["fcfs", "priority", "round_robin", "fair"]
+MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
+BANDS = ("critical", "standard", "flex")
+_BAND_RANK = {b: i for i, b in enumerate(BANDS)}
+_seq = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """One waiting request. ``cost_in``/``cost_out``: its prompt and reserved output tokens;
+    ``payload``: whatever the caller needs to wake it (a future)."""
+
+    flow: str
+    band: str
+    deadline: float
+    cost_in: float
+    cost_out: float
+    weight: float = 1.0
+    payload: Any = None
+    seq: int = field(default_factory=lambda: next(_seq))
+    queued: bool = False
+
+    def key(self) -> tuple[float, int]:
+        return (self.deadline, self.seq)
+
+
+@dataclass(slots=True)
+class _Flow:
+    heap: list[tuple[float, int, Waiter]] = field(default_factory=list)
+    live: int = 0  # waiters in the heap still queued (removed ones are skipped lazily)
+
+
+class FairQueue:
+    def __init__(self, mode: Mode = "fair", *, max_queued: int = 1024, w_in: float = 1.0,
+                 w_out: float = 2.0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown flow-control mode {mode!r}")
+        self.mode = mode
+        self.max_queued = max_queued
+        self.w_in, self.w_out = w_in, w_out
+        self.counters: dict[str, float] = {}  # virtual service per flow (weighted, /weight)
+        self._bands: dict[str, dict[str, _Flow]] = {b: {} for b in BANDS}
+        self._rr: dict[str, list[str]] = {b: [] for b in BANDS}  # round-robin order
+        self._last_left = 0.0  # counter of the flow that left the backlog last
+        self.size = 0
+
+    # -- service accounting ---------------------------------------------------------------
+    def service(self, cost_in: float, cost_out: float, weight: float) -> float:
+        return (self.w_in * cost_in + self.w_out * cost_out) / max(weight, 1e-9)
+
+    def charge(self, flow: str, cost_in: float, cost_out: float, weight: float = 1.0) -> None:
+        """``flow`` was served (or, negative, refunded) these tokens."""
+        self.counters[flow] = self.counters.get(flow, 0.0) + self.service(
+            cost_in, cost_out, weight)
+
+    def bound(self, max_input: float, max_output: float) -> float:
+        """VTC's bound on the weighted service difference between backlogged flows."""
+        return 2.0 * (self.w_in * max_input + self.w_out * max_output)
+
+    def backlogged(self) -> set[str]:
+        return {f for flows in self._bands.values() for f, q in flows.items() if q.live}
+
+    # -- queueing ---------------------------------------------------------------------------
+    def push(self, w: Waiter) -> Waiter | None:
+        """Queue ``w``; returns the waiter shed to make room (possibly ``w`` itself), or None."""
+        if w.band not in _BAND_RANK:
+            raise ValueError(f"unknown band {w.band!r}")
+        shed: Waiter | None = None
+        if self.size >= self.max_queued:
+            worst = self._worst()
+            if worst is None or self._worse(w, worst):
+                return w
+            self.remove(worst)
+            shed = worst
+        if self.mode == "fair" and not any(q.live for flows in self._bands.values()
+                                           if (q := flows.get(w.flow)) is not None):
+            others = [self.counters.get(f, 0.0) for f in self.backlogged()]
+            floor = min(others) if others else self._last_left
+            self.counters[w.flow] = max(self.counters.get(w.flow, 0.0), floor)
+        flows = self._bands[w.band]
+        q = flows.get(w.flow)
+        if q is None:
+            q = flows[w.flow] = _Flow()
+            self._rr[w.band].append(w.flow)
+        heapq.heappush(q.heap, (*w.key(), w))
+        q.live += 1
+        w.queued = True
+        self.size += 1
+        return shed
+
+    def remove(self, w: Waiter) -> None:
+        """``w`` stops waiting (it gave up, timed out or was shed); no-op when not queued."""
+        if not w.queued:
+            return
+        w.queued = False
+        self.size -= 1
+        q = self._bands[w.band][w.flow]
+        q.live -= 1
+        self._tidy(w.band, w.flow, q)
+
+    def peek(self) -> Waiter | None:
+        """The request that would go next."""
+        for band in BANDS:
+            flows = self._bands[band]
+            if not flows:
+                continue
+            if self.mode == "fcfs":
+                return min((self._head(q) for b in BANDS for q in self._bands[b].values()),
+                           key=lambda w: w.seq, default=None)
+            if self.mode == "priority":
+                return min((self._head(q) for q in flows.values()), key=lambda w: w.seq)
+            if self.mode == "round_robin":
+                return self._head(flows[self._rr[band][0]])
+            return min((self._head(q) for q in flows.values()),
+                       key=lambda w: (self.counters.get(w.flow, 0.0), w.deadline, w.seq))
+        return None
+
+    def pop(self) -> Waiter | None:
+        """Take the next request off the queue (the caller dispatches it and ``charge``s)."""
+        w = self.peek()
+        if w is None:
+            return None
+        if self.mode == "round_robin":
+            order = self._rr[w.band]
+            order.append(order.pop(0))
+        self.remove(w)
+        return w
+
+    # -- internals ----------------------------------------------------------------------------
+    @staticmethod
+    def _head(q: _Flow) -> Waiter:
+        while not q.heap[0][2].queued:
+            heapq.heappop(q.heap)
+        return q.heap[0][2]
+
+    def _tidy(self, band: str, flow: str, q: _Flow) -> None:
+        while q.heap and not q.heap[0][2].queued:
+            heapq.heappop(q.heap)
+        if q.live == 0:
+            del self._bands[band][flow]
+            self._rr[band].remove(flow)
+            if not any(flow in flows for flows in self._bands.values()):
+                self._last_left = self.counters.get(flow, 0.0)
+
+    def _worse(self, a: Waiter, b: Waiter) -> bool:
+        """Is ``a`` a worse candidate to keep than ``b``?"""
+        return self._shed_key(a) > self._shed_key(b)
+
+    def _shed_key(self, w: Waiter) -> tuple[int, float, float, int]:
+        return (_BAND_RANK[w.band], self.counters.get(w.flow, 0.0), w.deadline, w.seq)
+
+    def _worst(self) -> Waiter | None:
+        for band in reversed(BANDS):
+            flows = self._bands[band]
+            if flows:
+                return max((w for q in flows.values() for _, _, w in q.heap if w.queued),
+                           key=self._shed_key)
+        return None
+
+    def waiting(self) -> Mapping[str, int]:
+        """Requests waiting per band."""
+        return {b: sum(q.live for q in flows.values()) for b, flows in self._bands.items()}

@@ -1,0 +1,99 @@
+"""One model's flow-control gate, without a clock or an event loop of its own: ``serve`` and
+the EPP drive it from asyncio (``gateway.flow.control``), the simulator from its event loop.
+
+A request ``offer``s itself; it goes at once when nothing waits and the pool has a free slot
+(``saturation.free_slots``), or with ``fcfs`` (no gateway queue); otherwise it waits in the
+``FairQueue`` (the driver then ``pump``s: the pool may have room the queue has not used,
+and a shed request must be answered). Whenever room may have appeared (a request started or
+ended on an endpoint, a granted one was sent, a scrape) the driver calls ``pump``, which lets
+waiting requests through in the queue's order while slots are free: the gate is
+work-conserving. Every request let
+through is charged to its flow's fair-share counter; ``settled`` makes the charge exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.config.flow import FlowControl
+from gateway.flow.fair import FairQueue, Mode, Waiter
+from gateway.flow.saturation import Thresholds, free_slots
+from gateway.routing.endpoints import EndpointState
+
+
+@dataclass(slots=True)
+class Offer:
+    """What became of an offered request: ``go`` now, or wait; ``shed``: a waiting request
+    (possibly the one offered) that must be refused to make room."""
+
+    go: bool
+    shed: Waiter | None = None
+
+
+class Gate:
+    def __init__(self, cfg: FlowControl, endpoints: Callable[[], Sequence[EndpointState]],
+                 mode: str | None = None) -> None:
+        self.cfg = cfg
+        self.mode = mode or cfg.mode
+        self.queue = FairQueue(self._mode(self.mode), max_queued=cfg.max_queued,
+                               w_in=cfg.input_weight, w_out=cfg.output_weight)
+        self.thresholds = Thresholds(cfg.queue_depth, cfg.kv_threshold)
+        self.endpoints = endpoints
+        self.let_through = 0  # granted, not yet sent
+        self.on_charge: Callable[[str, float], None] | None = None  # (flow, service)
+
+    @staticmethod
+    def _mode(mode: str) -> Mode:
+        return mode if mode in ("priority", "round_robin", "fair") else "fcfs"  # type: ignore[return-value]
+
+    @property
+    def queues(self) -> bool:
+        return self.mode != "fcfs"
+
+    def free(self, now: float) -> int:
+        return free_slots(self.endpoints(), self.thresholds, self.let_through, now)
+
+    def offer(self, w: Waiter, now: float) -> Offer:
+        if not self.queues:
+            return Offer(True)
+        if self.queue.size == 0 and self.free(now) > 0:
+            self._grant(w)
+            return Offer(True)
+        return Offer(False, self.queue.push(w))
+
+    def pump(self, now: float) -> list[Waiter]:
+        """Let waiting requests through while the pool has room; returns them, in order."""
+        out: list[Waiter] = []
+        while self.queue.size and self.free(now) > 0:
+            w = self.queue.pop()
+            if w is None:
+                break
+            self._grant(w)
+            out.append(w)
+        return out
+
+    def sent(self) -> None:
+        """A request let through has been sent to an endpoint (or will not be)."""
+        self.let_through = max(0, self.let_through - 1)
+
+    def withdraw(self, w: Waiter) -> None:
+        self.queue.remove(w)
+
+    def settled(self, w: Waiter, prompt: float, output: float) -> None:
+        """``w`` was served ``prompt`` + ``output`` tokens (0, 0: nothing): correct its
+        charge, made with its reserved output."""
+        if not self.queues:
+            return
+        self._charge(w.flow, prompt - w.cost_in, output - w.cost_out, w.weight)
+
+    def _grant(self, w: Waiter) -> None:
+        self.let_through += 1
+        self._charge(w.flow, w.cost_in, w.cost_out, w.weight)
+
+    def _charge(self, flow: str, cost_in: float, cost_out: float, weight: float) -> None:
+        if self.mode != "fair":
+            return
+        self.queue.charge(flow, cost_in, cost_out, weight)
+        if self.on_charge is not None:
+            self.on_charge(flow, self.queue.service(cost_in, cost_out, weight))

@@ -1,0 +1,142 @@
+"""The flow-control queue's order (bands, fair share, deadlines), its VTC bound, its shedding,
+and the gate's saturation and work conservation, as pure functions of their inputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.config.flow import FlowControl
+from gateway.config.policy import Model
+from gateway.flow.fair import FairQueue, Waiter
+from gateway.flow.gate import Gate
+from gateway.routing.endpoints import EndpointPool, EndpointState
+
+
+def w(flow: str, band: str = "standard", deadline: float = 0.0, cin: float = 100,
+      cout: float = 10, weight: float = 1.0) -> Waiter:
+    return Waiter(flow, band, deadline, cin, cout, weight)
+
+
+def test_bands_come_first_then_deadlines_within_a_flow() -> None:
+    q = FairQueue("fair")
+    late, early = w("a", deadline=5), w("a", deadline=1)
+    flex, crit = w("b", "flex"), w("c", "critical", deadline=9)
+    for x in (flex, late, early, crit):
+        assert q.push(x) is None
+    assert [q.pop() for _ in range(4)] == [crit, early, late, flex]
+    assert q.pop() is None and q.size == 0
+
+
+def test_fair_share_goes_to_the_least_served_flow_and_weights_scale_it() -> None:
+    q = FairQueue("fair", w_in=1, w_out=2)
+    for i in range(3):
+        q.push(w("heavy", deadline=i))
+    q.push(w("light", deadline=9))
+    q.charge("heavy", 10_000, 1_000)  # served while both waited
+    assert q.pop().flow == "light"  # type: ignore[union-attr]
+    # a weight of 4 makes the same tokens count a quarter
+    q2 = FairQueue("fair")
+    q2.push(w("plain"))
+    q2.push(w("gold"))
+    q2.charge("gold", 4000, 0, weight=4.0)
+    q2.charge("plain", 1001, 0)
+    assert q2.pop().flow == "gold"  # type: ignore[union-attr]
+
+
+def test_an_idle_flow_cannot_bank_credit() -> None:
+    q = FairQueue("fair")
+    q.charge("busy", 50_000, 0)
+    q.push(w("busy"))
+    q.push(w("idle"))  # it arrives with a counter of 0: lifted to the backlogged minimum
+    assert q.counters["idle"] == q.counters["busy"] == 50_000
+
+
+def test_fcfs_priority_and_round_robin_orders() -> None:
+    arrivals = [w("a"), w("a"), w("b"), w("c", "critical"), w("b")]
+    fcfs, prio, rr = FairQueue("fcfs"), FairQueue("priority"), FairQueue("round_robin")
+    for q in (fcfs, prio, rr):
+        for x in arrivals:
+            x.queued = False
+            q.push(x)
+        order = [q.pop() for _ in arrivals]
+        names = [(x.flow if x else None) for x in order]
+        if q is fcfs:
+            assert names == ["a", "a", "b", "c", "b"]
+        elif q is prio:
+            assert names == ["c", "a", "a", "b", "b"]
+        else:
+            assert names == ["c", "a", "b", "a", "b"]
+
+
+def test_a_full_queue_sheds_the_worst_request_flex_first() -> None:
+    q = FairQueue("fair", max_queued=3)
+    keep = [q.push(x) for x in (w("hog"), w("light"), w("x", "flex"))]
+    assert keep == [None, None, None]
+    q.charge("hog", 1e6, 0)
+    newcomer = w("light", deadline=1)
+    shed = q.push(newcomer)
+    assert shed is not None and shed.band == "flex" and not shed.queued
+    shed = q.push(w("light", deadline=2))  # no flex left: the most-served flow goes
+    assert shed is not None and shed.flow == "hog"
+    flex = w("y", "flex")
+    assert q.push(flex) is flex and not flex.queued  # the newcomer itself is the worst
+    q.remove(newcomer)
+    assert q.size == 2 and q.remove(newcomer) is None and q.size == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_backlogged_flows_stay_within_vtcs_bound(seed: int) -> None:
+    """Two flows backlogged throughout, random request sizes: the weighted service each
+    received never differs by more than 2·(w_in·L_in + w_out·L_out)."""
+    rng = random.Random(seed)
+    q = FairQueue("fair", w_in=1, w_out=2)
+    served = {"a": 0.0, "b": 0.0}
+    max_in, max_out = 4000, 500
+    for flow in ("a", "b"):
+        for _ in range(5):
+            q.push(w(flow, cin=rng.randint(1, max_in), cout=rng.randint(1, max_out)))
+    worst = 0.0
+    for _ in range(2000):
+        x = q.pop()
+        assert x is not None
+        q.charge(x.flow, x.cost_in, x.cost_out)
+        served[x.flow] += x.cost_in + 2 * x.cost_out
+        worst = max(worst, abs(served["a"] - served["b"]))
+        # "a" sends requests ten times bigger on average; both stay backlogged
+        big = 10 if x.flow == "a" else 1
+        q.push(w(x.flow, cin=rng.randint(1, max_in // big * big) if big == 1 else
+                 rng.randint(max_in // 2, max_in), cout=rng.randint(1, max_out)))
+    assert worst <= q.bound(max_in, max_out)
+
+
+def _pool(n: int) -> list[EndpointState]:
+    return [EndpointState(f"http://127.0.0.1:{9000 + i}/v1") for i in range(n)]
+
+
+def test_the_gate_holds_only_when_every_endpoint_is_saturated() -> None:
+    eps = _pool(2)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
+    a = gate.offer(w("a"), 0.0)
+    b = gate.offer(w("b"), 0.0)
+    assert a.go and b.go and gate.free(0.0) == 0  # two slots, both granted (not yet sent)
+    held = w("c")
+    assert not gate.offer(held, 0.0).go and held.queued
+    pool = EndpointPool(Model("m", ()), eps)
+    tickets = [pool.acquire(e, 10, 10) for e in eps]
+    gate.sent()
+    gate.sent()
+    assert gate.pump(0.0) == []  # sent, and each endpoint has one request not started
+    EndpointPool.first_token(tickets[0])
+    assert gate.pump(0.0) == [held]  # work-conserving: room, so it goes
+    eps[1].engine.kv_usage = 0.95
+    EndpointPool.first_token(tickets[1])
+    gate.sent()
+    assert gate.free(0.0) == 1  # the KV-full endpoint has no room, the other one has
+
+
+def test_fcfs_never_holds() -> None:
+    eps = _pool(1)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps, mode="fcfs")
+    assert all(gate.offer(w("a"), 0.0).go for _ in range(10)) and gate.queue.size == 0
