@@ -1,0 +1,145 @@
+"""Flow control through the gateway, in real time on a reference backend that runs at most four
+sequences at once: a flooding tenant's queue is held in the gateway, not in the engine, so a
+light tenant's request goes next under ``fair`` (and waits behind the flood under ``fcfs``);
+a full queue sheds with a 429 in OpenAI's shape; ``x-fairness-id`` is validated."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import RunningBackend
+from gateway_stack import RunningGateway, start_gateway, write_policy
+from test_gateway_e2e import sha
+
+Factory = Callable[..., RunningBackend]
+FLOOD = "lorem ipsum dolor sit amet " * 60
+
+
+def policy(url: str, mode: str, **flow: Any) -> dict[str, Any]:
+    return {"version": 1,
+            "settings": {"flow_control": {"mode": mode, "queue_depth": 1, **flow}},
+            "models": {"m": {"endpoints": [{"url": url}], "default_max_tokens": 16,
+                             "upstream_model": "llama-3-8b"}},
+            "tenants": {"flood": {"keys": [{"sha256": sha("key-flood")}]},
+                        "light": {"keys": [{"sha256": sha("key-light")}]}},
+            "routes": {"r": {"tenants": ["flood", "light"], "models": ["m"]}}}
+
+
+@pytest.fixture
+def engine(backend_factory: Factory) -> RunningBackend:
+    return backend_factory(time_scale=0.5, max_num_seqs=4)
+
+
+def flood(gw: RunningGateway, stop: threading.Event, clients: int) -> ThreadPoolExecutor:
+    c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-flood", max_retries=0,
+                      timeout=120)
+
+    def loop() -> None:
+        while not stop.is_set():
+            c.completions.create(model="m", prompt=FLOOD, max_tokens=24)
+
+    pool = ThreadPoolExecutor(clients)
+    for _ in range(clients):
+        pool.submit(loop)
+    return pool
+
+
+def victim_ttfts(gw: RunningGateway, n: int) -> list[float]:
+    c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-light", max_retries=0,
+                      timeout=120)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        stream = c.completions.create(model="m", prompt="hello", max_tokens=4, stream=True)
+        for _chunk in stream:
+            out.append(time.perf_counter() - t0)
+            break
+        stream.close()
+        time.sleep(0.05)
+    return out
+
+
+@pytest.fixture
+def gateways(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], RunningGateway]]:
+    made: list[RunningGateway] = []
+
+    def make(doc: dict[str, Any]) -> RunningGateway:
+        gw = start_gateway(write_policy(tmp_path / f"policy-{len(made)}.yaml", doc))
+        made.append(gw)
+        return gw
+
+    yield make
+    for gw in made:
+        gw.close()
+
+
+def test_a_light_tenant_goes_ahead_of_a_flood_under_fair_not_under_fcfs(
+        engine: RunningBackend, gateways: Callable[[dict[str, Any]], RunningGateway]) -> None:
+    medians = {}
+    for mode in ("fcfs", "fair"):
+        gw = gateways(policy(f"{engine.url}/v1", mode))
+        stop = threading.Event()
+        pool = flood(gw, stop, 20)
+        try:
+            time.sleep(1.0)  # the flood fills the engine (fcfs) or the gateway's queue (fair)
+            medians[mode] = statistics.median(victim_ttfts(gw, 8))
+        finally:
+            stop.set()
+            pool.shutdown(wait=True)
+        if mode == "fair":
+            text = httpx.get(f"{gw.url}/metrics").text
+            assert 'tokengate_flow_wait_seconds_count{model="m",priority="standard"}' in text
+            served = {t: gw.state.flow.gates["m"].gate.queue.counters.get(t, 0.0)
+                      for t in ("flood", "light")}
+            assert served["flood"] > served["light"] > 0, served
+    print("victim TTFT medians", medians)
+    assert medians["fair"] < 0.5 * medians["fcfs"], medians
+
+
+def test_a_full_queue_sheds_in_openais_shape(
+        engine: RunningBackend, gateways: Callable[[dict[str, Any]], RunningGateway]) -> None:
+    gw = gateways(policy(f"{engine.url}/v1", "fair", max_queued=2))
+    c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-flood", max_retries=0,
+                      timeout=120)
+
+    def one(_: int) -> Any:
+        try:
+            return c.completions.create(model="m", prompt=FLOOD, max_tokens=48)
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(16)))
+    shed = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert shed and len(shed) < len(results)
+    for exc in shed:
+        assert exc.status_code == 429 and exc.response.headers["retry-after"] in ("1", "2")
+        assert isinstance(exc.body, dict)
+        assert exc.body["code"] in ("flow_control_queue_full", "flow_control_timeout")
+        assert set(exc.body) == {"message", "type", "param", "code"}
+    gate = gw.state.flow.gates["m"].gate
+    assert gate.queue.size == 0 and gate.let_through == 0  # nothing left behind
+
+
+def test_a_bad_fairness_id_is_a_400(engine: RunningBackend,
+                                    gateways: Callable[[dict[str, Any]], RunningGateway]
+                                    ) -> None:
+    gw = gateways(policy(f"{engine.url}/v1", "fair"))
+    r = httpx.post(f"{gw.url}/v1/completions", headers={
+        "Authorization": "Bearer key-light", "x-fairness-id": "has space"},
+        json={"model": "m", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-fairness-id"
+    r = httpx.post(f"{gw.url}/v1/completions", headers={
+        "Authorization": "Bearer key-light", "x-fairness-id": "session-7"},
+        json={"model": "m", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200
+    assert "light/session-7" in gw.state.flow.gates["m"].gate.queue.counters
