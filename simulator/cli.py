@@ -136,7 +136,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 def run(ns: argparse.Namespace) -> int:
     from gateway.examples import DEMO_POLICY
     from loadtests.metrics import SLO
-    from simulator.gateway import Delays
+    from simulator.requests import Delays
     from simulator.run import SimConfig, simulate
 
     if ns.pooling:

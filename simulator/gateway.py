@@ -29,12 +29,14 @@ import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from backend.block_pool import KVEvent
 from backend.request import RemotePrefill, Request
+from gateway.config.flow import FlowControl
 from gateway.config.policy import Model, Route
+from gateway.flow.gate import Gate
 from gateway.request import slo
 from gateway.routing import feedback
 from gateway.routing.endpoints import EndpointPool, EndpointState, Ticket
@@ -43,45 +45,15 @@ from gateway.routing.kv_events import EngineEvent
 from gateway.routing.plugins import Candidate, RequestInfo
 from gateway.routing.prefix import PreciseIndex
 from gateway.routing.router import Decision, Router
-from loadtests.client import RequestResult
 from predictor.models import Models
 from predictor.online import OnlinePredictor
 from protocol.kv_hash import BlockHash
 from simulator.engine import Hooks, SimEngine
 from simulator.events import EventLoop
+from simulator.flow import SimFlow
 from simulator.oracle import Hindsight
+from simulator.requests import Delays, SimRequest
 from simulator.tiers import tier_view
-
-
-@dataclass(slots=True)
-class Delays:
-    hop_s: float = 0.0002
-    overhead_s: float = 0.0025
-    ingest_s_per_token: float = 2.5e-6
-    scrape_s: float = 0.2
-    kv_event_s: float = 0.001
-    train_lag_s: float = 0.5
-    slo_poll_s: float = 0.02
-
-
-@dataclass(slots=True)
-class SimRequest:
-    """One request of the workload: its prompt's token ids and block hashes, its output."""
-
-    index: int
-    t: float
-    prompt_ids: Sequence[int]
-    hashes: Sequence[int]
-    output_tokens: int
-    answer: Sequence[int] = ()
-    on_done: Any = None  # called with the result (sessions send their next turn)
-    # prompt tokens the gateway has not counted before (a conversation's new messages; its
-    # earlier ones are in the gateway's token cache): -1 means all of them
-    fresh_tokens: int = -1
-    result: RequestResult = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.result = RequestResult(sent_at=self.t, prompt_tokens=len(self.prompt_ids))
 
 
 @dataclass(slots=True)
@@ -117,6 +89,7 @@ class SimGateway:
         self.predictor = predictor
         self.router = Router(self.pool, self.fleet, predictor)
         self.hindsight: Hindsight | None = None  # set: routed by the oracle instead
+        self.flow: SimFlow | None = None  # set (``use_flow``): the gateway's flow control
         self.states: dict[str, EndpointState] = {e.url: e for e in eps}
         self.completed = 0
         self.scrapes = 0
@@ -136,6 +109,11 @@ class SimGateway:
                     eng.on_pool_events = self._kv_sink(pool_url)
             tier_view(eng, self.states[url].engine, self.fleet.tiers, pool_url)
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="sim-train")
+
+    def use_flow(self, cfg: FlowControl, mode: str | None = None) -> None:
+        """Hold requests in the gateway when the pool is saturated, as ``serve`` does."""
+        self.flow = SimFlow(Gate(cfg, lambda: self.pool.endpoints, mode), self.loop,
+                            self._decide, self._refused)
 
     def start(self, outstanding: int) -> None:
         """The workload will send (or wait for) ``outstanding`` requests: the scrape and
@@ -228,7 +206,16 @@ class SimGateway:
             return
         info = RequestInfo(len(sr.prompt_ids), sr.output_tokens, sr.hashes,
                            self.router.block_size(), self.route.slo_ttft_ms,
-                           self.route.slo_tpot_ms, self.priority)
+                           self.route.slo_tpot_ms, sr.band or self.priority)
+        if self.flow is not None:
+            wait = (self.route.slo_ttft_ms or self.flow.gate.cfg.max_wait_ms) / 1000.0
+            self.flow.arrive(sr.index, (sr, info), sr.flow, info.priority, sr.t + wait,
+                             len(sr.prompt_ids), sr.output_tokens, sr.weight)
+            return
+        self._decide((sr, info))
+
+    def _decide(self, payload: tuple[SimRequest, RequestInfo]) -> None:
+        sr, info = payload
         self._sync()
         d = self.router.decide(info)
         if d is not None and self.hindsight is not None and not self.pool.disaggregated:
@@ -244,6 +231,8 @@ class SimGateway:
         if step.deadline is not None:
             self.loop.after(self.delays.slo_poll_s, self._hold, sr, info, d, step.deadline)
             return
+        if self.flow is not None:
+            self.flow.sent()
         if step.action is not None:
             self._count(step.action)
         if step.error is not None and step.error.code == "slo_unattainable" and d is not None:
@@ -360,6 +349,16 @@ class SimGateway:
             r.ttft = r.chunk_times[0] - sr.t
             r.latency = r.chunk_times[-1] - sr.t
         self._observe(f)
+        if self.flow is not None:
+            self.flow.settled(sr.index, len(sr.prompt_ids), f.chunks)
+        self._done(sr)
+
+    def _refused(self, payload: tuple[SimRequest, RequestInfo], code: str) -> None:
+        """Flow control answered it 429 (shed, or it waited too long)."""
+        sr = payload[0]
+        sr.result.error = f"http_429:{code}"
+        if self.flow is not None:
+            self.flow.settled(sr.index, 0, 0)
         self._done(sr)
 
     def _observe(self, f: _Flight) -> None:

@@ -46,8 +46,9 @@ from roofline.profiles import ProfileCatalog
 from roofline.timing import TimingModel
 from simulator.engine import SimEngine
 from simulator.events import EventLoop
-from simulator.gateway import Delays, SimGateway, SimRequest
+from simulator.gateway import SimGateway
 from simulator.oracle import Hindsight, clairvoyant_floor
+from simulator.requests import Delays, SimRequest
 from simulator.workload import Builder, Conversations, WorkloadSpec, build
 from stack.pool_shape import PoolShape
 

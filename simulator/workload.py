@@ -28,8 +28,8 @@ from gateway.request.tokenize import TokenCounter
 from loadtests import workloads
 from loadtests.prompts import MOONCAKE_BLOCK, PromptMaker
 from loadtests.traces import load_azure
-from simulator.gateway import SimRequest
 from simulator.hashing import SegmentHasher, extend
+from simulator.requests import SimRequest
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ class FlowControl:
     flex_max_wait_ms: float = 300_000.0  # flex may wait minutes
     queue_depth: int = 5  # requests sent to an endpoint and not started: beyond, saturated
     kv_threshold: float = 0.8  # an endpoint's KV usage at or above it: saturated
+    tpot_threshold_ms: float | None = None  # an endpoint's decode step this slow: saturated
     input_weight: float = 1.0  # fair share counts w_in·prompt + w_out·output tokens
     output_weight: float = 2.0
     # Replicas share the fair-share counters through Redis every ``sync_ms``.
@@ -40,7 +41,8 @@ def parse_flow_control(d: Decoder, raw: Any, path: str) -> FlowControl:
     for k in ("max_queued", "queue_depth"):
         if k in m:
             kw[k] = d.integer(m[k], f"{path}.{k}")
-    for k in ("max_wait_ms", "flex_max_wait_ms", "input_weight", "output_weight", "sync_ms"):
+    for k in ("max_wait_ms", "flex_max_wait_ms", "input_weight", "output_weight", "sync_ms",
+              "tpot_threshold_ms"):
         if k in m:
             kw[k] = d.number(m[k], f"{path}.{k}")
     if "kv_threshold" in m:

