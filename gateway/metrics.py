@@ -108,10 +108,6 @@ class GatewayMetrics:
         self.flow_shed = Counter("tokengate_flow_shed",
                                  "Requests flow control refused (queue full or waited too "
                                  "long).", ["model", "priority", "reason"], registry=r)
-        self.flow_service = Counter("tokengate_flow_service_tokens",
-                                    "Weighted tokens served under fair flow control (the "
-                                    "fair-share counters' increments).", ["model", "tenant"],
-                                    registry=r)
         self._children: dict[tuple[object, ...], Any] = {}
 
     def series(self, name: str, *labels: str) -> Any:

@@ -24,8 +24,6 @@ class FlowControl:
     tpot_threshold_ms: float | None = None  # an endpoint's decode step this slow: saturated
     input_weight: float = 1.0  # fair share counts w_in·prompt + w_out·output tokens
     output_weight: float = 2.0
-    # Replicas share the fair-share counters through Redis every ``sync_ms``.
-    sync_ms: float = 100.0
 
     @property
     def queues(self) -> bool:
@@ -41,7 +39,7 @@ def parse_flow_control(d: Decoder, raw: Any, path: str) -> FlowControl:
     for k in ("max_queued", "queue_depth"):
         if k in m:
             kw[k] = d.integer(m[k], f"{path}.{k}")
-    for k in ("max_wait_ms", "flex_max_wait_ms", "input_weight", "output_weight", "sync_ms",
+    for k in ("max_wait_ms", "flex_max_wait_ms", "input_weight", "output_weight",
               "tpot_threshold_ms"):
         if k in m:
             kw[k] = d.number(m[k], f"{path}.{k}")

@@ -125,9 +125,7 @@ SECTIONS: dict[str, Section] = {
          "tpot_threshold_ms": _k("number > 0", NONE, "…and one whose streams lately waited "
                                  "this long between tokens (set it below the TPOT SLO)."),
          "input_weight": _k("number > 0", 1.0, "Fair share counts this per prompt token…"),
-         "output_weight": _k("number > 0", 2.0, "…and this per output token."),
-         "sync_ms": _k("number > 0", 100.0, "Replicas exchange their fair-share counters "
-                       "through Redis this often.")}),
+         "output_weight": _k("number > 0", 2.0, "…and this per output token.")}),
     "timeouts": _TIMEOUTS,
     "retries": Section(
         "settings.retries",

@@ -104,12 +104,7 @@ class ModelGate:
         return Pass(self, w)
 
     def pump(self) -> None:
-        for w in self.gate.pump(clock.now()):
-            wait: _Wait = w.payload
-            self._served(w, time.perf_counter() - wait.since)
-            if not wait.future.done():
-                wait.future.set_result(None)
-        self._gauge()
+        self._let_through()
         if self.gate.queue.size and (self._ticker is None or self._ticker.done()):
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
@@ -117,12 +112,15 @@ class ModelGate:
         while self.gate.queue.size:
             await asyncio.sleep(TICK_S)
             self._watch()  # endpoints come and go (scaling, reloads)
-            for w in self.gate.pump(clock.now()):
-                wait: _Wait = w.payload
-                self._served(w, time.perf_counter() - wait.since)
-                if not wait.future.done():
-                    wait.future.set_result(None)
-            self._gauge()
+            self._let_through()
+
+    def _let_through(self) -> None:
+        for w in self.gate.pump(clock.now()):
+            wait: _Wait = w.payload
+            self._served(w, time.perf_counter() - wait.since)
+            if not wait.future.done():
+                wait.future.set_result(None)
+        self._gauge()
 
     def _served(self, w: Waiter, waited: float) -> None:
         self.metrics.series("flow_wait", self.model, w.band).observe(waited)
