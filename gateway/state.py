@@ -15,6 +15,7 @@ from aiohttp import web
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
 from gateway.flow.control import FlowGates
+from gateway.flow.share import CounterShare
 from gateway.metrics import GatewayMetrics
 from gateway.quota.limiter.store import RateStore
 from gateway.request.migrate import LiveStreams
@@ -85,6 +86,7 @@ class GatewayState:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     flow_mode: str | None = None  # ``--flow-control``: overrides the policy's mode
     flow: FlowGates = field(init=False)  # flow control's gate per model
+    flow_share: CounterShare | None = None  # their counters, shared through Redis
 
     def __post_init__(self) -> None:
         self.flow = FlowGates(self.metrics, self.flow_mode)

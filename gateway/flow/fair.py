@@ -77,6 +77,9 @@ class FairQueue:
         self.max_queued = max_queued
         self.w_in, self.w_out = w_in, w_out
         self.counters: dict[str, float] = {}  # virtual service per flow (weighted, /weight)
+        # every change to the counters since ``take_deltas`` (charges and lifts): what a
+        # replica adds to the counters it shares with the others (``gateway.flow.share``)
+        self.deltas: dict[str, float] = {}
         self._bands: dict[str, dict[str, _Flow]] = {b: {} for b in BANDS}
         self._rr: dict[str, list[str]] = {b: [] for b in BANDS}  # round-robin order
         self._last_left = 0.0  # counter of the flow that left the backlog last
@@ -88,8 +91,27 @@ class FairQueue:
 
     def charge(self, flow: str, cost_in: float, cost_out: float, weight: float = 1.0) -> None:
         """``flow`` was served (or, negative, refunded) these tokens."""
-        self.counters[flow] = self.counters.get(flow, 0.0) + self.service(
-            cost_in, cost_out, weight)
+        self._add(flow, self.service(cost_in, cost_out, weight))
+
+    def _add(self, flow: str, amount: float) -> None:
+        self.counters[flow] = self.counters.get(flow, 0.0) + amount
+        self.deltas[flow] = self.deltas.get(flow, 0.0) + amount
+
+    def take_deltas(self) -> dict[str, float]:
+        """The changes since the last call (to send to the shared counters)."""
+        out, self.deltas = self.deltas, {}
+        return out
+
+    def give_back(self, deltas: dict[str, float]) -> None:
+        """Changes that could not be sent: keep them for the next try."""
+        for f, v in deltas.items():
+            self.deltas[f] = self.deltas.get(f, 0.0) + v
+
+    def adopt(self, shared: dict[str, float]) -> None:
+        """The counters all replicas together have reached (what was last sent included),
+        plus what this replica changed since: the counters it orders by from now on."""
+        for f in set(shared) | set(self.counters):
+            self.counters[f] = shared.get(f, 0.0) + self.deltas.get(f, 0.0)
 
     def bound(self, max_input: float, max_output: float) -> float:
         """VTC's bound on the weighted service difference between backlogged flows."""
@@ -114,7 +136,9 @@ class FairQueue:
                                            if (q := flows.get(w.flow)) is not None):
             others = [self.counters.get(f, 0.0) for f in self.backlogged()]
             floor = min(others) if others else self._last_left
-            self.counters[w.flow] = max(self.counters.get(w.flow, 0.0), floor)
+            own = self.counters.get(w.flow, 0.0)
+            if floor > own:
+                self._add(w.flow, floor - own)
         flows = self._bands[w.band]
         q = flows.get(w.flow)
         if q is None:

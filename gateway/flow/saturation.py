@@ -1,8 +1,9 @@
 """When is a pool saturated: a pure reading of what the gateway knows of its endpoints.
 
-An endpoint has room while the requests the gateway sent it that have not had their first
-token (its own live count, exact at every decision, not the scraped queue) are fewer than
-``queue_depth``, its KV cache (scraped) is below ``kv_threshold`` and, when ``step_ms`` is
+An endpoint has room while the requests waiting to start on it are fewer than ``queue_depth``
+(the larger of the gateway's own live count of requests it sent there without a first token,
+exact at every decision, and the engine's scraped queue, which also holds what other replicas
+sent), its KV cache (scraped) is below ``kv_threshold`` and, when ``step_ms`` is
 set, the time between tokens its streams lately saw (the gateway's measure) is below it: a
 batch already at the TPOT target takes no one more. The pool has as many
 free slots as its endpoints in rotation have room for, less the requests already let through
@@ -32,7 +33,8 @@ def room(ep: EndpointState, t: Thresholds, now: float) -> int:
         return 0
     if t.step_ms is not None and ep.live.current_step_ms(now) >= t.step_ms:
         return 0
-    return max(0, t.queue_depth - len(ep.live.pending))
+    # its own count is exact; the engine's (scraped) also holds other replicas' requests
+    return max(0, t.queue_depth - max(len(ep.live.pending), int(ep.engine.waiting)))
 
 
 def free_slots(endpoints: Iterable[EndpointState], t: Thresholds, let_through: int,

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config.resolved import resolved
+from gateway.flow.share import CounterShare
 from gateway.front import openapi
 from gateway.front.http_guard import SERVER, guard
 from gateway.front.reload import PolicyWatcher
@@ -220,6 +221,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             coordination_client(state.redis_url, connections=1, timeout_s=2.0),
             state.fleet.approx)
         tasks.append(asyncio.ensure_future(share.run()))
+    counters = None
+    if state.redis_url:
+        counters = state.flow_share = CounterShare(coordination_client(state.redis_url),
+                                                   state.flow)
+        tasks.append(asyncio.ensure_future(counters.run()))
     for name, scaler in state.scalers.items():
         scaler.on_drain = state.live.migrate_from
         tasks.append(asyncio.ensure_future(scaler.run(
@@ -240,6 +246,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if share is not None:
         await share.writer.aclose()
         await share.reader.aclose()
+    if counters is not None:
+        await counters.redis.aclose()
     for scaler in state.scalers.values():
         await scaler.close()
     await state.fleet.close()
