@@ -107,10 +107,19 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
         good = sum(1 for r in mine if _meets(r, slo))
         out["tenants"][t.name] = {
             "requests": len(mine), "errors": sum(1 for r in mine if r.result.error),
+            "refused": _codes(mine),
             "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p90_ms": _pct(ttfts, 0.9),
             "ttft_p99_ms": _pct(ttfts, 0.99), "goodput": good / len(mine) if mine else 0.0,
             "tokens_per_s": sum(r.result.output_tokens for r in mine
                                 if r.result.error is None) / end}
+    return out
+
+
+def _codes(reqs: list[SimRequest]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in reqs:
+        if r.result.error:
+            out[r.result.error] = out.get(r.result.error, 0) + 1
     return out
 
 

@@ -119,21 +119,41 @@ def test_the_gate_holds_only_when_every_endpoint_is_saturated() -> None:
     eps = _pool(2)
     gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
     a = gate.offer(w("a"), 0.0)
-    b = gate.offer(w("b"), 0.0)
+    b = gate.offer(w("a"), 0.0)
     assert a.go and b.go and gate.free(0.0) == 0  # two slots, both granted (not yet sent)
-    held = w("c")
+    held = w("a")
+    assert not gate.offer(held, 0.0).go  # no other flow waits: no headroom
+    # a flow served less than a waiting one is the queue's head and may use the headroom:
+    # one more request per endpoint
+    c, d = gate.offer(w("b"), 0.0), gate.offer(w("c"), 0.0)
+    assert c.go and d.go and gate.headroom(0.0) == 0
     assert not gate.offer(held, 0.0).go and held.queued
     pool = EndpointPool(Model("m", ()), eps)
-    tickets = [pool.acquire(e, 10, 10) for e in eps]
-    gate.sent()
-    gate.sent()
-    assert gate.pump(0.0) == []  # sent, and each endpoint has one request not started
+    tickets = [pool.acquire(e, 10, 10) for e in eps for _ in range(2)]
+    for _ in range(4):
+        gate.sent()
+    assert gate.pump(0.0) == []  # sent: each endpoint has two requests not started
     EndpointPool.first_token(tickets[0])
-    assert gate.pump(0.0) == [held]  # work-conserving: room, so it goes
-    eps[1].engine.kv_usage = 0.95
     EndpointPool.first_token(tickets[1])
+    assert gate.pump(0.0) == [held]  # work-conserving: room, so it goes
     gate.sent()
-    assert gate.free(0.0) == 1  # the KV-full endpoint has no room, the other one has
+    eps[1].engine.kv_usage = 0.95
+    EndpointPool.first_token(tickets[2])
+    EndpointPool.first_token(tickets[3])
+    # (held went elsewhere) eps[0] has room for one, two with the headroom; KV-full eps[1]
+    # has none either way
+    assert gate.free(0.0) == 1 and gate.headroom(0.0) == 2
+
+
+def test_a_light_flow_uses_the_headroom_a_busy_one_waits() -> None:
+    eps = _pool(1)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
+    assert gate.offer(w("busy"), 0.0).go
+    waiting = w("busy")
+    assert not gate.offer(waiting, 0.0).go  # over the depth, and no one else waits
+    gate.queue.charge("busy", 10_000, 0)  # it was served a lot meanwhile
+    light = w("light")
+    assert gate.offer(light, 0.0).go and waiting.queued  # light goes ahead, at once
 
 
 def test_fcfs_never_holds() -> None:

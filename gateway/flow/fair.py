@@ -18,7 +18,9 @@ an agent session). The order:
      counter among the backlogged (or to the counter of the flow that left last when none
      is), so an idle flow cannot bank credit;
 3. within a flow, earliest deadline first (the request's TTFT SLO after its arrival; arrival
-   order among requests without one).
+   order among requests without one); among flows with equal counters, one just lifted goes
+   first (lifted to the least-served waiting flow's counter, it would otherwise wait behind
+   that flow's older requests).
 
 VTC's bound: between two flows that are backlogged over an interval, the difference in
 weighted service stays within ``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest
@@ -83,6 +85,9 @@ class FairQueue:
         self._bands: dict[str, dict[str, _Flow]] = {b: {} for b in BANDS}
         self._rr: dict[str, list[str]] = {b: [] for b in BANDS}  # round-robin order
         self._last_left = 0.0  # counter of the flow that left the backlog last
+        # flows lifted when they became backlogged, not served since: among flows with equal
+        # counters they go first (a lifted flow ties with the one it was lifted to)
+        self._fresh: set[str] = set()
         self.size = 0
 
     # -- service accounting ---------------------------------------------------------------
@@ -139,6 +144,7 @@ class FairQueue:
             own = self.counters.get(w.flow, 0.0)
             if floor > own:
                 self._add(w.flow, floor - own)
+                self._fresh.add(w.flow)
         flows = self._bands[w.band]
         q = flows.get(w.flow)
         if q is None:
@@ -174,7 +180,8 @@ class FairQueue:
             if self.mode == "round_robin":
                 return self._head(flows[self._rr[band][0]])
             return min((self._head(q) for q in flows.values()),
-                       key=lambda w: (self.counters.get(w.flow, 0.0), w.deadline, w.seq))
+                       key=lambda w: (self.counters.get(w.flow, 0.0), w.flow not in self._fresh,
+                                      w.deadline, w.seq))
         return None
 
     def pop(self) -> Waiter | None:
@@ -185,6 +192,7 @@ class FairQueue:
         if self.mode == "round_robin":
             order = self._rr[w.band]
             order.append(order.pop(0))
+        self._fresh.discard(w.flow)
         self.remove(w)
         return w
 

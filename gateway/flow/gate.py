@@ -60,7 +60,23 @@ class Gate:
         if self.queue.size == 0 and self.free(now) > 0:
             self._grant(w)
             return Offer(True)
-        return Offer(False, self.queue.push(w))
+        shed = self.queue.push(w)
+        if (w.queued and self.queue.peek() is w and self.queue.backlogged() - {w.flow}
+                and self.headroom(now) > 0):
+            # the fair queue's head, ahead of other flows that wait (it has been served less),
+            # may use the margin the
+            # saturation thresholds keep below the engines' limits: it does not wait for the
+            # busiest flow's requests to finish
+            self.queue.pop()
+            self._grant(w)
+            return Offer(True, shed)
+        return Offer(False, shed)
+
+    def headroom(self, now: float) -> int:
+        """Slots beyond saturation: one more request waiting per endpoint, whatever its
+        decode step (the KV threshold still holds)."""
+        t = Thresholds(self.cfg.queue_depth + 1, self.cfg.kv_threshold)
+        return free_slots(self.endpoints(), t, self.let_through, now)
 
     def pump(self, now: float) -> list[Waiter]:
         """Let waiting requests through while the pool has room; returns them, in order."""
