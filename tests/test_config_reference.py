@@ -59,7 +59,8 @@ def test_every_section_is_reachable_and_every_key_documented() -> None:
         assert section.doc and section.keys, name
         for k, key in section.keys.items():
             assert key.doc.endswith((".", "…")) and key.type, (name, k)
-    assert keys("limits") == {"rpm", "tpm", "burst", "tpd", "budget"}
+    assert keys("limits") == {"rpm", "tpm", "burst", "tpd", "budget", "budget_daily",
+                              "budget_monthly"}
 
 
 def test_the_example_in_the_reference_loads() -> None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
@@ -40,7 +41,7 @@ from gateway.config.resilience import (
 from gateway.config.routing import Routing, parse_routing
 from gateway.config.scaling import Scaling, parse_scaling
 from gateway.config.tracing import Tracing, parse_tracing
-from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.bucket import Kind, Limit
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -51,7 +52,9 @@ class Limits:
     tpm: float | None = None
     tpd: float | None = None
     burst: float | None = None
-    budget: float | None = None  # dollars per day
+    budget: float | None = None  # dollars per day, rolling (a bucket refilling continuously)
+    budget_daily: float | None = None  # dollars per calendar day (settings.time_zone)
+    budget_monthly: float | None = None  # dollars per calendar month
 
     def buckets(self) -> tuple[Limit, ...]:
         out = []
@@ -63,6 +66,15 @@ class Limits:
             out.append(Limit("tokens_day", self.tpd, 86400.0, self.tpd))
         if self.budget:
             out.append(Limit("budget", self.budget, 86400.0, self.budget))
+        return tuple(out)
+
+    def calendar(self) -> tuple[tuple[Kind, float], ...]:
+        """Its calendar budgets: (kind, dollars)."""
+        out: list[tuple[Kind, float]] = []
+        if self.budget_daily:
+            out.append(("budget_daily", self.budget_daily))
+        if self.budget_monthly:
+            out.append(("budget_monthly", self.budget_monthly))
         return tuple(out)
 
 
@@ -165,6 +177,7 @@ class Settings:
     metrics_tenant_label: bool = True
     tracing: Tracing | None = None
     flow_control: FlowControl = field(default_factory=FlowControl)
+    time_zone: str = "UTC"  # where calendar budgets' days and months begin
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +316,14 @@ def _settings(d: Decoder, raw: Any) -> Settings:
         kw["tracing"] = parse_tracing(d, m["tracing"])
     if "flow_control" in m:
         kw["flow_control"] = parse_flow_control(d, m["flow_control"], "settings.flow_control")
+    if "time_zone" in m:
+        tz = d.string(m["time_zone"], "settings.time_zone")
+        try:
+            ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise d.fail("settings.time_zone", f"unknown time zone {tz!r} (an IANA name, "
+                         "e.g. Europe/Paris)") from None
+        kw["time_zone"] = tz
     return Settings(**kw)
 
 

@@ -44,7 +44,11 @@ _LIMITS = Section(
                  "once after an idle spell (default: `tpm`). Needs `tpm`."),
      "tpd": _k("number > 0", NONE, "Tokens per day (a bucket refilling over 24 hours)."),
      "budget": _k("number > 0", NONE, "Dollars per day, at the models' `price` (a bucket "
-                  "refilling over 24 hours).")})
+                  "refilling over 24 hours)."),
+     "budget_daily": _k("number > 0", NONE, "Dollars per calendar day: spent, it refuses "
+                        "until midnight in `settings.time_zone`."),
+     "budget_monthly": _k("number > 0", NONE, "Dollars per calendar month: spent, it refuses "
+                          "until the 1st.")})
 
 _TIMEOUTS = Section(
     "settings.timeouts, routes.NAME.timeouts",
@@ -102,7 +106,9 @@ SECTIONS: dict[str, Section] = {
                                     "`*`, so no series names a customer."),
          "tracing": _k("tracing", NONE, "OpenTelemetry traces; off (and free) when absent."),
          "flow_control": _k("flow_control", "(below)", "How requests wait in the gateway "
-                            "when a pool is saturated.")}),
+                            "when a pool is saturated."),
+         "time_zone": _k("IANA time zone", "UTC", "Where calendar budgets' days and months "
+                         "begin, e.g. `Europe/Paris`.")}),
     "flow_control": Section(
         "settings.flow_control",
         "When every endpoint of a model is saturated, requests wait in the gateway, one queue "

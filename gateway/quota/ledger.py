@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from gateway.config.policy import Limits, Model, Policy, Route
+from gateway.quota import calendar
 from gateway.quota.limiter.store import (
     SETTLE_MARGIN_S,
     BucketState,
@@ -46,11 +49,15 @@ def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_toke
     tokens = float(prompt_tokens + expected_output)
     dollars = model.price.cost(prompt_tokens, expected_output)
     out = []
+    now = time.time()
     for scope, limits in scopes:
         for lim in limits.buckets():
             cost = {"requests": 1.0, "tokens": tokens, "tokens_day": tokens,
                     "budget": dollars}[lim.kind]
             out.append(Charge(scope, lim, cost))
+        for kind, amount in limits.calendar():
+            suffix, cal = calendar.limit(kind, amount, now, policy.settings.time_zone)
+            out.append(Charge(scope + suffix, cal, dollars))
     return out
 
 
@@ -164,7 +171,10 @@ def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
 
 
 _KIND_LABEL = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
-               "tokens_day": "tokens per day (TPD)", "budget": "dollars per day (budget)"}
+               "tokens_day": "tokens per day (TPD)", "budget": "dollars per day (budget)",
+               "budget_daily": "dollars per calendar day (budget_daily)",
+               "budget_monthly": "dollars per calendar month (budget_monthly)"}
+_DOLLARS = ("budget", "budget_daily", "budget_monthly")
 
 
 def rate_limit_error(d: Decision) -> APIError:
@@ -172,7 +182,13 @@ def rate_limit_error(d: Decision) -> APIError:
     assert s is not None
     kind = s.limit.kind
     retry = s.retry_after_s
-    if math.isinf(retry):
+    if s.limit.expires_at is not None:  # a calendar budget: spent until its window ends
+        retry = max(0.0, s.limit.expires_at - time.time())
+        ends = datetime.fromtimestamp(s.limit.expires_at, UTC).isoformat()
+        msg = (f"Budget exhausted for {_KIND_LABEL[kind]} on {s.scope}: limit "
+               f"${s.limit.amount:g}, used ${s.used:.4g}, requested ${s.requested:.4g}. It "
+               f"resets at {ends} (in {_duration(retry)}).")
+    elif math.isinf(retry):
         msg = (f"Request too large for {_KIND_LABEL[kind]} on {s.scope}: limit "
                f"{s.limit.amount:g}, requested {s.requested:g}.")
         retry = s.limit.period_s
@@ -183,7 +199,7 @@ def rate_limit_error(d: Decision) -> APIError:
     headers = {"retry-after": str(max(1, math.ceil(retry))),
                "retry-after-ms": str(max(1, math.ceil(retry * 1000))),
                **ratelimit_headers(d.states)}
-    if kind == "budget":  # a dollar allowance spent: say so, not "tokens"
+    if kind in _DOLLARS:  # a dollar allowance spent: say so, not "tokens"
         return APIError(429, msg, type="dollars", code="budget_exceeded", headers=headers)
     return APIError(429, msg, type="requests" if kind == "requests" else "tokens",
                     code="rate_limit_exceeded", headers=headers)
@@ -200,13 +216,15 @@ async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
     if st.in_flight:
         await asyncio.gather(*st.in_flight, return_exceptions=True)
     if failed_before_first_token:
-        totals = {"requests": 0.0, "tokens": 0.0, "tokens_day": 0.0, "budget": 0.0}
+        totals = {"requests": 0.0, "tokens": 0.0, "tokens_day": 0.0, "budget": 0.0,
+                  "budget_daily": 0.0, "budget_monthly": 0.0}
     else:
         p = prompt_tokens if prompt_tokens is not None else adm.prompt_tokens
         o = output_tokens or 0
         tokens = float(p + o)
-        totals = {"tokens": tokens, "tokens_day": tokens,
-                  "budget": adm.model.price.cost(p, o)}
+        dollars = adm.model.price.cost(p, o)
+        totals = {"tokens": tokens, "tokens_day": tokens, "budget": dollars,
+                  "budget_daily": dollars, "budget_monthly": dollars}
     deltas = st.deltas_to(totals)
     if deltas:
         await store.adjust(st.reservation, deltas, "final")

@@ -15,8 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["requests", "tokens", "tokens_day", "budget"]
-KINDS: tuple[Kind, ...] = ("requests", "tokens", "tokens_day", "budget")
+Kind = Literal["requests", "tokens", "tokens_day", "budget", "budget_daily", "budget_monthly"]
+KINDS: tuple[Kind, ...] = ("requests", "tokens", "tokens_day", "budget", "budget_daily",
+                           "budget_monthly")
+# A calendar budget is a bucket that does not refill within its window (its period is this
+# long) and whose scope names the window (``gateway.quota.calendar``): the next window is a
+# new, full bucket.
+NO_REFILL_S = 1e13
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +32,8 @@ class Limit:
     amount: float
     period_s: float
     burst: float
+    # a calendar window's end (epoch seconds): it resets then, and its state may go after it
+    expires_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.amount <= 0 or self.period_s <= 0 or self.burst <= 0:

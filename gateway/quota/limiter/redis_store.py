@@ -84,6 +84,9 @@ def _key(scope: str) -> str:
 
 
 def _ttl_ms(c: Charge) -> int:
+    if c.limit.expires_at is not None:  # a calendar window: kept a day past its end, for
+        # the settlements of requests admitted in it
+        return int((max(c.limit.expires_at - time.time(), 0.0) + 86400.0) * 1000)
     return int((c.limit.tolerance + c.limit.period_s) * 1000) + 1000
 
 
