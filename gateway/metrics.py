@@ -108,6 +108,12 @@ class GatewayMetrics:
         self.flow_shed = Counter("tokengate_flow_shed",
                                  "Requests flow control refused (queue full or waited too "
                                  "long).", ["model", "priority", "reason"], registry=r)
+        # spend (gateway.spend)
+        self.spend_dollars = Counter("tokengate_spend_dollars", "Dollars spent, at the "
+                                     "models' prices.", ["tenant", "model"], registry=r)
+        self.spend_tokens = Counter("tokengate_spend_tokens", "Tokens spent by kind (prompt, "
+                                    "completion, cached prompt).", ["tenant", "model", "kind"],
+                                    registry=r)
         self._children: dict[tuple[object, ...], Any] = {}
 
     def series(self, name: str, *labels: str) -> Any:

@@ -26,6 +26,7 @@ from gateway.routing.fleet import Fleet
 from gateway.routing.prefix_hints import PrefixShare
 from gateway.routing.router import Router
 from gateway.scaling.autoscaler import PoolScaler
+from gateway.spend.ledger import SpendLedger
 from gateway.tracing import Tracer
 from predictor.online import OnlinePredictor
 from predictor.sync import ModelSync
@@ -88,8 +89,14 @@ class GatewayState:
     flow: FlowGates = field(init=False)  # flow control's gate per model
     flow_share: CounterShare | None = None  # their counters, shared through Redis
 
+    spend: SpendLedger = field(init=False)  # what every request cost
+
     def __post_init__(self) -> None:
         self.flow = FlowGates(self.metrics, self.flow_mode)
+        self.spend = SpendLedger(
+            self.metrics, time_zone=lambda: self.view.policy.settings.time_zone,
+            tenant_label=lambda t: t if self.view.policy.settings.metrics_tenant_label
+            else "*", log_records=lambda: self.view.policy.settings.spend.log)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

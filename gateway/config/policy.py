@@ -40,6 +40,7 @@ from gateway.config.resilience import (
 )
 from gateway.config.routing import Routing, parse_routing
 from gateway.config.scaling import Scaling, parse_scaling
+from gateway.config.spend import Spend, parse_spend
 from gateway.config.tracing import Tracing, parse_tracing
 from gateway.quota.limiter.bucket import Kind, Limit
 
@@ -178,6 +179,7 @@ class Settings:
     tracing: Tracing | None = None
     flow_control: FlowControl = field(default_factory=FlowControl)
     time_zone: str = "UTC"  # where calendar budgets' days and months begin
+    spend: Spend = field(default_factory=Spend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +326,8 @@ def _settings(d: Decoder, raw: Any) -> Settings:
             raise d.fail("settings.time_zone", f"unknown time zone {tz!r} (an IANA name, "
                          "e.g. Europe/Paris)") from None
         kw["time_zone"] = tz
+    if "spend" in m:
+        kw["spend"] = parse_spend(d, m["spend"], "settings.spend")
     return Settings(**kw)
 
 

@@ -108,7 +108,19 @@ SECTIONS: dict[str, Section] = {
          "flow_control": _k("flow_control", "(below)", "How requests wait in the gateway "
                             "when a pool is saturated."),
          "time_zone": _k("IANA time zone", "UTC", "Where calendar budgets' days and months "
-                         "begin, e.g. `Europe/Paris`.")}),
+                         "begin, e.g. `Europe/Paris`."),
+         "spend": _k("spend", "(below)", "Where per-request spend records go.")}),
+    "spend": Section(
+        "settings.spend",
+        "A record per request (request id, tenant, key name, model, priority, prompt, "
+        "completion and cached tokens, dollars, outcome, endpoint, session) to the log and, "
+        "optionally, PostgreSQL; `/admin/spend` sums them by day, tenant, key, model and "
+        "priority (across replicas when they share Redis).",
+        {"log": _k("boolean", True, "One JSON line per request on the logger "
+                   "`tokengate.spend`."),
+         "postgres_url": _k("postgresql:// URL", NONE, "Also insert each record into the "
+                            "table `tokengate_spend` there (created and migrated at start; "
+                            "batched, off the request path).")}),
     "flow_control": Section(
         "settings.flow_control",
         "When every endpoint of a model is saturated, requests wait in the gateway, one queue "

@@ -206,6 +206,9 @@ class FairQueue:
     def _tidy(self, band: str, flow: str, q: _Flow) -> None:
         while q.heap and not q.heap[0][2].queued:
             heapq.heappop(q.heap)
+        if len(q.heap) > 2 * q.live + 16:  # requests that left from inside the heap
+            q.heap = [e for e in q.heap if e[2].queued]
+            heapq.heapify(q.heap)
         if q.live == 0:
             del self._bands[band][flow]
             self._rr[band].remove(flow)

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import hmac
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -27,11 +28,15 @@ from gateway.redis_clients import coordination_client
 from gateway.request import pipeline
 from gateway.routing.endpoints import EndpointState
 from gateway.routing.prefix_hints import PrefixShare
+from gateway.spend.ledger import GROUPS, group
+from gateway.spend.postgres import PostgresSink
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
 from predictor.sync import ModelSync
 from protocol.bodies import json_object
 from protocol.errors import APIError, errors
+
+_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 WATCHER: web.AppKey[PolicyWatcher] = web.AppKey("tokengate_policy_watcher", PolicyWatcher)
 
@@ -204,6 +209,26 @@ async def admin_limiter(request: web.Request) -> web.Response:
     return web.json_response(out, dumps=_dumps)
 
 
+async def admin_spend(request: web.Request) -> web.Response:
+    """Spend summed by ``by`` (any of day, tenant, key, model, priority; default tenant) over
+    ``days`` (YYYY-MM-DD, comma-separated; default today in the policy's time zone)."""
+    state = _admin(request)
+    by = tuple(x for x in request.query.get("by", "tenant").split(",") if x)
+    bad_by = [x for x in by if x not in GROUPS]
+    if bad_by or not by:
+        raise APIError(400, f"by must name some of {', '.join(GROUPS)}", param="by",
+                       code="invalid_value")
+    days = [d for d in request.query.get("days", "").split(",") if d] or \
+        [state.spend.day(time.time())]
+    if len(days) > 400 or not all(_DAY.match(d) for d in days):
+        raise APIError(400, "days must be up to 400 dates as YYYY-MM-DD", param="days",
+                       code="invalid_value")
+    cells = await state.spend.cells(days)
+    return web.json_response({"by": list(by), "days": days,
+                              "shared": state.spend.redis is not None,
+                              "rows": group(cells, by)}, dumps=_dumps)
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[GATEWAY]
     watcher = app.get(WATCHER)
@@ -226,6 +251,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         counters = state.flow_share = CounterShare(coordination_client(state.redis_url),
                                                    state.flow)
         tasks.append(asyncio.ensure_future(counters.run()))
+    sink = None
+    if state.redis_url:
+        state.spend.redis = coordination_client(state.redis_url)
+        tasks.append(asyncio.ensure_future(state.spend.run()))
+    pg = state.view.policy.settings.spend.postgres_url
+    if pg:
+        sink = PostgresSink(pg)
+        state.spend.sinks.append(sink)
+        tasks.append(asyncio.ensure_future(sink.run()))
     for name, scaler in state.scalers.items():
         scaler.on_drain = state.live.migrate_from
         tasks.append(asyncio.ensure_future(scaler.run(
@@ -248,6 +282,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await share.reader.aclose()
     if counters is not None:
         await counters.redis.aclose()
+    if state.spend.redis is not None:
+        with contextlib.suppress(Exception):
+            await state.spend.flush()
+        await state.spend.redis.aclose()
+    if sink is not None:
+        await sink.close()
     for scaler in state.scalers.values():
         await scaler.close()
     await state.fleet.close()
@@ -283,6 +323,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_get("/admin/policy", admin_policy)
     r.add_get("/admin/endpoints", admin_endpoints)
     r.add_get("/admin/limiter", admin_limiter)
+    r.add_get("/admin/spend", admin_spend)
     r.add_get("/admin/predictor", admin_predictor)
     r.add_get("/admin/scaling", admin_scaling)
     r.add_post("/admin/drain", admin_drain)

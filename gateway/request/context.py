@@ -3,12 +3,14 @@ step and hands it to the attempt, migration and settlement code."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
 from gateway.quota.ledger import ContextTooLong
 from gateway.request.tokenize import ChatPrompt
+from gateway.spend.record import SpendRecord
 from gateway.state import GatewayState, PolicyView
 from gateway.tracing import RequestTrace
 from protocol import logs
@@ -43,6 +45,7 @@ class RequestContext:
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
     outcome: str | None = None  # how the request ended, once counted (``finish``)
     flow: str = ""  # its flow under flow control: the tenant, or tenant/x-fairness-id
+    key_name: str = ""  # the name of the API key it came with (spend records)
     flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
 
     def finish(self, model: str, outcome: str) -> None:
@@ -55,6 +58,16 @@ class RequestContext:
         self.state.metrics.series("requests", self.route.name, model, self.tenant_label,
                                   outcome).inc()
         logs.outcome(outcome)
+
+    def spent(self, model: Model, prompt: int, completion: int, cached: int, outcome: str,
+              endpoint: str | None = None) -> None:
+        """The request's spend record (``gateway.spend``): one per request, from settlement
+        when something was served, else from the error that ended it."""
+        _, _, session = self.flow.partition("/")
+        self.state.spend.record(SpendRecord(
+            time.time(), self.request_id, self.tenant, self.key_name, model.name,
+            self.priority, prompt, completion, cached, model.price.cost(prompt, completion),
+            outcome, endpoint, session or None))
 
     @property
     def tenant_label(self) -> str:

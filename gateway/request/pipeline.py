@@ -80,6 +80,14 @@ def flow_id(headers: Headers, tenant: str) -> str:
     return f"{tenant}/{fid}"
 
 
+def key_name(headers: Headers, policy: Policy) -> str:
+    """The policy's name for the request's (authenticated) API key."""
+    token = bearer(headers) or ""
+    found = policy.key_index.get(
+        hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest())
+    return found[1] if found is not None else ""
+
+
 def gate(state: GatewayState, headers: Headers) -> str:
     """The tenant, before any body is read: 503 while draining, 401 without a valid key."""
     if state.draining:
@@ -112,6 +120,7 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
                slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
     ctx.priority = slo.priority(headers, policy.tenants[tenant])
     ctx.flow = flow_id(headers, tenant)
+    ctx.key_name = key_name(headers, policy)
     ctx.trace = state.tracer.request(kind, g.model, headers, {
         "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
         "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,
@@ -143,6 +152,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         return await _serve(request, state, ctx)
     except APIError as exc:
         ctx.finish(ctx.parsed.model, str(exc.status))
+        ctx.spent(ctx.view.policy.models[ctx.parsed.model], 0, 0, 0, str(exc.status))
         end_trace(ctx, exc)
         raise
     finally:

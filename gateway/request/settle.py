@@ -208,6 +208,12 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
                                prompt_tokens=used.prompt, failed_before_first_token=False)
     except StoreUnavailable:
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
+    details = (r.usage or {}).get("prompt_tokens_details")
+    cached = _count(details, "cached_tokens") if isinstance(details, dict) else None
+    outcome = "client_gone" if r.client_gone else "broken" if r.broken else str(r.status)
+    ctx.spent(adm.model, used.prompt if used else 0, used.completion if used else 0,
+              min(cached or 0, used.prompt) if used else 0, outcome,
+              sent.decision.endpoint.ep.url)
     if r.client_gone:
         state.metrics.series("abandoned", m, "generating" if r.chunks else "queued").inc()
     if used is not None and r.status == 200 and not r.broken:

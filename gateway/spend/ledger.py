@@ -1,0 +1,148 @@
+"""What every request cost, counted once: ``SpendLedger.record`` takes one ``SpendRecord`` per
+request and
+
+* writes it to the spend log (logger ``tokengate.spend``, one JSON object per line) and to the
+  sinks (``gateway.spend.postgres``), never waiting on them;
+* adds it to the dollar and token counters in Prometheus (``tokengate_spend_dollars_total``,
+  ``tokengate_spend_tokens_total``: tenant and model, both bounded by the policy);
+* adds it to the spend by day, tenant, key, model and priority that ``/admin/spend`` reports:
+  in this replica and, with Redis, in one hash per day that all replicas add to (batched every
+  ``flush_s``; what could not be sent is kept for the next try), so any replica reports the
+  whole fleet's spend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any, Protocol
+from zoneinfo import ZoneInfo
+
+from gateway.metrics import GatewayMetrics
+from gateway.redis_clients import Executor
+from gateway.spend.record import SpendRecord
+
+log = logging.getLogger("tokengate.spend")
+KEY = "{tokengate:spend}:"
+TTL_S = 400 * 86400  # a day's spend is kept for a little over a year
+FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "dollars")
+GROUPS = ("day", "tenant", "key", "model", "priority")
+_SEP = "\x1f"
+# KEYS[1]: the day's hash; ARGV: ttl, then field, amount pairs.
+_SCRIPT = """
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+Cell = tuple[str, str, str, str, str]  # day, tenant, key, model, priority
+
+
+class Sink(Protocol):
+    def put(self, rec: SpendRecord) -> None: ...
+
+
+class SpendLedger:
+    def __init__(self, metrics: GatewayMetrics, *, time_zone: Callable[[], str] = lambda: "UTC",
+                 tenant_label: Callable[[str], str] = lambda t: t,
+                 log_records: Callable[[], bool] = lambda: True,
+                 flush_s: float = 1.0) -> None:
+        self.metrics = metrics
+        self.time_zone = time_zone
+        self.tenant_label = tenant_label
+        self.log_records = log_records
+        self.flush_s = flush_s
+        self.sinks: list[Sink] = []
+        self.redis: Executor | None = None
+        self.totals: dict[Cell, list[float]] = {}  # this replica's, since it started
+        self._unsent: dict[Cell, list[float]] = {}
+        self.failures = 0
+
+    def record(self, rec: SpendRecord) -> None:
+        if self.log_records():
+            log.info("%s", json.dumps(rec.as_dict(), separators=(",", ":")))
+        for sink in self.sinks:
+            sink.put(rec)
+        tenant = self.tenant_label(rec.tenant)
+        self.metrics.series("spend_dollars", tenant, rec.model).inc(rec.dollars)
+        for kind, n in (("prompt", rec.prompt_tokens), ("completion", rec.completion_tokens),
+                        ("cached", rec.cached_tokens)):
+            if n:
+                self.metrics.series("spend_tokens", tenant, rec.model, kind).inc(n)
+        day = self.day(rec.at)
+        cell = (day, rec.tenant, rec.key, rec.model, rec.priority)
+        amounts = (1.0, float(rec.prompt_tokens), float(rec.completion_tokens),
+                   float(rec.cached_tokens), rec.dollars)
+        for table in (self.totals, self._unsent):
+            row = table.setdefault(cell, [0.0] * len(FIELDS))
+            for i, v in enumerate(amounts):
+                row[i] += v
+
+    def day(self, at: float) -> str:
+        return datetime.fromtimestamp(at, ZoneInfo(self.time_zone())).strftime("%Y-%m-%d")
+
+    # -- shared through Redis -----------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send what this replica added since the last flush, a day at a time; a day Redis
+        did not take is kept for the next flush (each amount is sent exactly once)."""
+        if self.redis is None or not self._unsent:
+            return
+        unsent, self._unsent = self._unsent, {}
+        days = sorted({c[0] for c in unsent})
+        for n, day in enumerate(days):
+            args: list[str] = []
+            for (d, *rest), row in unsent.items():
+                if d == day:
+                    args += [a for name, v in zip(FIELDS, row, strict=True) if v
+                             for a in (_SEP.join((*rest, name)), repr(v))]
+            try:
+                await self.redis.execute("EVAL", _SCRIPT, "1", KEY + day, str(TTL_S), *args)
+            except Exception as exc:  # any Redis failure: kept for a later flush
+                self.failures += 1
+                log.warning("spend totals not shared yet (Redis: %s); kept for the next "
+                            "flush", exc)
+                for cell, row in unsent.items():
+                    if cell[0] in days[n:]:
+                        mine = self._unsent.setdefault(cell, [0.0] * len(FIELDS))
+                        for i, v in enumerate(row):
+                            mine[i] += v
+                return
+
+    async def cells(self, days: Iterable[str]) -> dict[Cell, list[float]]:
+        """Spend per cell on ``days``: the fleet's (Redis) when shared, else this replica's."""
+        wanted = set(days)
+        if self.redis is None:
+            return {c: r for c, r in self.totals.items() if c[0] in wanted}
+        out: dict[Cell, list[float]] = {}
+        for day in sorted(wanted):
+            raw = await self.redis.execute("HGETALL", KEY + day)
+            for i in range(0, len(raw) - 1, 2):
+                k = raw[i].decode() if isinstance(raw[i], bytes) else raw[i]
+                tenant, key, model, priority, name = k.split(_SEP)
+                row = out.setdefault((day, tenant, key, model, priority), [0.0] * len(FIELDS))
+                row[FIELDS.index(name)] = float(raw[i + 1])
+        return out
+
+
+def group(cells: dict[Cell, list[float]], by: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rows summed over every group not in ``by``, largest spend first."""
+    idx = [GROUPS.index(g) for g in by]
+    sums: dict[tuple[str, ...], list[float]] = {}
+    for cell, row in cells.items():
+        k = tuple(cell[i] for i in idx)
+        acc = sums.setdefault(k, [0.0] * len(FIELDS))
+        for i, v in enumerate(row):
+            acc[i] += v
+    rows = [{**dict(zip(by, k, strict=True)),
+             **{f: (v if f == "dollars" else int(v)) for f, v in zip(FIELDS, acc, strict=True)}}
+            for k, acc in sums.items()]
+    return sorted(rows, key=lambda r: -r["dollars"])
