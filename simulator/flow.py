@@ -36,11 +36,11 @@ class SimFlow:
         w = Waiter(flow, band, deadline, cost_in, cost_out, weight, payload)
         self.waiters[index] = w
         offer = self.gate.offer(w, self.loop.now)
+        if offer.shed is not None:
+            self.refuse(offer.shed.payload, "flow_control_queue_full")
         if offer.go:
             self.proceed(payload)
             return
-        if offer.shed is not None:
-            self.refuse(offer.shed.payload, "flow_control_queue_full")
         if w.queued:
             cfg = self.gate.cfg
             limit = (cfg.flex_max_wait_ms if band == "flex" else cfg.max_wait_ms) / 1000.0

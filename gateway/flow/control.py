@@ -74,11 +74,13 @@ class ModelGate:
         w.payload = _Wait(fut, tenant_label, now)
         self._watch()
         offer = self.gate.offer(w, clock.now())
+        if offer.shed is not None and offer.shed is not w:
+            self._refuse(offer.shed, "queue_full")
         if offer.go:
             self._served(w, 0.0)
             return Pass(self, w)
-        if offer.shed is not None:
-            self._refuse(offer.shed, "queue_full")
+        if offer.shed is w:
+            self._refuse(w, "queue_full")
         self.pump()
         self._gauge()
         limit = (self.gate.cfg.flex_max_wait_ms if band == "flex"
