@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
@@ -27,21 +26,12 @@ from gateway.config.backend_spec import BackendSpec, parse_backend
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
 from gateway.config.endpoint import Endpoint, KVPool, parse_endpoint, parse_kv_pool
-from gateway.config.flow import FlowControl, parse_flow_control
 from gateway.config.lora import Lora, parse_lora
-from gateway.config.resilience import (
-    ClientLimits,
-    Retries,
-    Timeouts,
-    parse_client,
-    parse_retries,
-    parse_timeouts,
-    partial_timeouts,
-)
+from gateway.config.resilience import Timeouts, partial_timeouts
 from gateway.config.routing import Routing, parse_routing
 from gateway.config.scaling import Scaling, parse_scaling
-from gateway.config.spend import Spend, parse_spend
-from gateway.config.tracing import Tracing, parse_tracing
+from gateway.config.settings import Settings as Settings  # part of this module's API
+from gateway.config.settings import parse_settings
 from gateway.quota.limiter.bucket import Kind, Limit
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -156,33 +146,6 @@ class Route:
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    redis_failure: Literal["fail_open", "fail_closed"] = "fail_open"
-    replicas: int = 1
-    # Quota leases (``gateway.quota.limiter.lease``): each replica takes this fraction of a big
-    # bucket from Redis at a time and admits from it locally; 0 reserves per request.
-    quota_lease: float = 0.0
-    progressive_charge_tokens: int = 256
-    progressive_charge_ms: int = 1000
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_messages: int = 4096
-    timeouts: Timeouts = field(default_factory=Timeouts)  # defaults for every route
-    retries: Retries = field(default_factory=Retries)
-    client: ClientLimits = field(default_factory=ClientLimits)
-    admin_key_sha256: str | None = None
-    admin_key_env: str | None = None
-    # ``/metrics``: behind the admin key when one is configured (Prometheus sends it as a
-    # bearer token), unless ``public_metrics``; ``metrics_tenant_label: false`` writes "*"
-    # for every tenant, so the series name no customer.
-    public_metrics: bool = False
-    metrics_tenant_label: bool = True
-    tracing: Tracing | None = None
-    flow_control: FlowControl = field(default_factory=FlowControl)
-    time_zone: str = "UTC"  # where calendar budgets' days and months begin
-    spend: Spend = field(default_factory=Spend)
-
-
-@dataclass(frozen=True, slots=True)
 class Policy:
     models: Mapping[str, Model]
     tenants: Mapping[str, Tenant]
@@ -281,56 +244,6 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
                   priority, ceiling, weight)
 
 
-def _settings(d: Decoder, raw: Any) -> Settings:
-    if raw is None:
-        return Settings()
-    m = d.mapping(raw, "settings", schema.keys("settings"))
-    kw: dict[str, Any] = {}
-    if "redis_failure" in m:
-        if m["redis_failure"] not in ("fail_open", "fail_closed"):
-            raise d.fail("settings.redis_failure", "expected fail_open or fail_closed")
-        kw["redis_failure"] = m["redis_failure"]
-    for k in ("replicas", "progressive_charge_tokens", "progressive_charge_ms",
-              "max_body_bytes", "max_messages"):
-        if k in m:
-            kw[k] = d.integer(m[k], f"settings.{k}")
-    if "quota_lease" in m:
-        lease = d.number(m["quota_lease"], "settings.quota_lease", positive=False)
-        if not 0.0 <= lease <= 0.5:
-            raise d.fail("settings.quota_lease", "expected a fraction of a bucket, 0 to 0.5")
-        kw["quota_lease"] = lease
-    kw["timeouts"] = parse_timeouts(d, m.get("timeouts"), "settings.timeouts", Timeouts())
-    kw["retries"] = parse_retries(d, m.get("retries"), "settings.retries")
-    kw["client"] = parse_client(d, m.get("client"), "settings.client")
-    if "admin_key_sha256" in m:
-        digest = d.string(m["admin_key_sha256"], "settings.admin_key_sha256").lower()
-        if not _HEX64.match(digest):
-            raise d.fail("settings.admin_key_sha256", "expected 64 hex digits")
-        kw["admin_key_sha256"] = digest
-    if "admin_key_env" in m:
-        kw["admin_key_env"] = d.string(m["admin_key_env"], "settings.admin_key_env")
-    for k in ("public_metrics", "metrics_tenant_label"):
-        if k in m:
-            if not isinstance(m[k], bool):
-                raise d.fail(f"settings.{k}", "expected true or false")
-            kw[k] = m[k]
-    if "tracing" in m:
-        kw["tracing"] = parse_tracing(d, m["tracing"])
-    if "flow_control" in m:
-        kw["flow_control"] = parse_flow_control(d, m["flow_control"], "settings.flow_control")
-    if "time_zone" in m:
-        tz = d.string(m["time_zone"], "settings.time_zone")
-        try:
-            ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError):
-            raise d.fail("settings.time_zone", f"unknown time zone {tz!r} (an IANA name, "
-                         "e.g. Europe/Paris)") from None
-        kw["time_zone"] = tz
-    if "spend" in m:
-        kw["spend"] = parse_spend(d, m["spend"], "settings.spend")
-    return Settings(**kw)
-
-
 def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
     d = Decoder(source)
     top = d.mapping(doc, "", schema.keys("top"), schema.required("top"))
@@ -342,7 +255,7 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
         raise d.fail("models", "at least one model is required")
     tenants_raw = d.mapping(top["tenants"], "tenants", set(top["tenants"] or {}))
     tenants = {str(n): _tenant(d, str(n), r, f"tenants.{n}") for n, r in tenants_raw.items()}
-    settings = _settings(d, top.get("settings"))
+    settings = parse_settings(d, top.get("settings"))
     routes_raw = d.mapping(top["routes"], "routes", set(top["routes"] or {}))
     routes = {}
     for n, r in routes_raw.items():
