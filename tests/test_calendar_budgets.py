@@ -39,7 +39,7 @@ def test_windows_begin_at_local_midnight_and_on_the_first() -> None:
 
 def _doc(limits: dict[str, float], url: str = "http://127.0.0.1:1/v1",
          tz: str = "UTC") -> dict[str, object]:
-    return {"version": 1, "settings": {"time_zone": tz},
+    return {"version": 1, "settings": {"time_zone": tz, "admin_key_sha256": sha("admin")},
             "models": {"m": {"endpoints": [{"url": url}], "upstream_model": "llama-3-8b",
                              "default_max_tokens": 8,
                              "price": {"input_per_1k": 1.0, "output_per_1k": 2.0}}},
@@ -84,5 +84,12 @@ def test_a_spent_daily_budget_refuses_until_midnight(
         midnight = datetime(now.year, now.month, now.day, tzinfo=UTC).timestamp() \
             + 86400
         assert abs(int(r.headers["retry-after"]) - (midnight - now.timestamp())) < 5
+        # the operator sees it: the day's bucket, nearly spent, reset at midnight
+        lim = httpx.get(f"{gw.url}/admin/limiter",
+                        headers={"Authorization": "Bearer admin"}).json()
+        (day,) = [b for b in lim["buckets"] if b["kind"] == "budget_daily"]
+        assert day["scope"] == f"tenant:t@{now:%Y-%m-%d}" and day["limit"] == 0.05
+        assert 0 < day["remaining"] < 0.04 and day["period_s"] is None
+        assert abs(day["resets_in_s"] - (midnight - now.timestamp())) < 5
     finally:
         gw.close()

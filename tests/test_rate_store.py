@@ -95,6 +95,16 @@ async def test_states_report_remaining_and_reset(store: RateStore) -> None:
     assert tok.reset_s == pytest.approx(250 * HOUR / 1000, rel=0.01)
 
 
+async def test_peek_reads_the_buckets_and_charges_nothing(store: RateStore) -> None:
+    s, other = scope("tenant:p"), scope("model:p")
+    assert (await store.reserve([Charge(s, tokens(1000), 300)], "p1")).allowed
+    for _ in range(2):  # looking twice changes nothing
+        used, fresh = await store.peek([Charge(s, tokens(1000), 0), Charge(other, tokens(50), 0)])
+        assert used.remaining == pytest.approx(700, abs=1) and used.scope == s
+        assert used.reset_s == pytest.approx(300 * HOUR / 1000, rel=0.01)
+        assert fresh.remaining == 50 and fresh.reset_s == 0
+
+
 async def test_settlement_refunds_unused_and_charges_overrun_once(store: RateStore) -> None:
     s = scope("tenant:s")
     lim = tokens(1000)

@@ -23,7 +23,9 @@ from gateway.flow.share import CounterShare
 from gateway.front import openapi
 from gateway.front.http_guard import SERVER, guard
 from gateway.front.reload import PolicyWatcher
+from gateway.quota import ledger as quota
 from gateway.quota.limiter.resilient import ResilientStore
+from gateway.quota.limiter.store import StoreUnavailable
 from gateway.redis_clients import coordination_client
 from gateway.request import pipeline
 from gateway.routing.endpoints import EndpointState
@@ -197,10 +199,24 @@ async def admin_drain(request: web.Request) -> web.Response:
 
 
 async def admin_limiter(request: web.Request) -> web.Response:
+    """The store, and every bucket the policy sets: its limit, what is left, when it is full
+    again (the fullest first)."""
     state = _admin(request)
     store = state.store
     out: dict[str, Any] = {"store": type(store).__name__,
                            "round_trips": store.stats.round_trips}
+    try:
+        states = await store.peek(quota.every_bucket(state.view.policy))
+    except StoreUnavailable:
+        states = []
+        out["buckets_unavailable"] = "the rate store cannot be reached"
+    out["buckets"] = sorted(({
+        "scope": s.scope, "kind": s.limit.kind, "limit": s.limit.amount,
+        "period_s": None if s.limit.expires_at is not None else s.limit.period_s,
+        "burst": s.limit.burst, "remaining": s.remaining, "used": s.limit.burst - s.remaining,
+        "resets_in_s": (max(0.0, s.limit.expires_at - time.time())
+                        if s.limit.expires_at is not None else s.reset_s)}
+        for s in states), key=lambda b: b["remaining"] / b["burst"])
     if isinstance(store, ResilientStore):
         st = store.primary.stats  # the shared store's (a lease store shares its stats)
         out.update(primary=type(store.primary).__name__, degraded=store.degraded,

@@ -61,6 +61,25 @@ def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_toke
     return out
 
 
+def every_bucket(policy: Policy) -> list[Charge]:
+    """Every bucket the policy sets (calendar budgets in their current window), at no cost:
+    what ``/admin/limiter`` reports."""
+    scopes: list[tuple[str, Limits]] = []
+    for t in policy.tenants.values():
+        scopes.append((f"tenant:{t.name}", t.limits))
+        scopes += [(f"tenant:{t.name}|model:{m}", lim) for m, lim in t.model_limits.items()]
+    scopes += [(f"model:{m.name}", m.limits) for m in policy.models.values()]
+    scopes += [(f"route:{r.name}", r.limits) for r in policy.routes.values()]
+    now = time.time()
+    out = []
+    for scope, limits in scopes:
+        out += [Charge(scope, lim, 0.0) for lim in limits.buckets()]
+        for kind, amount in limits.calendar():
+            suffix, cal = calendar.limit(kind, amount, now, policy.settings.time_zone)
+            out.append(Charge(scope + suffix, cal, 0.0))
+    return out
+
+
 @dataclass(slots=True)
 class Admission:
     model: Model

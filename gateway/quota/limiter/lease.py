@@ -246,6 +246,10 @@ class LeasedStore:
                 await self.shared.adjust(held, {key: units}, f"overrun-{next(self._ids)}")
         return True
 
+    async def peek(self, charges: Sequence[Charge]) -> list[BucketState]:
+        """The shared buckets (what this replica leased is spent there already)."""
+        return await self.shared.peek(charges)
+
     # -- giving back -------------------------------------------------------------------------
     def _start_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():

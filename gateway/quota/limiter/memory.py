@@ -65,6 +65,10 @@ class MemoryStore:
             self._tat[key] = bucket.adjust(self._tat.get(key, 0.0), now, delta, limits[key])
         return True
 
+    async def peek(self, charges: Sequence[Charge]) -> list[BucketState]:
+        now = self._clock()
+        return [self._state(c, now) for c in charges]
+
     def _state(self, c: Charge, now: float) -> BucketState:
         tat = self._tat.get(c.key, 0.0)
         return BucketState(c.scope, c.limit, bucket.remaining(tat, now, c.limit),

@@ -98,6 +98,7 @@ class RedisStore:
         self._reserve_src = _script("reserve.lua")
         self._adjust_src = _script("adjust.lua")
         self._void_src = _script("void.lua")
+        self._peek_src = _script("peek.lua")
         self._sha: dict[str, str] = {}
         self.owed: dict[tuple[str, str], Owed] = {}  # (reservation, step or scope) -> call
         self._paying: asyncio.Task[None] | None = None
@@ -288,6 +289,21 @@ class RedisStore:
                           reservation.life_s, f"step {step} of {reservation.id}")
                 applied = True
         return applied
+
+    async def peek(self, charges: Sequence[Charge]) -> list[BucketState]:
+        """One script call per scope (a scope's buckets share a hash, and a Cluster slot)."""
+        by_scope: dict[str, list[Charge]] = defaultdict(list)
+        for c in charges:
+            by_scope[c.scope].append(c)
+        out: dict[tuple[str, str], BucketState] = {}
+        for scope, cs in by_scope.items():
+            raw = await self._eval(self._peek_src, [_key(scope)], [c.limit.kind for c in cs])
+            now = int(raw[0]) + int(raw[1]) / 1e6
+            for c, v in zip(cs, raw[2:], strict=True):
+                tat = float(v) if v not in (b"", "", None) else 0.0
+                out[c.key] = BucketState(c.scope, c.limit, bucket.remaining(tat, now, c.limit),
+                                         bucket.reset_after(tat, now))
+        return [out[c.key] for c in charges]
 
     async def close(self) -> None:
         if self._paying is not None and not self._paying.done():

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from gateway.quota.limiter.memory import MemoryStore
 from gateway.quota.limiter.store import (
     DEFAULT_LIFE_S,
+    BucketState,
     Charge,
     Decision,
     RateStore,
@@ -93,6 +94,14 @@ class ResilientStore:
             log.warning("could not settle %s (%s): its quota stays as reserved",
                         reservation.id, exc)
             return False
+
+    async def peek(self, charges: Sequence[Charge]) -> list[BucketState]:
+        if not self.degraded:
+            try:
+                return await self.primary.peek(charges)
+            except StoreUnavailable as exc:
+                self._mark_down(exc)
+        return await self.local.peek(self._share(charges))
 
     async def close(self) -> None:
         await self.primary.close()

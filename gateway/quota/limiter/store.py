@@ -90,6 +90,10 @@ class RateStore(Protocol):
         """Apply ``deltas`` (by ``Charge.key``) once per ``step``; False if already applied."""
         ...
 
+    async def peek(self, charges: Sequence[Charge]) -> list[BucketState]:
+        """The buckets' state now, charging nothing (``/admin/limiter``)."""
+        ...
+
     async def close(self) -> None: ...
 
 
