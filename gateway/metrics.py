@@ -114,6 +114,9 @@ class GatewayMetrics:
         self.spend_tokens = Counter("tokengate_spend_tokens", "Tokens spent by kind (prompt, "
                                     "completion, cached prompt).", ["tenant", "model", "kind"],
                                     registry=r)
+        self.sentry_actions = Counter("tokengate_sentry_actions", "Agent sessions the cost "
+                                      "sentry stopped or throttled, by reason.",
+                                      ["tenant", "reason"], registry=r)
         self._children: dict[tuple[object, ...], Any] = {}
 
     def series(self, name: str, *labels: str) -> Any:

@@ -27,6 +27,7 @@ from gateway.routing.prefix_hints import PrefixShare
 from gateway.routing.router import Router
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.spend.ledger import SpendLedger
+from gateway.spend.sentry import Sentry
 from gateway.tracing import Tracer
 from predictor.online import OnlinePredictor
 from predictor.sync import ModelSync
@@ -90,9 +91,11 @@ class GatewayState:
     flow_share: CounterShare | None = None  # their counters, shared through Redis
 
     spend: SpendLedger = field(init=False)  # what every request cost
+    sentry: Sentry = field(init=False)  # stops runaway agent sessions
 
     def __post_init__(self) -> None:
         self.flow = FlowGates(self.metrics, self.flow_mode)
+        self.sentry = Sentry(self.metrics)
         self.spend = SpendLedger(
             self.metrics, time_zone=lambda: self.view.policy.settings.time_zone,
             tenant_label=lambda t: t if self.view.policy.settings.metrics_tenant_label

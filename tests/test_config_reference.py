@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import endpoint, flow, policy, resilience, scaling, spend, tracing
+from gateway.config import (
+    endpoint,
+    flow,
+    policy,
+    resilience,
+    scaling,
+    sentry,
+    spend,
+    tracing,
+)
 from gateway.config.backend_spec import BackendSpec
 from gateway.config.policy import parse_policy
 from gateway.config.reference import render
@@ -29,7 +38,7 @@ DATACLASSES: dict[str, Any] = {
     "backend": BackendSpec, "routing": Routing, "scaling": scaling.Scaling,
     "launcher": scaling.Launcher, "kv_pool": endpoint.KVPool, "tenant": policy.Tenant,
     "key": policy.Key, "route": policy.Route, "flow_control": flow.FlowControl,
-    "spend": spend.Spend}
+    "spend": spend.Spend, "sentry": sentry.SentryConfig}
 
 
 def test_the_reference_in_docs_is_the_schema() -> None:

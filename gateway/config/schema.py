@@ -109,7 +109,25 @@ SECTIONS: dict[str, Section] = {
                             "when a pool is saturated."),
          "time_zone": _k("IANA time zone", "UTC", "Where calendar budgets' days and months "
                          "begin, e.g. `Europe/Paris`."),
-         "spend": _k("spend", "(below)", "Where per-request spend records go.")}),
+         "spend": _k("spend", "(below)", "Where per-request spend records go."),
+         "sentry": _k("sentry", "(below)", "Limits on agent sessions that run away.")}),
+    "sentry": Section(
+        "settings.sentry",
+        "The cost sentry, for sessions (requests sending `x-fairness-id`): a hard cap on a "
+        "session's dollars (exact across replicas), a loop detector and a spend-velocity "
+        "throttle. Each refusal is a 429 with `type: runaway`, counted in "
+        "`tokengate_sentry_actions_total` and logged on `tokengate.sentry`.",
+        {"session_budget": _k("number > 0", NONE, "Dollars one session may spend; beyond, "
+                              "its requests are refused (`session_budget_exceeded`)."),
+         "session_ttl_s": _k("number > 0", 86_400.0, "A session's spend is kept this long "
+                             "after its last request."),
+         "repeat_limit": _k("integer > 0", NONE, "The same request body this many times in "
+                            "`repeat_window_s` stops the session (`repeated_prompt`)…"),
+         "repeat_window_s": _k("number > 0", 600.0, "…until this window has passed."),
+         "velocity_factor": _k("number > 0", NONE, "A session spending over this many times "
+                               "its tenant's usual rate per session (last hour) is throttled "
+                               "(`spend_velocity`)…"),
+         "velocity_window_s": _k("number > 0", 60.0, "…measured over, and for, this long.")}),
     "spend": Section(
         "settings.spend",
         "A record per request (request id, tenant, key name, model, priority, prompt, "

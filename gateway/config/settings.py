@@ -20,6 +20,7 @@ from gateway.config.resilience import (
     parse_retries,
     parse_timeouts,
 )
+from gateway.config.sentry import SentryConfig, parse_sentry
 from gateway.config.spend import Spend, parse_spend
 from gateway.config.tracing import Tracing, parse_tracing
 
@@ -51,6 +52,7 @@ class Settings:
     flow_control: FlowControl = field(default_factory=FlowControl)
     time_zone: str = "UTC"  # where calendar budgets' days and months begin
     spend: Spend = field(default_factory=Spend)
+    sentry: SentryConfig = field(default_factory=SentryConfig)
 
 
 
@@ -101,4 +103,6 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
         kw["time_zone"] = tz
     if "spend" in m:
         kw["spend"] = parse_spend(d, m["spend"], "settings.spend")
+    if "sentry" in m:
+        kw["sentry"] = parse_sentry(d, m["sentry"], "settings.sentry")
     return Settings(**kw)

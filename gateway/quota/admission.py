@@ -25,7 +25,7 @@ async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quo
     Raises the 503 of an unreachable store; returns refusals (``decision.allowed`` False)."""
     try:
         adm = await quota.admit(state.store, ctx.view.policy, ctx.tenant, ctx.route, model,
-                                ctx.count_prompt, ctx.expected_output)
+                                ctx.count_prompt, ctx.expected_output, ctx.session)
     except StoreUnavailable:
         state.metrics.series("limiter", "all", "unavailable").inc()
         raise limiter_unavailable() from None
@@ -36,6 +36,9 @@ async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quo
     for refused in adm.refused:
         if refused.denied is not None:
             state.metrics.series("limiter", refused.denied.scope.split(":")[0], "denied").inc()
+    denied = adm.decision.denied
+    if denied is not None and denied.limit.kind == "session_budget":
+        state.sentry.capped(ctx.tenant, denied.scope)
     if adm.decision.allowed:
         ctx.admissions.append(adm)
         state.metrics.series("limiter", "all", "admitted").inc()

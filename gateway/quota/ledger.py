@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 
 from gateway.config.policy import Limits, Model, Policy, Route
 from gateway.quota import calendar
+from gateway.quota.limiter.bucket import NO_REFILL_S, Limit
 from gateway.quota.limiter.store import (
     SETTLE_MARGIN_S,
     BucketState,
@@ -38,7 +39,7 @@ from protocol.errors import APIError
 
 
 def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_tokens: int,
-            expected_output: int) -> list[Charge]:
+            expected_output: int, session: str | None = None) -> list[Charge]:
     t = policy.tenants[tenant]
     scopes: list[tuple[str, Limits]] = [
         (f"tenant:{tenant}", t.limits),
@@ -58,6 +59,11 @@ def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_toke
         for kind, amount in limits.calendar():
             suffix, cal = calendar.limit(kind, amount, now, policy.settings.time_zone)
             out.append(Charge(scope + suffix, cal, dollars))
+    cap = policy.settings.sentry.session_budget
+    if cap and session is not None:  # the sentry's hard cap: exact, as every budget
+        out.append(Charge(f"session:{session}", Limit(
+            "session_budget", cap, NO_REFILL_S, cap,
+            expires_at=now + policy.settings.sentry.session_ttl_s), dollars))
     return out
 
 
@@ -118,7 +124,8 @@ class ContextTooLong(APIError):
 
 async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, model: Model,
                 count_prompt: Callable[[Model], Awaitable[int]],
-                expected_output: Callable[[Model], int]) -> Admission:
+                expected_output: Callable[[Model], int],
+                session: str | None = None) -> Admission:
     """Reserve on the model or, when its quota refuses, on the first fallback that admits."""
     chain: list[Model] = [model]
     if route.failover:
@@ -133,7 +140,7 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
                 raise
             continue  # a fallback with a shorter context cannot take this prompt
         out = expected_output(candidate)
-        cs = charges(policy, tenant, route, candidate, prompt, out)
+        cs = charges(policy, tenant, route, candidate, prompt, out, session)
         rid = uuid.uuid4().hex
         # No limits on any scope: nothing to reserve, no store round trip.
         life = reservation_life_s(route)
@@ -192,7 +199,8 @@ def ratelimit_headers(states: Sequence[BucketState]) -> dict[str, str]:
 _KIND_LABEL = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)",
                "tokens_day": "tokens per day (TPD)", "budget": "dollars per day (budget)",
                "budget_daily": "dollars per calendar day (budget_daily)",
-               "budget_monthly": "dollars per calendar month (budget_monthly)"}
+               "budget_monthly": "dollars per calendar month (budget_monthly)",
+               "session_budget": "dollars per session (sentry.session_budget)"}
 _DOLLARS = ("budget", "budget_daily", "budget_monthly")
 
 
@@ -201,6 +209,13 @@ def rate_limit_error(d: Decision) -> APIError:
     assert s is not None
     kind = s.limit.kind
     retry = s.retry_after_s
+    if kind == "session_budget":
+        return APIError(429, f"Runaway session stopped: {s.scope} has spent "
+                        f"${s.used:.4g} of its ${s.limit.amount:g} cap and this request "
+                        f"needs ${s.requested:.4g}. Start a new session if the work must go "
+                        "on.", type="runaway", code="session_budget_exceeded",
+                        headers={"retry-after": str(max(1, math.ceil(
+                            (s.limit.expires_at or 0.0) - time.time())))})
     if s.limit.expires_at is not None:  # a calendar budget: spent until its window ends
         retry = max(0.0, s.limit.expires_at - time.time())
         ends = datetime.fromtimestamp(s.limit.expires_at, UTC).isoformat()
@@ -236,14 +251,15 @@ async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
         await asyncio.gather(*st.in_flight, return_exceptions=True)
     if failed_before_first_token:
         totals = {"requests": 0.0, "tokens": 0.0, "tokens_day": 0.0, "budget": 0.0,
-                  "budget_daily": 0.0, "budget_monthly": 0.0}
+                  "budget_daily": 0.0, "budget_monthly": 0.0, "session_budget": 0.0}
     else:
         p = prompt_tokens if prompt_tokens is not None else adm.prompt_tokens
         o = output_tokens or 0
         tokens = float(p + o)
         dollars = adm.model.price.cost(p, o)
         totals = {"tokens": tokens, "tokens_day": tokens, "budget": dollars,
-                  "budget_daily": dollars, "budget_monthly": dollars}
+                  "budget_daily": dollars, "budget_monthly": dollars,
+                  "session_budget": dollars}
     deltas = st.deltas_to(totals)
     if deltas:
         await store.adjust(st.reservation, deltas, "final")

@@ -64,10 +64,16 @@ class RequestContext:
         """The request's spend record (``gateway.spend``): one per request, from settlement
         when something was served, else from the error that ended it."""
         _, _, session = self.flow.partition("/")
+        now, dollars = time.time(), model.price.cost(prompt, completion)
         self.state.spend.record(SpendRecord(
-            time.time(), self.request_id, self.tenant, self.key_name, model.name,
-            self.priority, prompt, completion, cached, model.price.cost(prompt, completion),
-            outcome, endpoint, session or None))
+            now, self.request_id, self.tenant, self.key_name, model.name, self.priority,
+            prompt, completion, cached, dollars, outcome, endpoint, session or None))
+        self.state.sentry.spent(self.tenant, self.session, dollars, now)
+
+    @property
+    def session(self) -> str | None:
+        """The agent session it belongs to (``tenant/x-fairness-id``), if it names one."""
+        return self.flow if "/" in self.flow else None
 
     @property
     def tenant_label(self) -> str:

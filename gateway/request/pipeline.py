@@ -190,6 +190,10 @@ async def admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
 
 
 async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
+    stop = state.sentry.check(ctx.view.policy.settings.sentry, ctx.tenant, ctx.session,
+                              ctx.raw, time.time())
+    if stop is not None:
+        raise stop
     adm = await admission.reserve(state, ctx, ctx.view.policy.models[ctx.parsed.model])
     if not adm.decision.allowed:
         raise quota.rate_limit_error(adm.decision)

@@ -15,9 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["requests", "tokens", "tokens_day", "budget", "budget_daily", "budget_monthly"]
+Kind = Literal["requests", "tokens", "tokens_day", "budget", "budget_daily", "budget_monthly",
+               "session_budget"]
 KINDS: tuple[Kind, ...] = ("requests", "tokens", "tokens_day", "budget", "budget_daily",
-                           "budget_monthly")
+                           "budget_monthly", "session_budget")
 # A calendar budget is a bucket that does not refill within its window (its period is this
 # long) and whose scope names the window (``gateway.quota.calendar``): the next window is a
 # new, full bucket.
