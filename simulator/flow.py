@@ -23,7 +23,8 @@ class SimFlow:
         self.loop = loop
         self.proceed = proceed  # called with a request's payload when it may go
         self.refuse = refuse  # called with the payload and the error code
-        self.waiters: dict[int, Waiter] = {}  # request index -> its waiter
+        self.waiters: dict[int, Waiter] = {}  # request index -> its waiter, let through
+        self._queued: dict[int, int] = {}  # id(waiter) -> request index, while it waits
         self._pumping = False
         self._ticking = False
         # called after every pump with (now, backlogged flows, counters): measurements
@@ -34,13 +35,14 @@ class SimFlow:
     def arrive(self, index: int, payload: Any, flow: str, band: str, deadline: float,
                cost_in: float, cost_out: float, weight: float) -> None:
         w = Waiter(flow, band, deadline, cost_in, cost_out, weight, payload)
-        self.waiters[index] = w
         offer = self.gate.offer(w, self.loop.now)
         if offer.shed is not None:
             self.refuse(offer.shed.payload, "flow_control_queue_full")
         if offer.go:
+            self.waiters[index] = w  # let through: charged, settled when it ends
             self.proceed(payload)
             return
+        self._queued[id(w)] = index
         if w.queued:
             cfg = self.gate.cfg
             limit = (cfg.flex_max_wait_ms if band == "flex" else cfg.max_wait_ms) / 1000.0
@@ -54,6 +56,7 @@ class SimFlow:
             self._soon()
 
     def settled(self, index: int, prompt: float, output: float) -> None:
+        """A request let through ended (one refused while waiting was never charged)."""
         w = self.waiters.pop(index, None)
         if w is not None:
             self.gate.settled(w, prompt, output)
@@ -61,6 +64,7 @@ class SimFlow:
     def _expire(self, w: Waiter) -> None:
         if w.queued:
             self.gate.withdraw(w)
+            self._queued.pop(id(w), None)
             self.refuse(w.payload, "flow_control_timeout")
 
     def _soon(self) -> None:
@@ -71,6 +75,7 @@ class SimFlow:
     def _pump(self) -> None:
         self._pumping = False
         for w in self.gate.pump(self.loop.now):
+            self.waiters[self._queued.pop(id(w))] = w
             self.proceed(w.payload)
         if self.on_pump is not None:
             q = self.gate.queue

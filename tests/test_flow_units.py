@@ -71,19 +71,20 @@ def test_fcfs_priority_and_round_robin_orders() -> None:
 
 
 def test_a_full_queue_sheds_the_worst_request_flex_first() -> None:
-    q = FairQueue("fair", max_queued=3)
-    keep = [q.push(x) for x in (w("hog"), w("light"), w("x", "flex"))]
-    assert keep == [None, None, None]
-    q.charge("hog", 1e6, 0)
+    q = FairQueue("fair", max_queued=5)
+    keep = [q.push(x) for x in (w("hog"), w("hog", deadline=1), w("hog", deadline=0.5),
+                                w("light"), w("x", "flex"))]
+    assert keep == [None] * 5
+    q.charge("light", 1e6, 0)  # even the most-served flow keeps its place against a hog
     newcomer = w("light", deadline=1)
     shed = q.push(newcomer)
     assert shed is not None and shed.band == "flex" and not shed.queued
-    shed = q.push(w("light", deadline=2))  # no flex left: the most-served flow goes
-    assert shed is not None and shed.flow == "hog"
+    shed = q.push(w("light", deadline=2))  # no flex left: the longest queue loses, hog's
+    assert shed is not None and shed.flow == "hog" and shed.deadline == 1
     flex = w("y", "flex")
     assert q.push(flex) is flex and not flex.queued  # the newcomer itself is the worst
     q.remove(newcomer)
-    assert q.size == 2 and q.remove(newcomer) is None and q.size == 2
+    assert q.size == 4 and q.remove(newcomer) is None and q.size == 4
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -27,8 +27,8 @@ weighted service stays within ``2·U``, ``U = w_in·L_in + w_out·L_out`` for th
 request (Theorem 4.4 of the paper), here ``bound(max_input, max_output)``.
 
 Bounded: at ``max_queued`` requests, a new one sheds the worst waiting request, which may be
-itself: the lowest band's most-served flow's (among equals, the one with the longest queue)
-latest deadline (flex first).
+itself: in the lowest band (flex first), the flow with the longest queue (then the most
+served), its latest deadline.
 """
 
 from __future__ import annotations
@@ -220,11 +220,11 @@ class FairQueue:
         """Is ``a`` a worse candidate to keep than ``b``?"""
         return self._shed_key(a) > self._shed_key(b)
 
-    def _shed_key(self, w: Waiter) -> tuple[int, float, int, float, int]:
-        # among flows at the same service (a lifted flow ties with the busiest), the one
-        # with the longest queue loses first
+    def _shed_key(self, w: Waiter) -> tuple[int, int, float, float, int]:
+        # the longest queue loses first (as fair queueing drops from the fattest flow: a
+        # light flow's counter may sit just above a flooder's), then the most served
         q = self._bands[w.band].get(w.flow)
-        return (_BAND_RANK[w.band], self.counters.get(w.flow, 0.0), q.live if q else 0,
+        return (_BAND_RANK[w.band], q.live if q else 0, self.counters.get(w.flow, 0.0),
                 w.deadline, w.seq)
 
     def _worst(self) -> Waiter | None:
