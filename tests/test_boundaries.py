@@ -22,7 +22,7 @@ PACKAGES = ("tokengate", "protocol", "roofline", "gateway", "backend", "predicto
 # (servers puts the gateway's UpstreamClient behind each candidate inbound server;
 # envoy runs Envoy with gateway.epp.envoy's configurations and drives it over HTTP.)
 COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
-                        "benchmarks.servers", "benchmarks.envoy"}
+                        "benchmarks.servers", "benchmarks.envoy", "benchmarks.flow_overhead"}
 # The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
