@@ -173,7 +173,8 @@ def test_lua_scripts_ship_as_package_data() -> None:
     import gateway.quota.limiter
 
     lua = Path(gateway.quota.limiter.__file__).parent / "lua"
-    assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua", "void.lua"}
+    assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua", "void.lua",
+                                                "peek.lua"}
 
 
 def test_redis_store_under_uvloop(redis_server: RedisServer) -> None:
