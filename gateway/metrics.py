@@ -114,6 +114,8 @@ class GatewayMetrics:
         self.spend_tokens = Counter("tokengate_spend_tokens", "Tokens spent by kind (prompt, "
                                     "completion, cached prompt).", ["tenant", "model", "kind"],
                                     registry=r)
+        self.tier_requests = Counter("tokengate_tier_requests", "Requests by capacity tier "
+                                     "(reserved, payg, flex).", ["model", "tier"], registry=r)
         self.sentry_actions = Counter("tokengate_sentry_actions", "Agent sessions the cost "
                                       "sentry stopped or throttled, by reason.",
                                       ["tenant", "reason"], registry=r)

@@ -73,9 +73,17 @@ class Limits:
 class Price:
     input_per_1k: float = 0.0
     output_per_1k: float = 0.0
+    # what a tier pays, as a fraction of the list price above (pay-as-you-go pays it all)
+    reserved: float = 1.0
+    flex: float = 0.5
 
     def cost(self, prompt: float, output: float) -> float:
         return (prompt * self.input_per_1k + output * self.output_per_1k) / 1000.0
+
+    def cost_at(self, tier: str, prompt: float, output: float) -> float:
+        """The price of these tokens in ``tier`` (reserved, payg or flex)."""
+        factor = {"reserved": self.reserved, "flex": self.flex}.get(tier, 1.0)
+        return factor * self.cost(prompt, output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +132,8 @@ class Tenant:
     priority: Literal["critical", "standard", "flex"] = "standard"
     max_priority: Literal["critical", "standard", "flex"] | None = None
     weight: float = 1.0  # its share of a saturated pool under fair flow control
+    # provisioned throughput: model -> tokens per minute guaranteed to it on that model's pool
+    reserved: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def priority_ceiling(self) -> str:
@@ -240,8 +250,12 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
     if ceiling is not None and PRIORITY_RANK[ceiling] < PRIORITY_RANK[priority]:
         raise d.fail(f"{path}.max_priority", f"is below the tenant's priority ({priority})")
     weight = d.number(m["weight"], f"{path}.weight") if "weight" in m else 1.0
+    rv = m.get("reserved") or {}
+    if not isinstance(rv, Mapping):
+        raise d.fail(f"{path}.reserved", "expected a mapping of model to tokens per minute")
+    reserved = {str(k): d.number(v, f"{path}.reserved.{k}") for k, v in rv.items()}
     return Tenant(name, tuple(keys), _limits(d, m.get("limits"), f"{path}.limits"), model_limits,
-                  priority, ceiling, weight)
+                  priority, ceiling, weight, reserved)
 
 
 def parse_policy(doc: Any, source: str = "<memory>") -> Policy:

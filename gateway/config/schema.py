@@ -271,7 +271,12 @@ SECTIONS: dict[str, Section] = {
     "price": Section(
         "models.NAME.price", "What a model's tokens cost.",
         {"input_per_1k": _k("number ≥ 0", 0.0, "Dollars per 1,000 prompt tokens."),
-         "output_per_1k": _k("number ≥ 0", 0.0, "Dollars per 1,000 completion tokens.")}),
+         "output_per_1k": _k("number ≥ 0", 0.0, "Dollars per 1,000 completion tokens."),
+         "reserved": _k("number ≥ 0", 1.0, "What tokens served within a tenant's reserved "
+                        "throughput cost, as a fraction of the prices above (spend records; "
+                        "budgets are reserved at the list price)."),
+         "flex": _k("number ≥ 0", 0.5, "What flex requests' tokens cost, as a fraction of "
+                    "the prices above.")}),
     "limits": _LIMITS,
     "backend": Section(
         "models.NAME.backend",
@@ -377,7 +382,11 @@ SECTIONS: dict[str, Section] = {
          "max_priority": _k("critical | standard | flex", NONE, "A higher band it may ask "
                             "for explicitly (default: `priority`)."),
          "weight": _k("number > 0", 1.0, "Its share of a saturated pool under fair flow "
-                      "control, against other tenants' weights.")}),
+                      "control, against other tenants' weights."),
+         "reserved": _k("mapping of model to tokens/min", NONE, "Provisioned throughput: "
+                        "tokens per minute of the model's pool guaranteed to it (ahead of "
+                        "pay-as-you-go when the pool is saturated, lent to others while it "
+                        "is idle); beyond it, requests are pay-as-you-go.")}),
     "key": Section(
         "tenants.NAME.keys[]", "One API key. The policy holds its SHA-256, never the key.",
         {"name": _k("string", "key0, key1, …", "Shown in logs and `/admin/policy`."),

@@ -4,7 +4,8 @@ same for ``serve``, the EPP and the simulator (no clock, no I/O).
 Requests wait in *flows* (a tenant, or finer when the request names one: ``x-fairness-id``,
 an agent session). The order:
 
-1. **priority band** first, strictly: critical, then standard, then flex;
+1. **priority band** first, strictly: critical, then reserved (standard requests within their
+   tenant's reserved throughput), then standard, then flex;
 2. within a band, by the ``mode``:
 
    * ``fcfs``: arrival order, flows ignored (what an engine's own queue does);
@@ -41,7 +42,7 @@ from typing import Any, Literal
 
 Mode = Literal["fcfs", "priority", "round_robin", "fair"]
 MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
-BANDS = ("critical", "standard", "flex")
+BANDS = ("critical", "reserved", "standard", "flex")
 _BAND_RANK = {b: i for i, b in enumerate(BANDS)}
 _seq = itertools.count()
 

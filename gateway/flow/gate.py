@@ -61,12 +61,13 @@ class Gate:
             self._grant(w)
             return Offer(True)
         shed = self.queue.push(w)
-        if (w.queued and self.queue.peek() is w and self.queue.backlogged() - {w.flow}
+        if (w.queued and self.queue.peek() is w
+                and (w.band == "reserved" or self.queue.backlogged() - {w.flow})
                 and self.headroom(now) > 0):
-            # the fair queue's head, ahead of other flows that wait (it has been served less),
-            # may use the margin the
-            # saturation thresholds keep below the engines' limits: it does not wait for the
-            # busiest flow's requests to finish
+            # the fair queue's head, ahead of other flows that wait (it has been served less)
+            # or within its tenant's reserved throughput, may use the margin the saturation
+            # thresholds keep below the engines' limits: it does not wait for the busiest
+            # flow's requests to finish (reserved capacity is reclaimed at once)
             self.queue.pop()
             self._grant(w)
             return Offer(True, shed)

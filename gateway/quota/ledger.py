@@ -160,6 +160,39 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
     return last
 
 
+async def classify(store: RateStore, policy: Policy, tenant: str, model: Model, priority: str,
+                   tokens: int) -> tuple[str, Settlement | None]:
+    """The request's capacity tier: ``flex`` (its band), ``reserved`` while the tenant's
+    reserved throughput on ``model`` covers its tokens (a bucket in the rate store, so exact
+    across replicas, held until settled), else ``payg``. A store that cannot be reached
+    makes it ``payg``: the tier orders and prices the request, it never refuses it."""
+    if priority == "flex":
+        return "flex", None
+    tpm = policy.tenants[tenant].reserved.get(model.name)
+    if not tpm:
+        return "payg", None
+    c = Charge(f"reserved:{tenant}|model:{model.name}", Limit("tokens", tpm, 60.0, tpm),
+               float(tokens))
+    try:
+        d = await store.reserve([c], uuid.uuid4().hex)
+    except StoreUnavailable:
+        return "payg", None
+    if not d.allowed or d.reservation is None:
+        return "payg", None
+    return "reserved", Settlement(d.reservation)
+
+
+async def settle_tier(store: RateStore, held: Settlement, tokens: int) -> None:
+    """Bring a reserved-tier hold to the tokens served (0: all of it back), once."""
+    if held.final:
+        return
+    held.final = True
+    deltas = held.deltas_to({"tokens": float(tokens)})
+    if deltas:
+        with contextlib.suppress(StoreUnavailable):
+            await store.adjust(held.reservation, deltas, "final")
+
+
 def reservation_life_s(route: Route) -> float:
     """The longest a request admitted on ``route`` can take to be settled: held while a pool
     wakes, queued for its SLO, then its whole timeout, plus a margin for the settlement

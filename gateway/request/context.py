@@ -21,6 +21,7 @@ from protocol.validate import GenerationRequest, Kind
 if TYPE_CHECKING:
     from gateway.flow.control import Pass
     from gateway.quota.ledger import Admission
+    from gateway.quota.limiter.store import Settlement
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class RequestContext:
     outcome: str | None = None  # how the request ended, once counted (``finish``)
     flow: str = ""  # its flow under flow control: the tenant, or tenant/x-fairness-id
     key_name: str = ""  # the name of the API key it came with (spend records)
+    tier: str = "payg"  # its capacity tier: reserved, payg or flex (``quota.classify``)
+    tier_hold: Settlement | None = None  # the reserved throughput it holds until settled
     flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
 
     def finish(self, model: str, outcome: str) -> None:
@@ -64,10 +67,11 @@ class RequestContext:
         """The request's spend record (``gateway.spend``): one per request, from settlement
         when something was served, else from the error that ended it."""
         _, _, session = self.flow.partition("/")
-        now, dollars = time.time(), model.price.cost(prompt, completion)
+        now, dollars = time.time(), model.price.cost_at(self.tier, prompt, completion)
         self.state.spend.record(SpendRecord(
             now, self.request_id, self.tenant, self.key_name, model.name, self.priority,
-            prompt, completion, cached, dollars, outcome, endpoint, session or None))
+            prompt, completion, cached, dollars, outcome, endpoint, session or None,
+            self.tier))
         self.state.sentry.spent(self.tenant, self.session, dollars, now)
 
     @property

@@ -120,7 +120,10 @@ async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_t
 
     gate = state.flow.get(name, cfg, endpoints)
     deadline = ctx.received_at + (ctx.slo[0] or cfg.max_wait_ms) / 1000.0
-    turn = await gate.enter(ctx.flow, ctx.priority, deadline, prompt_tokens, reserved,
+    # within its reserved throughput a standard request waits in the band above standard
+    band = "reserved" if ctx.tier == "reserved" and ctx.priority == "standard" \
+        else ctx.priority
+    turn = await gate.enter(ctx.flow, band, deadline, prompt_tokens, reserved,
                             ctx.view.policy.tenants[ctx.tenant].weight, ctx.tenant_label)
     old = ctx.flow_passes.pop(name, None)
     if old is not None:  # tried on this model before: that turn served nothing

@@ -197,6 +197,10 @@ async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     adm = await admission.reserve(state, ctx, ctx.view.policy.models[ctx.parsed.model])
     if not adm.decision.allowed:
         raise quota.rate_limit_error(adm.decision)
+    ctx.tier, ctx.tier_hold = await quota.classify(
+        state.store, ctx.view.policy, ctx.tenant, adm.model, ctx.priority,
+        adm.prompt_tokens + adm.expected_output)
+    state.metrics.series("tier_requests", adm.model.name, ctx.tier).inc()
     if adm.failover_from:
         state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()
     return adm
@@ -211,3 +215,6 @@ def settle_leftovers(ctx: RequestContext) -> None:
             turn = ctx.flow_passes.pop(adm.model.name, None)
             if turn is not None:  # nothing will be served on it: no fair-share charge
                 turn.settled(0, 0)
+            hold = ctx.tier_hold
+            if hold is not None and not hold.final:  # its reserved throughput back
+                ctx.state.spawn(quota.settle_tier(ctx.state.store, hold, 0))

@@ -32,6 +32,7 @@ def headers(ctx: RequestContext, adm: quota.Admission, sent: Routed, failover: s
     h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,
          "x-tokengate-model": adm.model.name,
          "x-tokengate-prompt-tokens": str(adm.prompt_tokens),  # as the gateway counted them
+         "x-tokengate-tier": ctx.tier,
          "x-tokengate-priority": ctx.priority}  # the band served (capped by the tenant's)
     if d.prefill is not None and sent.prefill_used:
         h["x-tokengate-prefill-endpoint"] = d.prefill.ep.url

@@ -5,7 +5,8 @@ request and
   sinks (``gateway.spend.postgres``), never waiting on them;
 * adds it to the dollar and token counters in Prometheus (``tokengate_spend_dollars_total``,
   ``tokengate_spend_tokens_total``: tenant and model, both bounded by the policy);
-* adds it to the spend by day, tenant, key, model and priority that ``/admin/spend`` reports:
+* adds it to the spend by day, tenant, key, model, priority and tier that ``/admin/spend``
+  reports:
   in this replica and, with Redis, in one hash per day that all replicas add to (batched every
   ``flush_s``; what could not be sent is kept for the next try), so any replica reports the
   whole fleet's spend.
@@ -29,7 +30,7 @@ log = logging.getLogger("tokengate.spend")
 KEY = "{tokengate:spend}:"
 TTL_S = 400 * 86400  # a day's spend is kept for a little over a year
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "dollars")
-GROUPS = ("day", "tenant", "key", "model", "priority")
+GROUPS = ("day", "tenant", "key", "model", "priority", "tier")
 _SEP = "\x1f"
 # KEYS[1]: the day's hash; ARGV: ttl, then field, amount pairs.
 _SCRIPT = """
@@ -39,7 +40,7 @@ end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
 """
-Cell = tuple[str, str, str, str, str]  # day, tenant, key, model, priority
+Cell = tuple[str, str, str, str, str, str]  # day, tenant, key, model, priority, tier
 
 
 class Sink(Protocol):
@@ -74,7 +75,7 @@ class SpendLedger:
             if n:
                 self.metrics.series("spend_tokens", tenant, rec.model, kind).inc(n)
         day = self.day(rec.at)
-        cell = (day, rec.tenant, rec.key, rec.model, rec.priority)
+        cell = (day, rec.tenant, rec.key, rec.model, rec.priority, rec.tier)
         amounts = (1.0, float(rec.prompt_tokens), float(rec.completion_tokens),
                    float(rec.cached_tokens), rec.dollars)
         for table in (self.totals, self._unsent):
@@ -127,8 +128,9 @@ class SpendLedger:
             raw = await self.redis.execute("HGETALL", KEY + day)
             for i in range(0, len(raw) - 1, 2):
                 k = raw[i].decode() if isinstance(raw[i], bytes) else raw[i]
-                tenant, key, model, priority, name = k.split(_SEP)
-                row = out.setdefault((day, tenant, key, model, priority), [0.0] * len(FIELDS))
+                tenant, key, model, priority, tier, name = k.split(_SEP)
+                row = out.setdefault((day, tenant, key, model, priority, tier),
+                                     [0.0] * len(FIELDS))
                 row[FIELDS.index(name)] = float(raw[i + 1])
         return out
 

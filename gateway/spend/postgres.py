@@ -42,9 +42,13 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX IF NOT EXISTS tokengate_spend_tenant_at ON tokengate_spend (tenant, at);
     """,
+    """
+    ALTER TABLE tokengate_spend ADD COLUMN IF NOT EXISTS tier text NOT NULL DEFAULT 'payg';
+    """,
 )
 COLUMNS = ("at", "request_id", "tenant", "key_name", "model", "priority", "prompt_tokens",
-           "completion_tokens", "cached_tokens", "dollars", "outcome", "endpoint", "session")
+           "completion_tokens", "cached_tokens", "dollars", "outcome", "endpoint", "session",
+           "tier")
 
 
 async def migrate(conn: asyncpg.Connection) -> int:
@@ -130,4 +134,4 @@ class PostgresSink:
 def _row(r: SpendRecord) -> tuple[object, ...]:
     return (datetime.fromtimestamp(r.at, UTC), r.request_id, r.tenant, r.key, r.model,
             r.priority, r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.dollars,
-            r.outcome, r.endpoint, r.session)
+            r.outcome, r.endpoint, r.session, r.tier)

@@ -21,6 +21,7 @@ class SpendRecord:
     outcome: str  # the HTTP status, or client_gone / broken
     endpoint: str | None = None
     session: str | None = None  # x-fairness-id, when the request named one
+    tier: str = "payg"  # reserved, payg or flex: what its tokens were priced at
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

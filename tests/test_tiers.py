@@ -1,0 +1,77 @@
+"""Capacity tiers: within its reserved throughput a tenant's requests are ``reserved`` (and
+priced so), beyond it ``payg``, flex requests ``flex`` at their discount; the response says
+which. A reserved request that arrives while a flood fills the pool goes at once (its capacity
+was lent while idle and is reclaimed on the next decision)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from conftest import RunningBackend
+from gateway_stack import start_gateway, write_policy
+from test_gateway_e2e import sha
+
+from gateway.config.flow import FlowControl
+from gateway.config.policy import Model
+from gateway.flow.fair import Waiter
+from gateway.flow.gate import Gate
+from gateway.routing.endpoints import EndpointPool, EndpointState
+
+
+def doc(url: str) -> dict[str, Any]:
+    return {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
+                                       "spend": {"log": False}},
+            "models": {"m": {"endpoints": [{"url": url}], "upstream_model": "llama-3-8b",
+                             "default_max_tokens": 10,
+                             "price": {"input_per_1k": 1.0, "output_per_1k": 1.0,
+                                       "reserved": 0.25, "flex": 0.5}}},
+            "tenants": {"r": {"keys": [{"sha256": sha("key-r")}], "reserved": {"m": 150},
+                              "max_priority": "standard"}},
+            "routes": {"x": {"tenants": ["r"], "models": ["m"]}}}
+
+
+def test_tiers_are_said_and_priced(backend_factory: Callable[..., RunningBackend],
+                                   tmp_path: Path) -> None:
+    b = backend_factory()
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc(f"{b.url}/v1")))
+    try:
+        def ask(priority: str | None = None) -> httpx.Response:
+            h = {"Authorization": "Bearer key-r", **({"x-priority": priority} if priority
+                                                      else {})}
+            return httpx.post(f"{gw.url}/v1/completions", headers=h, timeout=30, json={
+                "model": "m", "prompt": "word " * 40, "max_tokens": 10})
+
+        tiers = [ask().headers["x-tokengate-tier"] for _ in range(4)]
+        # ~51 tokens each against 150/min reserved: the first two fit, then pay-as-you-go
+        assert tiers[:2] == ["reserved", "reserved"] and tiers[-1] == "payg", tiers
+        flex = ask("flex")
+        assert flex.status_code == 200 and flex.headers["x-tokengate-tier"] == "flex"
+        admin = {"Authorization": "Bearer admin-key"}
+        rows = httpx.get(f"{gw.url}/admin/spend", params={"by": "tier"},
+                         headers=admin).json()["rows"]
+        by = {r["tier"]: r for r in rows}
+        for tier, factor in (("reserved", 0.25), ("payg", 1.0), ("flex", 0.5)):
+            r = by[tier]
+            list_price = (r["prompt_tokens"] + r["completion_tokens"]) / 1000
+            assert abs(r["dollars"] - factor * list_price) < 1e-9, (tier, r)
+        metrics = httpx.get(f"{gw.url}/metrics", headers=admin).text
+        assert 'tokengate_tier_requests_total{model="m",tier="reserved"} 2.0' in metrics
+    finally:
+        gw.close()
+
+
+def test_reserved_capacity_is_reclaimed_on_the_next_decision() -> None:
+    eps = [EndpointState("http://127.0.0.1:9000/v1")]
+    pool = EndpointPool(Model("m", ()), eps)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
+    assert gate.offer(Waiter("flood", "standard", 0.0, 100, 10), 0.0).go
+    pool.acquire(eps[0], 110, 100)
+    gate.sent()
+    flood = [Waiter("flood", "standard", float(i), 100, 10) for i in range(20)]
+    assert not any(gate.offer(w, 0.0).go for w in flood)  # the pool is lent to the flood
+    back = Waiter("owner", "reserved", 0.0, 100, 10)
+    assert gate.offer(back, 0.0).go  # its reservation returns: it goes now, not after 20
+    assert all(w.queued for w in flood)
