@@ -4,6 +4,7 @@ and the gate's saturation and work conservation, as pure functions of their inpu
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -161,3 +162,18 @@ def test_fcfs_never_holds() -> None:
     eps = _pool(1)
     gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps, mode="fcfs")
     assert all(gate.offer(w("a"), 0.0).go for _ in range(10)) and gate.queue.size == 0
+
+
+def test_the_command_line_mode_overrides_the_policys() -> None:
+    from gateway.flow.control import FlowGates
+    from gateway.front.process import ServeConfig, make_state
+    from gateway.metrics import GatewayMetrics
+
+    assert not FlowGates(GatewayMetrics()).queues(FlowControl())  # the policy's fcfs
+    gates = FlowGates(GatewayMetrics(), "fair")
+    assert gates.queues(FlowControl())
+    assert gates.get("m", FlowControl(), lambda: ()).gate.mode == "fair"
+    assert not FlowGates(GatewayMetrics(), "fcfs").queues(FlowControl(mode="fair"))
+    policy = str(Path(__file__).resolve().parent.parent / "gateway" / "policies" / "demo.yaml")
+    state, _ = make_state(ServeConfig(policy, flow_mode="round_robin"))  # serve --flow-control
+    assert state.flow.mode == "round_robin"
