@@ -27,7 +27,7 @@ async def one_round(n: int, with_gate: bool) -> list[float]:
     for i in range(n):
         t0 = time.perf_counter()
         if with_gate:
-            turn = await gate.enter(f"t{i % 8}", "standard", 0.0, 1000, 100, 1.0, "t")
+            turn = await gate.enter(f"t{i % 8}", "standard", 0.0, 1000, 100, 1.0)
             turn.sent()
             turn.settled(1000, 100)
         else:

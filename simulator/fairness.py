@@ -19,6 +19,7 @@ import numpy as np
 from gateway import clock as clk
 from gateway.config.flow import FlowControl
 from gateway.examples import DEMO_POLICY
+from gateway.flow.fair import vtc_bound
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
 from loadtests.traces import load_azure
@@ -101,15 +102,14 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
         counters = dict(gw.flow.gate.queue.counters) if gw.flow is not None else {}
     finally:
         clk.use(previous)
-    longest = max(((r.prompt_ids, r.output_tokens) for r in reqs),
-                  key=lambda x: len(x[0]), default=((), 0))
     cfg = flow or FlowControl()
     out: dict[str, Any] = {"mode": mode, "utilisation": busy, "duration_s": end,
                            "requests": len(reqs), "counters": counters, "tenants": {},
                            "service_gap": gap.worst, "service_gap_flows": gap.flows,
-                           "vtc_bound": 2.0 * (cfg.input_weight * len(longest[0])
-                                               + cfg.output_weight * max(
-                                                   r.output_tokens for r in reqs))}
+                           "vtc_bound": vtc_bound(
+                               cfg.input_weight, cfg.output_weight,
+                               max(len(r.prompt_ids) for r in reqs),
+                               max(r.output_tokens for r in reqs))}
     for t in tenants:
         mine = [r for r in reqs if r.flow == t.name]
         ttfts = sorted(r.result.ttft for r in mine if r.result.ttft is not None

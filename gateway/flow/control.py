@@ -26,7 +26,6 @@ TICK_S = 0.05
 @dataclass(slots=True)
 class _Wait:
     future: asyncio.Future[None]
-    tenant_label: str
     since: float
     error: APIError | None = None
 
@@ -66,21 +65,20 @@ class ModelGate:
                 e.live.watchers.append(self.pump)
 
     async def enter(self, flow: str, band: str, deadline: float, cost_in: float,
-                    cost_out: float, weight: float, tenant_label: str) -> Pass:
+                    cost_out: float, weight: float) -> Pass:
         """Wait for this request's turn (at once unless the pool is saturated)."""
-        now = time.perf_counter()
         w = Waiter(flow, band, deadline, cost_in, cost_out, weight)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        w.payload = _Wait(fut, tenant_label, now)
-        self._watch()
         offer = self.gate.offer(w, clock.now())
         if offer.shed is not None and offer.shed is not w:
             self._refuse(offer.shed, "queue_full")
         if offer.go:
             self._served(w, 0.0)
             return Pass(self, w)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        w.payload = _Wait(fut, time.perf_counter())
         if offer.shed is w:
             self._refuse(w, "queue_full")
+        self._watch()  # its endpoints wake it when one of their requests starts or ends
         self.pump()
         self._gauge()
         limit = (self.gate.cfg.flex_max_wait_ms if band == "flex"
@@ -106,6 +104,8 @@ class ModelGate:
         return Pass(self, w)
 
     def pump(self) -> None:
+        if not self.gate.queue.size:  # (every request's start and end calls it)
+            return
         self._let_through()
         if self.gate.queue.size and (self._ticker is None or self._ticker.done()):
             self._ticker = asyncio.get_running_loop().create_task(self._tick())

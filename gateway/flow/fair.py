@@ -25,7 +25,7 @@ an agent session). The order:
 
 VTC's bound: between two flows that are backlogged over an interval, the difference in
 weighted service stays within ``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest
-request (Theorem 4.4 of the paper), here ``bound(max_input, max_output)``.
+request (Theorem 4.4 of the paper), here ``vtc_bound``.
 
 Bounded: at ``max_queued`` requests, a new one sheds the worst waiting request, which may be
 itself: in the lowest band (flex first), the flow with the longest queue (then the most
@@ -45,6 +45,11 @@ MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
 BANDS = ("critical", "reserved", "standard", "flex")
 _BAND_RANK = {b: i for i, b in enumerate(BANDS)}
 _seq = itertools.count()
+
+
+def vtc_bound(w_in: float, w_out: float, max_input: float, max_output: float) -> float:
+    """``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest request (Theorem 4.4)."""
+    return 2.0 * (w_in * max_input + w_out * max_output)
 
 
 @dataclass(slots=True, eq=False)
@@ -122,10 +127,11 @@ class FairQueue:
 
     def bound(self, max_input: float, max_output: float) -> float:
         """VTC's bound on the weighted service difference between backlogged flows."""
-        return 2.0 * (self.w_in * max_input + self.w_out * max_output)
+        return vtc_bound(self.w_in, self.w_out, max_input, max_output)
 
     def backlogged(self) -> set[str]:
-        return {f for flows in self._bands.values() for f, q in flows.items() if q.live}
+        """Flows with a request waiting (a flow leaves ``_bands`` with its last one)."""
+        return {f for flows in self._bands.values() for f in flows}
 
     # -- queueing ---------------------------------------------------------------------------
     def push(self, w: Waiter) -> Waiter | None:
@@ -139,8 +145,7 @@ class FairQueue:
                 return w
             self.remove(worst)
             shed = worst
-        if self.mode == "fair" and not any(q.live for flows in self._bands.values()
-                                           if (q := flows.get(w.flow)) is not None):
+        if self.mode == "fair" and w.flow not in self.backlogged():
             others = [self.counters.get(f, 0.0) for f in self.backlogged()]
             floor = min(others) if others else self._last_left
             own = self.counters.get(w.flow, 0.0)

@@ -39,9 +39,10 @@ class Gate:
         self.queue = FairQueue(self._mode(self.mode), max_queued=cfg.max_queued,
                                w_in=cfg.input_weight, w_out=cfg.output_weight)
         self.thresholds = Thresholds(cfg.queue_depth, cfg.kv_threshold, cfg.tpot_threshold_ms)
+        # the headroom: one more request waiting per endpoint, whatever its decode step
+        self._headroom = Thresholds(cfg.queue_depth + 1, cfg.kv_threshold)
         self.endpoints = endpoints
         self.let_through = 0  # granted, not yet sent
-        self.on_charge: Callable[[str, float], None] | None = None  # (flow, service)
 
     @staticmethod
     def _mode(mode: str) -> Mode:
@@ -76,8 +77,7 @@ class Gate:
     def headroom(self, now: float) -> int:
         """Slots beyond saturation: one more request waiting per endpoint, whatever its
         decode step (the KV threshold still holds)."""
-        t = Thresholds(self.cfg.queue_depth + 1, self.cfg.kv_threshold)
-        return free_slots(self.endpoints(), t, self.let_through, now)
+        return free_slots(self.endpoints(), self._headroom, self.let_through, now)
 
     def pump(self, now: float) -> list[Waiter]:
         """Let waiting requests through while the pool has room; returns them, in order."""
@@ -109,8 +109,5 @@ class Gate:
         self._charge(w.flow, w.cost_in, w.cost_out, w.weight)
 
     def _charge(self, flow: str, cost_in: float, cost_out: float, weight: float) -> None:
-        if self.mode != "fair":
-            return
-        self.queue.charge(flow, cost_in, cost_out, weight)
-        if self.on_charge is not None:
-            self.on_charge(flow, self.queue.service(cost_in, cost_out, weight))
+        if self.mode == "fair":
+            self.queue.charge(flow, cost_in, cost_out, weight)

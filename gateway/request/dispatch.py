@@ -124,7 +124,7 @@ async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_t
     band = "reserved" if ctx.tier == "reserved" and ctx.priority == "standard" \
         else ctx.priority
     turn = await gate.enter(ctx.flow, band, deadline, prompt_tokens, reserved,
-                            ctx.view.policy.tenants[ctx.tenant].weight, ctx.tenant_label)
+                            ctx.view.policy.tenants[ctx.tenant].weight)
     old = ctx.flow_passes.pop(name, None)
     if old is not None:  # tried on this model before: that turn served nothing
         old.settled(0, 0)
