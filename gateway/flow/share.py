@@ -20,21 +20,11 @@ import asyncio
 import logging
 
 from gateway.flow.control import FlowGates
-from gateway.redis_clients import Executor
+from gateway.redis_clients import Executor, add_to_hash
 
 log = logging.getLogger("tokengate.flow")
 KEY = "{tokengate:flow}:vtc:"
 TTL_S = 7 * 86400  # counters of a model nobody sends to any more go after a week
-
-# KEYS[1]: the model's hash; ARGV: ttl, then flow, delta pairs. Returns the hash's totals.
-_SCRIPT = """
-for i = 2, #ARGV, 2 do
-  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return redis.call('HGETALL', KEYS[1])
-"""
-
 
 class CounterShare:
     def __init__(self, redis: Executor, gates: FlowGates, interval_s: float = 0.1) -> None:
@@ -57,11 +47,9 @@ class CounterShare:
             if q.mode != "fair":
                 continue
             deltas = q.take_deltas()
-            args: list[str] = [str(TTL_S)]
-            for flow, v in deltas.items():
-                args += [flow, repr(v)]
             try:
-                raw = await self.redis.execute("EVAL", _SCRIPT, "1", KEY + model, *args)
+                shared = await add_to_hash(self.redis, KEY + model, TTL_S, deltas,
+                                           totals=True)
             except Exception as exc:  # any Redis failure: go on alone
                 q.give_back(deltas)
                 self.failures += 1
@@ -70,16 +58,9 @@ class CounterShare:
                                 "replica orders by its own until Redis answers", exc)
                 self.degraded = True
                 return
-            q.adopt(_totals(raw))
+            q.adopt(shared)
         self.exchanges += 1
         if self.degraded:
             log.warning("fair-share counters are shared again")
         self.degraded = False
 
-
-def _totals(raw: list[bytes | str]) -> dict[str, float]:
-    out = {}
-    for i in range(0, len(raw) - 1, 2):
-        k, v = raw[i], raw[i + 1]
-        out[k.decode() if isinstance(k, bytes) else k] = float(v)
-    return out

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo
 
 from gateway.metrics import GatewayMetrics
-from gateway.redis_clients import Executor
+from gateway.redis_clients import Executor, add_to_hash
 from gateway.spend.record import SpendRecord
 
 log = logging.getLogger("tokengate.spend")
@@ -32,14 +32,6 @@ TTL_S = 400 * 86400  # a day's spend is kept for a little over a year
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "dollars")
 GROUPS = ("day", "tenant", "key", "model", "priority", "tier")
 _SEP = "\x1f"
-# KEYS[1]: the day's hash; ARGV: ttl, then field, amount pairs.
-_SCRIPT = """
-for i = 2, #ARGV, 2 do
-  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
 Cell = tuple[str, str, str, str, str, str]  # day, tenant, key, model, priority, tier
 
 
@@ -78,10 +70,8 @@ class SpendLedger:
         cell = (day, rec.tenant, rec.key, rec.model, rec.priority, rec.tier)
         amounts = (1.0, float(rec.prompt_tokens), float(rec.completion_tokens),
                    float(rec.cached_tokens), rec.dollars)
-        for table in (self.totals, self._unsent):
-            row = table.setdefault(cell, [0.0] * len(FIELDS))
-            for i, v in enumerate(amounts):
-                row[i] += v
+        _add(self.totals, cell, amounts)
+        _add(self._unsent, cell, amounts)
 
     def day(self, at: float) -> str:
         return datetime.fromtimestamp(at, ZoneInfo(self.time_zone())).strftime("%Y-%m-%d")
@@ -100,22 +90,17 @@ class SpendLedger:
         unsent, self._unsent = self._unsent, {}
         days = sorted({c[0] for c in unsent})
         for n, day in enumerate(days):
-            args: list[str] = []
-            for (d, *rest), row in unsent.items():
-                if d == day:
-                    args += [a for name, v in zip(FIELDS, row, strict=True) if v
-                             for a in (_SEP.join((*rest, name)), repr(v))]
+            amounts = {_SEP.join((*rest, name)): v for (d, *rest), row in unsent.items()
+                       if d == day for name, v in zip(FIELDS, row, strict=True) if v}
             try:
-                await self.redis.execute("EVAL", _SCRIPT, "1", KEY + day, str(TTL_S), *args)
+                await add_to_hash(self.redis, KEY + day, TTL_S, amounts)
             except Exception as exc:  # any Redis failure: kept for a later flush
                 self.failures += 1
                 log.warning("spend totals not shared yet (Redis: %s); kept for the next "
                             "flush", exc)
                 for cell, row in unsent.items():
                     if cell[0] in days[n:]:
-                        mine = self._unsent.setdefault(cell, [0.0] * len(FIELDS))
-                        for i, v in enumerate(row):
-                            mine[i] += v
+                        _add(self._unsent, cell, row)
                 return
 
     async def cells(self, days: Iterable[str]) -> dict[Cell, list[float]]:
@@ -133,6 +118,12 @@ class SpendLedger:
                                      [0.0] * len(FIELDS))
                 row[FIELDS.index(name)] = float(raw[i + 1])
         return out
+
+
+def _add(table: dict[Cell, list[float]], cell: Cell, amounts: Sequence[float]) -> None:
+    row = table.setdefault(cell, [0.0] * len(FIELDS))
+    for i, v in enumerate(amounts):
+        row[i] += v
 
 
 def group(cells: dict[Cell, list[float]], by: tuple[str, ...]) -> list[dict[str, Any]]:
