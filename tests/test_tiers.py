@@ -5,6 +5,7 @@ was lent while idle and is reclaimed on the next decision)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,26 @@ def test_reserved_capacity_is_reclaimed_on_the_next_decision() -> None:
     back = Waiter("owner", "reserved", 0.0, 100, 10)
     assert gate.offer(back, 0.0).go  # its reservation returns: it goes now, not after 20
     assert all(w.queued for w in flood)
+
+
+def test_a_failed_request_gives_its_reserved_throughput_back(tmp_path: Path) -> None:
+    import asyncio
+
+    from gateway.quota.limiter.bucket import Limit
+    from gateway.quota.limiter.store import Charge
+
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", doc("http://127.0.0.1:9/v1")))
+    try:
+        r = httpx.post(f"{gw.url}/v1/completions", timeout=30, headers={
+            "Authorization": "Bearer key-r"}, json={"model": "m", "prompt": "word " * 40,
+                                                    "max_tokens": 10})
+        assert r.status_code >= 500  # nothing listens there
+        bucket = Charge("reserved:r|model:m", Limit("tokens", 150, 60.0, 150), 0.0)
+        for _ in range(100):
+            (state,) = asyncio.run(gw.state.store.peek([bucket]))
+            if state.remaining >= 149:
+                break
+            time.sleep(0.02)
+        assert state.remaining >= 149  # reserved for ~51 tokens, all of it back
+    finally:
+        gw.close()

@@ -18,7 +18,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -49,16 +49,11 @@ def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_toke
     ]
     tokens = float(prompt_tokens + expected_output)
     dollars = model.price.cost(prompt_tokens, expected_output)
-    out = []
+    costs = {"requests": 1.0, "tokens": tokens, "tokens_day": tokens, "budget": dollars,
+             "budget_daily": dollars, "budget_monthly": dollars}
     now = time.time()
-    for scope, limits in scopes:
-        for lim in limits.buckets():
-            cost = {"requests": 1.0, "tokens": tokens, "tokens_day": tokens,
-                    "budget": dollars}[lim.kind]
-            out.append(Charge(scope, lim, cost))
-        for kind, amount in limits.calendar():
-            suffix, cal = calendar.limit(kind, amount, now, policy.settings.time_zone)
-            out.append(Charge(scope + suffix, cal, dollars))
+    out = [c for scope, limits in scopes
+           for c in _scope_charges(scope, limits, costs, now, policy.settings.time_zone)]
     cap = policy.settings.sentry.session_budget
     if cap and session is not None:  # the sentry's hard cap: exact, as every budget
         out.append(Charge(f"session:{session}", Limit(
@@ -77,12 +72,18 @@ def every_bucket(policy: Policy) -> list[Charge]:
     scopes += [(f"model:{m.name}", m.limits) for m in policy.models.values()]
     scopes += [(f"route:{r.name}", r.limits) for r in policy.routes.values()]
     now = time.time()
-    out = []
-    for scope, limits in scopes:
-        out += [Charge(scope, lim, 0.0) for lim in limits.buckets()]
-        for kind, amount in limits.calendar():
-            suffix, cal = calendar.limit(kind, amount, now, policy.settings.time_zone)
-            out.append(Charge(scope + suffix, cal, 0.0))
+    return [c for scope, limits in scopes
+            for c in _scope_charges(scope, limits, {}, now, policy.settings.time_zone)]
+
+
+def _scope_charges(scope: str, limits: Limits, costs: Mapping[str, float], now: float,
+                   tz: str) -> list[Charge]:
+    """One scope's buckets, calendar budgets in the window ``now`` falls in, each charged
+    ``costs[kind]`` (0 when absent)."""
+    out = [Charge(scope, lim, costs.get(lim.kind, 0.0)) for lim in limits.buckets()]
+    for kind, amount in limits.calendar():
+        suffix, cal = calendar.limit(kind, amount, now, tz)
+        out.append(Charge(scope + suffix, cal, costs.get(kind, 0.0)))
     return out
 
 

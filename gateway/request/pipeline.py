@@ -209,12 +209,12 @@ async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
 def settle_leftovers(ctx: RequestContext) -> None:
     """Return every reservation the request still holds that no response will settle (runs
     in ``finally``, also when the handler is cancelled: the refund is a background task)."""
-    for adm in ctx.admissions:
-        if adm.open:
-            refund_later(ctx, adm)
-            turn = ctx.flow_passes.pop(adm.model.name, None)
-            if turn is not None:  # nothing will be served on it: no fair-share charge
-                turn.settled(0, 0)
-            hold = ctx.tier_hold
-            if hold is not None and not hold.final:  # its reserved throughput back
-                ctx.state.spawn(quota.settle_tier(ctx.state.store, hold, 0))
+    left = [adm for adm in ctx.admissions if adm.open]
+    for adm in left:
+        refund_later(ctx, adm)
+        turn = ctx.flow_passes.pop(adm.model.name, None)
+        if turn is not None:  # nothing will be served on it: no fair-share charge
+            turn.settled(0, 0)
+    hold = ctx.tier_hold
+    if left and hold is not None and not hold.final:  # its reserved throughput back, whole
+        ctx.state.spawn(quota.settle_tier(ctx.state.store, hold, 0))
