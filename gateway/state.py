@@ -15,7 +15,6 @@ from aiohttp import web
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
 from gateway.flow.control import FlowGates
-from gateway.flow.share import CounterShare
 from gateway.metrics import GatewayMetrics
 from gateway.quota.limiter.store import RateStore
 from gateway.request.migrate import LiveStreams
@@ -86,10 +85,9 @@ class GatewayState:
     draining: bool = False
     tracer: Tracer = field(default_factory=lambda: Tracer(None))
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
     flow_mode: str | None = None  # ``--flow-control``: overrides the policy's mode
     flow: FlowGates = field(init=False)  # flow control's gate per model
-    flow_share: CounterShare | None = None  # their counters, shared through Redis
-
     spend: SpendLedger = field(init=False)  # what every request cost
     sentry: Sentry = field(init=False)  # stops runaway agent sessions
 
@@ -100,7 +98,6 @@ class GatewayState:
             self.metrics, time_zone=lambda: self.view.policy.settings.time_zone,
             tenant_label=lambda t: t if self.view.policy.settings.metrics_tenant_label
             else "*", log_records=lambda: self.view.policy.settings.spend.log)
-    rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` to completion even if the request that started it is cancelled."""

@@ -44,9 +44,7 @@ class SimFlow:
             return
         self._queued[id(w)] = index
         if w.queued:
-            cfg = self.gate.cfg
-            limit = (cfg.flex_max_wait_ms if band == "flex" else cfg.max_wait_ms) / 1000.0
-            self.loop.after(limit, self._expire, w)
+            self.loop.after(self.gate.cfg.max_wait_s(band), self._expire, w)
         self._soon()
 
     def sent(self) -> None:

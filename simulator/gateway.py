@@ -208,8 +208,8 @@ class SimGateway:
                            self.router.block_size(), self.route.slo_ttft_ms,
                            self.route.slo_tpot_ms, sr.band or self.priority)
         if self.flow is not None:
-            wait = (self.route.slo_ttft_ms or self.flow.gate.cfg.max_wait_ms) / 1000.0
-            self.flow.arrive(sr.index, (sr, info), sr.flow, info.priority, sr.t + wait,
+            self.flow.arrive(sr.index, (sr, info), sr.flow, info.priority,
+                             self.flow.gate.cfg.deadline(sr.t, self.route.slo_ttft_ms),
                              len(sr.prompt_ids), sr.output_tokens, sr.weight)
             return
         self._decide((sr, info))

@@ -25,6 +25,15 @@ class FlowControl:
     input_weight: float = 1.0  # fair share counts w_in·prompt + w_out·output tokens
     output_weight: float = 2.0
 
+    def max_wait_s(self, band: str) -> float:
+        """The longest a request of ``band`` may wait for its turn."""
+        return (self.flex_max_wait_ms if band == "flex" else self.max_wait_ms) / 1000.0
+
+    def deadline(self, arrived: float, slo_ttft_ms: float | None) -> float:
+        """The deadline its flow orders it by: its TTFT SLO after arrival (without one, the
+        longest wait)."""
+        return arrived + (slo_ttft_ms or self.max_wait_ms) / 1000.0
+
     @property
     def queues(self) -> bool:
         """Does the gateway hold requests at all (every mode but ``fcfs``)?"""

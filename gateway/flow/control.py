@@ -81,8 +81,7 @@ class ModelGate:
         self._watch()  # its endpoints wake it when one of their requests starts or ends
         self.pump()
         self._gauge()
-        limit = (self.gate.cfg.flex_max_wait_ms if band == "flex"
-                 else self.gate.cfg.max_wait_ms) / 1000.0
+        limit = self.gate.cfg.max_wait_s(band)
         try:
             await asyncio.wait_for(asyncio.shield(fut), limit)
         except TimeoutError:

@@ -226,7 +226,7 @@ async def admin_limiter(request: web.Request) -> web.Response:
 
 
 async def admin_spend(request: web.Request) -> web.Response:
-    """Spend summed by ``by`` (any of day, tenant, key, model, priority; default tenant) over
+    """Spend summed by ``by`` (any of ``GROUPS``; default tenant) over
     ``days`` (YYYY-MM-DD, comma-separated; default today in the policy's time zone)."""
     state = _admin(request)
     by = tuple(x for x in request.query.get("by", "tenant").split(",") if x)
@@ -263,14 +263,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             state.fleet.approx)
         tasks.append(asyncio.ensure_future(share.run()))
     counters = None
-    if state.redis_url:
-        counters = state.flow_share = CounterShare(coordination_client(state.redis_url),
-                                                   state.flow)
+    if state.redis_url:  # fair-share counters and spend totals, shared by the replicas
+        counters = CounterShare(coordination_client(state.redis_url), state.flow)
         tasks.append(asyncio.ensure_future(counters.run()))
-    sink = None
-    if state.redis_url:
         state.spend.redis = coordination_client(state.redis_url)
         tasks.append(asyncio.ensure_future(state.spend.run()))
+    sink = None
     pg = state.view.policy.settings.spend.postgres_url
     if pg:
         sink = PostgresSink(pg)

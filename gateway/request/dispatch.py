@@ -119,7 +119,7 @@ async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_t
         return pool.endpoints if pool is not None else ()
 
     gate = state.flow.get(name, cfg, endpoints)
-    deadline = ctx.received_at + (ctx.slo[0] or cfg.max_wait_ms) / 1000.0
+    deadline = cfg.deadline(ctx.received_at, ctx.slo[0])
     # within its reserved throughput a standard request waits in the band above standard
     band = "reserved" if ctx.tier == "reserved" and ctx.priority == "standard" \
         else ctx.priority
