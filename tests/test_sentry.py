@@ -104,3 +104,14 @@ def test_a_session_spending_far_faster_than_usual_is_throttled() -> None:
     assert err is not None and err.status == 429 and err.code == "spend_velocity"
     assert s.check(cfg, "t", "t/s1", b"z", now + 20) is None  # the others go on
     assert s.check(cfg, "t", None, b"z", now + 20) is None  # no session: nothing to judge
+
+
+def test_idle_sessions_are_forgotten() -> None:
+    """Session ids are the clients': the sentry keeps only those active within its windows."""
+    cfg = SentryConfig(repeat_limit=3, repeat_window_s=600.0)
+    s = Sentry(GatewayMetrics())
+    for i in range(3000):
+        assert s.check(cfg, "t", f"t/s{i}", b"x", float(i)) is None
+    # every SWEEP_EVERY checks, sessions idle past the windows go: the last 600 s stay
+    assert len(s.sessions) <= 600 + 1024
+    assert "t/s2999" in s.sessions and "t/s0" not in s.sessions

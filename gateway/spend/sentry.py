@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gateway.config.sentry import SentryConfig
@@ -36,25 +36,54 @@ log = logging.getLogger("tokengate.sentry")
 BASELINE_S = 3600.0
 
 
+SWEEP_EVERY = 1024  # checks between sweeps of idle sessions
+
+
 @dataclass(slots=True)
 class _Session:
     bodies: deque[tuple[float, bytes]] = field(default_factory=deque)
     spend: deque[tuple[float, float]] = field(default_factory=deque)
+    last: float = 0.0  # its latest request
+
+
+@dataclass(slots=True)
+class _Tenant:
+    """Its sessions' spend over the last hour, with running sums (read on every check)."""
+
+    spend: deque[tuple[float, float, str]] = field(default_factory=deque)  # (t, $, session)
+    total: float = 0.0
+    sessions: Counter[str] = field(default_factory=Counter)  # entries per session
+
+    def add(self, now: float, dollars: float, session: str) -> None:
+        self.spend.append((now, dollars, session))
+        self.total += dollars
+        self.sessions[session] += 1
+        while self.spend and self.spend[0][0] < now - BASELINE_S:
+            _, d, s = self.spend.popleft()
+            self.total -= d
+            self.sessions[s] -= 1
+            if not self.sessions[s]:
+                del self.sessions[s]
 
 
 class Sentry:
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
         self.sessions: dict[str, _Session] = {}
-        self.tenants: dict[str, deque[tuple[float, float, str]]] = {}  # (t, $, session)
+        self.tenants: dict[str, _Tenant] = {}
         self.caught = 0
+        self._checks = 0
 
     def check(self, cfg: SentryConfig, tenant: str, session: str | None, body: bytes,
               now: float) -> APIError | None:
         """Refuse this request of ``session`` (None: not in a session), or None."""
         if session is None:
             return None
+        self._checks += 1
+        if self._checks % SWEEP_EVERY == 0:
+            self._sweep(now, max(cfg.repeat_window_s, cfg.velocity_window_s))
         s = self.sessions.setdefault(session, _Session())
+        s.last = now
         if cfg.repeat_limit is not None:
             digest = hashlib.blake2b(body, digest_size=16).digest()
             while s.bodies and s.bodies[0][0] < now - cfg.repeat_window_s:
@@ -67,7 +96,9 @@ class Sentry:
             s.bodies.append((now, digest))
         if cfg.velocity_factor is not None:
             window = cfg.velocity_window_s
-            mine = sum(d for t, d in s.spend if t >= now - window) / window
+            while s.spend and s.spend[0][0] < now - window:
+                s.spend.popleft()
+            mine = sum(d for _, d in s.spend) / window
             usual = self._usual(tenant, now)
             if usual > 0 and mine > cfg.velocity_factor * usual:
                 return self._stop(tenant, session, "spend_velocity", window,
@@ -79,14 +110,16 @@ class Sentry:
     def spent(self, tenant: str, session: str | None, dollars: float, now: float) -> None:
         if session is None or dollars <= 0:
             return
-        s = self.sessions.setdefault(session, _Session())
+        s = self.sessions.setdefault(session, _Session(last=now))
         s.spend.append((now, dollars))
-        while s.spend and s.spend[0][0] < now - BASELINE_S:
-            s.spend.popleft()
-        hist = self.tenants.setdefault(tenant, deque())
-        hist.append((now, dollars, session))
-        while hist and hist[0][0] < now - BASELINE_S:
-            hist.popleft()
+        self.tenants.setdefault(tenant, _Tenant()).add(now, dollars, session)
+
+    def _sweep(self, now: float, window: float) -> None:
+        """Forget sessions idle past every window (ids are the clients': bounded by them
+        only while they are active)."""
+        idle = [k for k, s in self.sessions.items() if s.last < now - window]
+        for k in idle:
+            del self.sessions[k]
 
     def capped(self, tenant: str, scope: str) -> None:
         """A session's hard cap refused a request (the rate store's decision)."""
@@ -97,12 +130,11 @@ class Sentry:
 
     def _usual(self, tenant: str, now: float) -> float:
         """The tenant's dollars per second per session over the last hour."""
-        hist = self.tenants.get(tenant)
-        if not hist:
+        t = self.tenants.get(tenant)
+        if t is None or not t.spend:
             return 0.0
-        span = max(now - hist[0][0], 1.0)
-        sessions = len({s for _, _, s in hist})
-        return sum(d for _, d, _ in hist) / span / max(sessions, 1)
+        span = max(now - t.spend[0][0], 1.0)
+        return t.total / span / max(len(t.sessions), 1)
 
     def _stop(self, tenant: str, session: str, reason: str, retry_s: float,
               why: str) -> APIError:
