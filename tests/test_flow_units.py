@@ -177,3 +177,16 @@ def test_the_command_line_mode_overrides_the_policys() -> None:
     policy = str(Path(__file__).resolve().parent.parent / "gateway" / "policies" / "demo.yaml")
     state, _ = make_state(ServeConfig(policy, flow_mode="round_robin"))  # serve --flow-control
     assert state.flow.mode == "round_robin"
+
+
+def test_idle_flows_below_the_floor_are_forgotten() -> None:
+    """Flow ids may come from clients (x-fairness-id): the counters of idle flows a return
+    would lift anyway are dropped, so they stay as many as the flows served above the rest."""
+    q = FairQueue("fair")
+    q.push(w("steady"))
+    for i in range(5000):  # one-off sessions, each served once while steady waits
+        x = w(f"s{i}")
+        q.push(x)
+        q.remove(x)
+        q.charge("steady", 10, 0)  # steady keeps being served: the floor rises
+    assert len(q.counters) < 300 and "steady" in q.counters

@@ -45,6 +45,7 @@ MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
 BANDS = ("critical", "reserved", "standard", "flex")
 _BAND_RANK = {b: i for i, b in enumerate(BANDS)}
 _seq = itertools.count()
+FORGET_EVERY = 256  # flows becoming backlogged between sweeps of idle flows' counters
 
 
 def vtc_bound(w_in: float, w_out: float, max_input: float, max_output: float) -> float:
@@ -95,6 +96,7 @@ class FairQueue:
         # flows lifted when they became backlogged, not served since: among flows with equal
         # counters they go first (a lifted flow ties with the one it was lifted to)
         self._fresh: set[str] = set()
+        self._pushes = 0
         self.size = 0
 
     # -- service accounting ---------------------------------------------------------------
@@ -124,6 +126,21 @@ class FairQueue:
         plus what this replica changed since: the counters it orders by from now on."""
         for f in set(shared) | set(self.counters):
             self.counters[f] = shared.get(f, 0.0) + self.deltas.get(f, 0.0)
+        self._forget_idle()
+
+    def _floor(self) -> float:
+        """What a flow becoming backlogged is lifted to (at least)."""
+        waiting = [self.counters.get(f, 0.0) for f in self.backlogged()]
+        return min(waiting) if waiting else self._last_left
+
+    def _forget_idle(self) -> None:
+        """Drop the counters of idle flows at or below the floor: one would be lifted to
+        the floor on its return, as if it had none, so ordering is unchanged and the
+        counters stay as many as the flows above it (flow ids may come from clients)."""
+        floor, waiting = self._floor(), self.backlogged()
+        for f in [f for f, c in self.counters.items() if c <= floor and f not in waiting]:
+            del self.counters[f]
+            self._fresh.discard(f)
 
     def bound(self, max_input: float, max_output: float) -> float:
         """VTC's bound on the weighted service difference between backlogged flows."""
@@ -146,8 +163,10 @@ class FairQueue:
             self.remove(worst)
             shed = worst
         if self.mode == "fair" and w.flow not in self.backlogged():
-            others = [self.counters.get(f, 0.0) for f in self.backlogged()]
-            floor = min(others) if others else self._last_left
+            if self._pushes % FORGET_EVERY == 0:
+                self._forget_idle()
+            self._pushes += 1
+            floor = self._floor()
             own = self.counters.get(w.flow, 0.0)
             if floor > own:
                 self._add(w.flow, floor - own)
