@@ -58,8 +58,9 @@ def gw_factory(tmp_path: Path) -> Iterator[Any]:
         gw.close()
 
 
-def client(gw: RunningGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0, timeout=60)
+def client(gw: RunningGateway, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0,
+                         timeout=timeout)
 
 
 def admin_endpoints(gw: RunningGateway) -> list[dict[str, Any]]:
@@ -234,7 +235,14 @@ def test_prefill_decode_over_the_real_nixl_connector(vllm_fleet: VllmFleet,
            {"url": vllm_fleet.url(1) + "/v1", "role": "decode"}]
     gw = gw_factory(policy(vllm_fleet, eps, {"strategy": "round_robin",
                                              "remote_prefill_min_tokens": 64}))
-    c = client(gw)
+    # The first transfer carries NIXL's handshake, and a 2-core machine running both engines,
+    # their transfer threads and the gateway has been seen to take over a minute for one.
+    with client(gw, timeout=240) as c, vllm_fleet.logs_on_failure():
+        _prefill_then_decode(vllm_fleet, gw_factory, gw, c, eps)
+
+
+def _prefill_then_decode(vllm_fleet: VllmFleet, gw_factory: Any, gw: RunningGateway,
+                         c: openai.OpenAI, eps: list[dict[str, str]]) -> None:
     salt = f"pd-{time.time_ns()}"
     pulled = vllm_fleet.metric(1, "vllm:nixl_xfer_time_seconds_count")
     for n, (chat, stream) in enumerate([(False, False), (False, True), (True, False),
@@ -263,8 +271,9 @@ def test_prefill_decode_over_the_real_nixl_connector(vllm_fleet: VllmFleet,
     dead = {"url": f"http://127.0.0.1:{free_port()}/v1", "role": "prefill"}
     gw2 = gw_factory(policy(vllm_fleet, [dead, eps[1]], {"strategy": "round_robin",
                                                          "remote_prefill_min_tokens": 64}))
-    raw = client(gw2).completions.with_raw_response.create(
-        model="tiny", prompt=DOC.format(i=f"{salt}-dead")[:3000], max_tokens=4)
+    with client(gw2, timeout=240) as c2:
+        raw = c2.completions.with_raw_response.create(
+            model="tiny", prompt=DOC.format(i=f"{salt}-dead")[:3000], max_tokens=4)
     assert raw.parse().usage.completion_tokens == 4
     assert "x-tokengate-prefill-endpoint" not in raw.headers
 

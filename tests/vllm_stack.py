@@ -11,9 +11,11 @@ the fixture fails, with the command that installs it: these tests never skip.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -53,6 +55,18 @@ class VllmFleet:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())["usage"]  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def logs_on_failure(self, lines: int = 40) -> Iterator[None]:
+        """On any exception inside, print each instance's last log lines to stderr (pytest
+        shows them with the failure: the engines' view of a request that failed)."""
+        try:
+            yield
+        except BaseException:
+            for i, log in enumerate(self.logs):
+                tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+                print(f"--- vLLM instance {i} ({log}):", *tail, sep="\n", file=sys.stderr)
+            raise
 
     def endpoint(self, i: int, **extra: Any) -> dict[str, Any]:
         ev = self.specs[i].kv_events
