@@ -15,6 +15,7 @@ from aiohttp import web
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
 from gateway.flow.control import FlowGates
+from gateway.flow.share import CounterShare
 from gateway.metrics import GatewayMetrics
 from gateway.quota.limiter.store import RateStore
 from gateway.request.migrate import LiveStreams
@@ -88,6 +89,7 @@ class GatewayState:
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter
     flow_mode: str | None = None  # ``--flow-control``: overrides the policy's mode
     flow: FlowGates = field(init=False)  # flow control's gate per model
+    flow_share: CounterShare | None = None  # the fair-share counters shared through Redis
     spend: SpendLedger = field(init=False)  # what every request cost
     sentry: Sentry = field(init=False)  # stops runaway agent sessions
 

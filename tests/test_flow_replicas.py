@@ -5,11 +5,20 @@ on with its own counters and sends what it owes when Redis is back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
+from conftest import RunningBackend
+from gateway_stack import RunningGateway, start_gateway, write_policy
 from redis_servers import RedisServer
+from test_gateway_e2e import sha
 
 from gateway.config.flow import FlowControl
 from gateway.flow.control import FlowGates
@@ -17,6 +26,8 @@ from gateway.flow.fair import Waiter
 from gateway.flow.share import KEY, CounterShare
 from gateway.metrics import GatewayMetrics
 from gateway.redis_clients import coordination_client
+
+ADMIN = {"Authorization": "Bearer admin-key"}
 
 
 def replica() -> FlowGates:
@@ -91,3 +102,125 @@ def test_without_redis_each_replica_goes_on_alone_then_catches_up(redis: RedisSe
         finally:
             await share.redis.aclose()
     asyncio.run(main())
+
+
+def _policy(url: str) -> dict[str, Any]:
+    return {"version": 1,
+            "settings": {"admin_key_sha256": sha("admin-key"),
+                         "flow_control": {"mode": "fair", "queue_depth": 1}},
+            "models": {"m": {"endpoints": [{"url": url}], "default_max_tokens": 16,
+                             "upstream_model": "llama-3-8b"}},
+            "tenants": {t: {"keys": [{"sha256": sha(f"key-{t}")}],
+                            "limits": {"tpm": 10_000_000, "rpm": 100_000}}
+                        for t in ("flood", "light")},
+            "routes": {"r": {"tenants": ["flood", "light"], "models": ["m"]}}}
+
+
+def _flow(gw: RunningGateway) -> dict[str, Any]:
+    return httpx.get(f"{gw.url}/admin/flow", headers=ADMIN).json()  # type: ignore[no-any-return]
+
+
+def _served(gw: RunningGateway) -> dict[str, float]:
+    return {f["flow"]: f["served"] for f in _flow(gw)["models"]["m"]["flows"]}
+
+
+def test_two_gateways_over_http_share_fair_shares_charge_once_and_outlive_redis(
+        redis: RedisServer, backend_factory: Callable[..., RunningBackend],
+        tmp_path: Path) -> None:
+    """A flood through replica one, a light tenant through replica two, on one engine that runs
+    four sequences at once. Replica two never serves the flood, yet orders by what replica one
+    served; the fleet's spend equals what the clients were told, counted once; with Redis gone
+    the light tenant is still served (no 5xx) and replica two says it is on its own."""
+    engine = backend_factory(time_scale=0.5, max_num_seqs=4)
+    doc = _policy(f"{engine.url}/v1")
+    one = start_gateway(write_policy(tmp_path / "one.yaml", doc), redis_url=redis.url)
+    two = start_gateway(write_policy(tmp_path / "two.yaml", doc), redis_url=redis.url)
+    errors: list[BaseException] = []
+
+    def send(gw: RunningGateway, tenant: str, prompt: str, n: int) -> None:
+        with openai.OpenAI(base_url=f"{gw.url}/v1", api_key=f"key-{tenant}", max_retries=0,
+                           timeout=120) as c:
+            assert c.completions.create(model="m", prompt=prompt, max_tokens=n).usage
+
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                send(one, "flood", "lorem ipsum dolor sit amet " * 60, 24)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    pool = ThreadPoolExecutor(12)
+    try:
+        for _ in range(12):
+            pool.submit(flood)
+        time.sleep(1.5)
+        for _ in range(6):
+            send(two, "light", "hello there", 4)
+        time.sleep(0.5)  # > several exchange intervals
+        served = _served(two)
+        assert served["flood"] > served["light"] > 0, served  # flood: all of it from one
+        assert _flow(two)["shared"]["degraded"] is False
+        # Redis goes: the light tenant is still served through replica two, which goes on
+        # with its own counters (fail_open quotas, per-replica fairness) and says so.
+        redis.stop()
+        for _ in range(4):
+            send(two, "light", "still here?", 4)
+        deadline = time.monotonic() + 5
+        while not _flow(two)["shared"]["degraded"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _flow(two)["shared"]["degraded"] is True
+        redis.start()
+        deadline = time.monotonic() + 10
+        while _flow(two)["shared"]["degraded"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _flow(two)["shared"]["degraded"] is False
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+        one.close()
+        two.close()
+    assert not errors, errors[:3]
+
+
+def test_two_gateways_count_the_fleets_spend_once(
+        redis: RedisServer, backend_factory: Callable[..., RunningBackend],
+        tmp_path: Path) -> None:
+    engine = backend_factory(time_scale=0.2, max_num_seqs=4)
+    doc = _policy(f"{engine.url}/v1")
+    gws = [start_gateway(write_policy(tmp_path / f"{i}.yaml", doc), redis_url=redis.url)
+           for i in range(2)]
+    told = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        gw, tenant = gws[i % 2], ("flood", "light")[i % 3 == 0]
+        with openai.OpenAI(base_url=f"{gw.url}/v1", api_key=f"key-{tenant}", max_retries=0,
+                           timeout=120) as c:
+            r = c.completions.create(model="m", prompt=f"request {i} " * (5 + i % 7),
+                                     max_tokens=3 + i % 5)
+        assert r.usage is not None
+        with lock:
+            told["requests"] += 1
+            told["prompt_tokens"] += r.usage.prompt_tokens
+            told["completion_tokens"] += r.usage.completion_tokens
+
+    try:
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(one, range(40)))
+        want = dict(told)
+        for gw in gws:
+            deadline = time.monotonic() + 10
+            while True:
+                rows = httpx.get(f"{gw.url}/admin/spend", params={"by": "day"},
+                                 headers=ADMIN).json()["rows"]
+                got = {k: rows[0][k] for k in want} if rows else {}
+                if got == want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert got == want  # the fleet's, from either replica, each request once
+    finally:
+        for gw in gws:
+            gw.close()

@@ -260,6 +260,15 @@ class FairQueue:
                            key=self._shed_key)
         return None
 
+    def waiting_by_flow(self) -> dict[str, int]:
+        """Requests waiting per flow (all bands)."""
+        out: dict[str, int] = {}
+        for flows in self._bands.values():
+            for flow, q in flows.items():
+                if q.live:
+                    out[flow] = out.get(flow, 0) + q.live
+        return out
+
     def waiting(self) -> Mapping[str, int]:
         """Requests waiting per band."""
         return {b: sum(q.live for q in flows.values()) for b, flows in self._bands.items()}

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config.resolved import resolved
+from gateway.flow import view as flow_view
 from gateway.flow.share import CounterShare
 from gateway.front import openapi
 from gateway.front.http_guard import SERVER, guard
@@ -225,6 +226,13 @@ async def admin_limiter(request: web.Request) -> web.Response:
     return web.json_response(out, dumps=_dumps)
 
 
+async def admin_flow(request: web.Request) -> web.Response:
+    """Flow control now: what waits, per band and flow, each flow's fair-share counter, and
+    whether the counters are shared with the other replicas (``gateway.flow.view``)."""
+    state = _admin(request)
+    return web.json_response(flow_view.snapshot(state.flow, state.flow_share), dumps=_dumps)
+
+
 async def admin_spend(request: web.Request) -> web.Response:
     """Spend summed by ``by`` (any of ``GROUPS``; default tenant) over
     ``days`` (YYYY-MM-DD, comma-separated; default today in the policy's time zone)."""
@@ -264,7 +272,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.ensure_future(share.run()))
     counters = None
     if state.redis_url:  # fair-share counters and spend totals, shared by the replicas
-        counters = CounterShare(coordination_client(state.redis_url), state.flow)
+        counters = state.flow_share = CounterShare(coordination_client(state.redis_url),
+                                                   state.flow)
         tasks.append(asyncio.ensure_future(counters.run()))
         state.spend.redis = coordination_client(state.redis_url)
         tasks.append(asyncio.ensure_future(state.spend.run()))
@@ -338,6 +347,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_get("/admin/endpoints", admin_endpoints)
     r.add_get("/admin/limiter", admin_limiter)
     r.add_get("/admin/spend", admin_spend)
+    r.add_get("/admin/flow", admin_flow)
     r.add_get("/admin/predictor", admin_predictor)
     r.add_get("/admin/scaling", admin_scaling)
     r.add_post("/admin/drain", admin_drain)
