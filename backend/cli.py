@@ -63,6 +63,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
       help="adapters served from the start (PEFT directories)")
     a("--slo-ttft", type=float, default=2.0, help="TTFT deadline (s) of token-level pooling")
     a("--slo-tpot", type=float, default=0.05, help="TPOT deadline (s) of token-level pooling")
+    a("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+      help="the waiting queue's order (vLLM's): arrival, or a request's 'priority' (lower "
+           "first, then arrival; a request's 'priority' is refused under fcfs)")
     a("--max-num-seqs", type=int, default=256,
       help="most requests in the running batch (vLLM's --max-num-seqs)")
     a("--max-num-batched-tokens", type=int, default=8192,
@@ -128,7 +131,8 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
         num_gpu_blocks=ns.num_gpu_blocks, enable_prefix_caching=not ns.no_prefix_caching,
         time_scale=ns.time_scale, jitter=ns.jitter, seed=ns.seed,
-        kv_hold_timeout_s=ns.kv_hold_timeout, max_loras=ns.max_loras if ns.enable_lora else 0)
+        kv_hold_timeout_s=ns.kv_hold_timeout, max_loras=ns.max_loras if ns.enable_lora else 0,
+        scheduling_policy=ns.scheduling_policy)
     faults = FaultConfig(
         error_rate=ns.fault_error_rate, error_status=ns.fault_error_status,
         stall_s=ns.fault_stall, stall_rate=ns.fault_stall_rate, drop_rate=ns.fault_drop_rate,

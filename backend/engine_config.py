@@ -30,6 +30,7 @@ class EngineConfig:
     kv_hold_timeout_s: float = 480.0
     resync_s: float = 0.010
     max_loras: int = 0  # distinct LoRA adapters per batch (0: no limit)
+    scheduling_policy: str = "fcfs"  # fcfs | priority (a request's ``priority``, lower first)
 
 
 def num_gpu_blocks(model: ModelProfile, hw: HardwareProfile, cfg: EngineConfig) -> int:
@@ -70,4 +71,5 @@ def _slot(hardware: HardwareProfile, cfg: EngineConfig, name: str, profile: Mode
     return new_slot(name, profile, hardware, blocks, root, block_size=cfg.block_size,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     max_num_seqs=cfg.max_num_seqs, enable_caching=cfg.enable_prefix_caching,
-                    jitter=cfg.jitter, seed=cfg.seed, max_loras=cfg.max_loras)
+                    jitter=cfg.jitter, seed=cfg.seed, max_loras=cfg.max_loras,
+                    policy=cfg.scheduling_policy)

@@ -95,6 +95,9 @@ def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
                   f"{'messages' if g.kind == 'chat' else 'prompt'}, {max_tokens} in the "
                   f"completion). Please reduce the length of the messages or completion.",
                   "max_tokens", "context_length_exceeded")
+    if g.priority and state.config.engine.scheduling_policy != "priority":
+        raise bad(f"Got priority {g.priority} but Priority scheduling is not enabled.",
+                  "priority", "invalid_value")
     remote_decode, remote_prefill = _check_role(state, g)
     state.counter += 1
     seed = g.seed if g.seed is not None else state.config.engine.seed * 1_000_003 + state.counter
@@ -109,7 +112,7 @@ def _new_request(state: BackendState, g: GenerationRequest, ids: list[int],
     req = Request(rid, ids, max_tokens, target, state.engine.clock(),
                   cache_salt=g.cache_salt, model=g.model,
                   lora=None if g.model in state.hosted else g.model, remote_decode=remote_decode,
-                  remote_prefill=remote_prefill)
+                  remote_prefill=remote_prefill, priority=g.priority)
     return req, rng
 
 

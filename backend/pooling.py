@@ -121,12 +121,13 @@ class ModelSlot:
 def new_slot(name: str, profile: ModelProfile, hardware: HardwareProfile, blocks: int,
              root: BlockHash, *, block_size: int = 16, max_num_batched_tokens: int = 8192,
              max_num_seqs: int = 256, enable_caching: bool = True, jitter: float = 0.03,
-             seed: int = 0, record_events: bool = True, max_loras: int = 0) -> ModelSlot:
+             seed: int = 0, record_events: bool = True, max_loras: int = 0,
+             policy: str = "fcfs") -> ModelSlot:
     """A hosted model with its own block pool, KV cache manager, scheduler and timing."""
     pool = BlockPool(blocks, enable_caching=enable_caching, record_events=record_events)
     kv = KVCacheManager(pool, block_size, root)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, block_size,
-                                      max_loras), kv)
+                                      max_loras, policy), kv)
     timing = TimingModel(profile, hardware, jitter=jitter, seed=seed)
     return ModelSlot(name, profile, sched, kv, pool, timing, block_size)
 

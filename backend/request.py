@@ -51,6 +51,7 @@ class Request:
     cache_salt: str | None = None
     model: str = ""  # the served model it names (an instance may host several)
     lora: str | None = None  # the LoRA adapter it runs with (``backend.lora``)
+    priority: int = 0  # lower first, under ``--scheduling-policy priority`` (as vLLM)
     remote_decode: bool = False  # prefill side: keep the KV for a decode instance to pull
     remote_prefill: RemotePrefill | None = None
     pool_prefix: int = 0  # leading prompt blocks the shared KV pool held on arrival

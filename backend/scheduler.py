@@ -8,7 +8,7 @@ Each call to ``schedule`` returns the plan of one step under a token budget
    If the KV cache cannot hold them, the *last* running request is preempted (its blocks freed,
    its progress reset for recompute, put at the front of the waiting queue) until it fits; if
    the request itself was the last, it waits.
-2. Then, if nothing was preempted this step, waiting requests in FCFS order while there is
+2. Then, if nothing was preempted this step, waiting requests in queue order while there is
    budget and fewer than ``max_num_seqs`` are running. A fresh (or preempted) request first
    takes its longest cached prefix; a prompt longer than the remaining budget is chunked.
    A batch holds the requests of at most ``max_loras`` LoRA adapters (as vLLM's
@@ -19,12 +19,17 @@ Each call to ``schedule`` returns the plan of one step under a token budget
    continues past the GPU hit in a lower tier gets blocks for what it will load and waits for
    the load (``loads``), as vLLM's KV connectors load asynchronously.
 
+The queue order is vLLM's ``--scheduling-policy``: ``fcfs`` (arrival; a preempted request goes
+back to the front), or ``priority``: by the request's ``priority`` (lower first), then arrival,
+and the running request preempted for KV is the one last in that order, not the last admitted.
+
 ``update`` applies the step's result: computed counts advance and full blocks enter the prefix
 cache; every request whose computed count reached its token count sampled a token this step.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,6 +55,16 @@ class StepPlan:
         if ctx + n >= req.num_tokens:
             self.sampling += 1
 
+    def drop(self, req: Request) -> int:
+        """Take ``req`` out of the plan (preempted after it was scheduled): its tokens."""
+        for k, (r, n, ctx) in enumerate(self.scheduled):
+            if r is req:
+                del self.scheduled[k]
+                if ctx + n >= req.num_tokens:
+                    self.sampling -= 1
+                return n
+        return 0
+
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n, _ in self.scheduled)
@@ -71,6 +86,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     max_loras: int = 0  # distinct LoRA adapters one batch may hold (0: no limit)
+    policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs | priority
+
+
+POLICIES = ("fcfs", "priority")
+
+
+def _order(r: Request) -> tuple[int, float]:
+    return (r.priority, r.arrival_time)
 
 
 class Scheduler:
@@ -81,10 +104,25 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.tiers: TierWalk | None = None
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {config.policy!r}")
+        self.by_priority = config.policy == "priority"
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
-        self.waiting.append(req)
+        if self.by_priority:
+            bisect.insort_right(self.waiting, req, key=_order)
+        else:
+            self.waiting.append(req)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the last admitted, or under ``priority`` the last
+        in priority order."""
+        if not self.by_priority:
+            return self.running.pop()
+        victim = max(self.running, key=_order)
+        self.running.remove(victim)
+        return victim
 
     def has_work(self) -> bool:
         return bool(self.running) or any(
@@ -104,12 +142,15 @@ class Scheduler:
                 continue
             scheduled = True
             while not kv.allocate_slots(req, n):
-                victim = self.running.pop()
+                victim = self._victim()
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is req:
                     scheduled = False
                     break
+                if self.by_priority:
+                    i = self.running.index(req)
+                    budget += plan.drop(victim)  # it may have been scheduled already
             if not scheduled:
                 break
             plan.add(req, n)
@@ -258,4 +299,7 @@ class Scheduler:
         req.tiers_tried = False  # what it computed may be in a lower tier by now
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            bisect.insort_left(self.waiting, req, key=_order)
+        else:
+            self.waiting.appendleft(req)

@@ -39,6 +39,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     continue_final: bool = False  # chat: extend the final assistant message (vLLM's option)
+    priority: int = 0  # vLLM's: lower is scheduled first under --scheduling-policy priority
 
 
 def _opt_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -201,6 +202,7 @@ def validate(kind: Kind, body: Any) -> GenerationRequest:
     req.max_tokens = mt
     req.min_tokens = _opt_int(body, "min_tokens", 0, 2**31 - 1) or 0
     req.ignore_eos = _opt_bool(body, "ignore_eos")
+    req.priority = _opt_int(body, "priority", -(2**31), 2**31 - 1) or 0
     n = _opt_int(body, "n", 1, 128)
     if n is not None and n != 1:
         raise bad("only n=1 is supported", "n")
