@@ -13,9 +13,12 @@ clock:
 * ``llm-d``: a re-implementation of llm-d's flow-control defaults: round-robin between flows
   within a band, saturation at a queue depth of 5 or KV at 0.8;
 * ``fair``: VTC fair share, saturation at a queue depth of 1 or a decode step of 40 ms
-  (0.8 x the 50 ms TPOT SLO).
+  (0.8 x the 50 ms TPOT SLO);
+* ``fair+engine``: ``fair`` with ``engine_priority``: the engines run vLLM's priority policy
+  and a backlogged flow's requests go behind the others' in the engine's own queue.
 
-``alone``: B by itself (the reference its service under the flood is compared with). The SLO is
+``alone``: B by itself, the very same requests (a tenant's arrivals and prompts depend on its
+name only), the reference its service under the flood is compared with. The SLO is
 TTFT 2 s and TPOT 50 ms. A second scenario floods from two tenants (A and D at the same rate)
 and measures the largest weighted-service difference between them over any stretch both were
 backlogged, against VTC's bound 2·(w_in·L_in + w_out·L_out).
@@ -42,6 +45,8 @@ MODES: dict[str, tuple[str, FlowControl | None]] = {
     "priority": ("priority", FlowControl(mode="priority")),
     "llm-d": ("round_robin", FlowControl(mode="round_robin", queue_depth=5, kv_threshold=0.8)),
     "fair": ("fair", FlowControl(mode="fair", queue_depth=1, tpot_threshold_ms=40.0)),
+    "fair+engine": ("fair", FlowControl(mode="fair", queue_depth=1, tpot_threshold_ms=40.0,
+                                        engine_priority=True)),
 }
 
 

@@ -105,8 +105,9 @@ class SimEngine:
         self.pool = BlockPool(blocks, enable_caching=cfg.enable_prefix_caching,
                               record_events=False)
         self.kv = SimKVCacheManager(self.pool, cfg.block_size, BlockHash(self.root))
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens,
-                                                   cfg.max_num_seqs, cfg.block_size), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(
+            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size,
+            policy=cfg.scheduling_policy), self.kv)
         self.timing = TimingModel(self.model, self.hardware, jitter=cfg.jitter, seed=cfg.seed)
 
     def use_tiers(self, host_bytes: float, pool: PoolStore | None) -> None:

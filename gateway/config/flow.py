@@ -24,6 +24,7 @@ class FlowControl:
     tpot_threshold_ms: float | None = None  # an endpoint's decode step this slow: saturated
     input_weight: float = 1.0  # fair share counts w_in·prompt + w_out·output tokens
     output_weight: float = 2.0
+    engine_priority: bool = False  # send engines a ``priority`` (``engine_priority_of``)
 
     def max_wait_s(self, band: str) -> float:
         """The longest a request of ``band`` may wait for its turn."""
@@ -52,6 +53,8 @@ def parse_flow_control(d: Decoder, raw: Any, path: str) -> FlowControl:
               "tpot_threshold_ms"):
         if k in m:
             kw[k] = d.number(m[k], f"{path}.{k}")
+    if "engine_priority" in m:
+        kw["engine_priority"] = d.boolean(m["engine_priority"], f"{path}.engine_priority")
     if "kv_threshold" in m:
         v = d.number(m["kv_threshold"], f"{path}.kv_threshold")
         if v > 1.0:

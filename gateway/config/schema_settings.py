@@ -106,7 +106,13 @@ SETTINGS_SECTIONS: dict[str, Section] = {
          "tpot_threshold_ms": spec("number > 0", NONE, "…and one whose streams lately waited "
                                  "this long between tokens (set it below the TPOT SLO)."),
          "input_weight": spec("number > 0", 1.0, "Fair share counts this per prompt token…"),
-         "output_weight": spec("number > 0", 2.0, "…and this per output token.")}),
+         "output_weight": spec("number > 0", 2.0, "…and this per output token."),
+         "engine_priority": spec("boolean", False, "Send each request a `priority` for the "
+                               "engine's own queue (vLLM `--scheduling-policy priority`; "
+                               "every endpoint of the model must run it): by band, and within "
+                               "a band, requests of a flow that still has others waiting go "
+                               "behind those of flows that do not. A client's `priority` is "
+                               "never forwarded.")}),
     "timeouts": TIMEOUTS,
     "retries": Section(
         "settings.retries",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gateway import clock
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import Waiter
+from gateway.flow.fair import Waiter, engine_priority
 from gateway.flow.gate import Gate
 from gateway.metrics import GatewayMetrics
 from gateway.routing.endpoints import EndpointState
@@ -38,6 +38,7 @@ class Pass:
     gate: ModelGate
     waiter: Waiter
     open: bool = True
+    engine_priority: int = 0  # for the engine's queue (``fair.engine_priority``)
 
     def sent(self) -> None:
         if self.open:
@@ -73,7 +74,7 @@ class ModelGate:
             self._refuse(offer.shed, "queue_full")
         if offer.go:
             self._served(w, 0.0)
-            return Pass(self, w)
+            return self._pass(w)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         w.payload = _Wait(fut, time.perf_counter())
         if offer.shed is w:
@@ -89,7 +90,7 @@ class ModelGate:
                 self.gate.withdraw(w)
                 self._refuse(w, "timeout")
             elif fut.done() and w.payload.error is None:  # let through as time ran out
-                return Pass(self, w)
+                return self._pass(w)
         except asyncio.CancelledError:  # the client left while it waited
             if w.queued:
                 self.gate.withdraw(w)
@@ -100,7 +101,11 @@ class ModelGate:
         self._gauge()
         if w.payload.error is not None:
             raise w.payload.error
-        return Pass(self, w)
+        return self._pass(w)
+
+    def _pass(self, w: Waiter) -> Pass:
+        return Pass(self, w, engine_priority=engine_priority(
+            w.band, self.gate.queue.has_waiting(w.flow, w.band)))
 
     def pump(self) -> None:
         if not self.gate.queue.size:  # (every request's start and end calls it)

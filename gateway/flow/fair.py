@@ -48,6 +48,14 @@ _seq = itertools.count()
 FORGET_EVERY = 256  # flows becoming backlogged between sweeps of idle flows' counters
 
 
+def engine_priority(band: str, backlogged: bool) -> int:
+    """The ``priority`` an engine running vLLM's priority policy gets (lower first): by band,
+    and within a band a request whose flow still has others waiting in the gateway (a flow
+    using more than its share) behind the requests of flows that have none. With nothing
+    waiting it is the band's alone, so the engine's order within a band stays arrival."""
+    return 2 * BANDS.index(band) + (1 if backlogged else 0)
+
+
 def vtc_bound(w_in: float, w_out: float, max_input: float, max_output: float) -> float:
     """``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest request (Theorem 4.4)."""
     return 2.0 * (w_in * max_input + w_out * max_output)
@@ -259,6 +267,11 @@ class FairQueue:
                 return max((w for q in flows.values() for _, _, w in q.heap if w.queued),
                            key=self._shed_key)
         return None
+
+    def has_waiting(self, flow: str, band: str) -> bool:
+        """Does ``flow`` have requests waiting in ``band``?"""
+        q = self._bands[band].get(flow)
+        return q is not None and q.live > 0
 
     def waiting_by_flow(self) -> dict[str, int]:
         """Requests waiting per flow (all bands)."""

@@ -21,6 +21,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from gateway.config.policy import Model
 from gateway.flow.control import Pass
+from gateway.flow.fair import engine_priority
 from gateway.quota import admission
 from gateway.quota import ledger as quota
 from gateway.request import disagg, slo
@@ -40,7 +41,31 @@ T = TypeVar("T")
 
 # Fields only the gateway may set on an upstream request: a client's are dropped (a client's
 # ``kv_transfer_params`` would make a decode engine pull KV from an address it names).
-GATEWAY_ONLY_FIELDS = ("kv_transfer_params",)
+# fields the gateway sets for the engine; a client's are never forwarded (a client's
+# ``priority`` would jump the engine's queue)
+GATEWAY_ONLY_FIELDS = ("kv_transfer_params", "priority")
+
+
+def band_of(ctx: RequestContext) -> str:
+    """The band it waits in: within its reserved throughput a standard request waits in the
+    band above standard."""
+    return "reserved" if ctx.tier == "reserved" and ctx.priority == "standard" \
+        else ctx.priority
+
+
+def engine_fields(ctx: RequestContext, m: Model) -> dict[str, Any]:
+    """``priority`` for the engine's queue when ``flow_control.engine_priority`` is on: the
+    flow gate's (``fair.engine_priority``), or the band's when the request did not queue."""
+    if not ctx.view.policy.settings.flow_control.engine_priority:
+        return {}
+    turn = ctx.flow_passes.get(m.name)
+    return {"priority": turn.engine_priority if turn is not None
+            else engine_priority(band_of(ctx), False)}
+
+
+def client_fields(ctx: RequestContext) -> dict[str, Any]:
+    """The client's body without the fields only the gateway sets."""
+    return {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
 
 
 def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
@@ -51,11 +76,13 @@ def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = Non
     prompt was prefilled elsewhere. Forwarded byte for byte when nothing needs to change
     (large agent prompts)."""
     limit = ctx.output_limit.get(m.name) if ctx.parsed.max_tokens is None else None
-    if kv is None and limit is None and ctx.body.get("model") == m.upstream_name and (
-            ctx.parsed.stream and ctx.parsed.include_usage) and not any(
+    extra = engine_fields(ctx, m)
+    if kv is None and limit is None and not extra and ctx.body.get("model") == m.upstream_name \
+            and (ctx.parsed.stream and ctx.parsed.include_usage) and not any(
             f in ctx.body for f in GATEWAY_ONLY_FIELDS):
         return ctx.raw
-    body = {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
+    body = client_fields(ctx)
+    body.update(extra)
     body["model"] = m.upstream_name
     if limit is not None:
         body["max_tokens"] = limit  # what was reserved: the engine stops there
@@ -120,10 +147,7 @@ async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_t
 
     gate = state.flow.get(name, cfg, endpoints)
     deadline = cfg.deadline(ctx.received_at, ctx.slo[0])
-    # within its reserved throughput a standard request waits in the band above standard
-    band = "reserved" if ctx.tier == "reserved" and ctx.priority == "standard" \
-        else ctx.priority
-    turn = await gate.enter(ctx.flow, band, deadline, prompt_tokens, reserved,
+    turn = await gate.enter(ctx.flow, band_of(ctx), deadline, prompt_tokens, reserved,
                             ctx.view.policy.tenants[ctx.tenant].weight)
     old = ctx.flow_passes.pop(name, None)
     if old is not None:  # tried on this model before: that turn served nothing
@@ -208,7 +232,8 @@ async def prefill(state: GatewayState, ctx: RequestContext, m: Model, router: Ro
     pspan = ctx.trace.child("tokengate.prefill", _server_attrs(
         decision.prefill.ep.url, m), kind=SpanKind.CLIENT) if ctx.trace else None
     kv = await disagg.remote_prefill(
-        state, ctx.route.timeouts, ctx.kind, ctx.request_id, ctx.body, m, router.pool,
+        state, ctx.route.timeouts, ctx.kind, ctx.request_id,
+        {**client_fields(ctx), **engine_fields(ctx, m)}, m, router.pool,
         decision, ctx.trace.headers(pspan) if ctx.trace and pspan else None)
     if ctx.trace is not None:
         ctx.trace.end(pspan, {"tokengate.prefill.ok": kv is not None},
