@@ -1,6 +1,7 @@
 """Tenants sharing a saturated pool: a noisy neighbour, simulated.
 
     python -m benchmarks.sim_fairness [--out DIR] [--duration S] [--seeds N]
+        [--tpot-threshold-ms MS] [--modes fcfs,priority,llm-d,fair,fair+engine]
 
 Three tenants on two Llama-3-8B instances (H100, the demo policy's pool), each with Azure
 conversation arrivals (``simulator.fairness``): B and C at ``LIGHT`` requests/s, A at ten times
@@ -30,6 +31,7 @@ backlogged, against VTC's bound 2·(w_in·L_in + w_out·L_out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -56,7 +58,9 @@ def row(r: dict[str, Any], victim: str = "B", flooder: str = "A") -> dict[str, A
     return {"victim_ttft_p50_ms": v["ttft_p50_ms"], "victim_ttft_p90_ms": v["ttft_p90_ms"],
             "victim_ttft_p99_ms": v["ttft_p99_ms"], "victim_goodput": v["goodput"],
             "victim_refused": v["refused"], "flooder_tokens_per_s": f.get("tokens_per_s", 0.0),
-            "flooder_goodput": f.get("goodput"), "utilisation": r["utilisation"]}
+            "flooder_goodput": f.get("goodput"), "utilisation": r["utilisation"],
+            "victim_gateway_wait_ms": v["gateway_wait_ms"],
+            "victim_engine_queue_ms": v["engine_queue_ms"], "victim_prefill_ms": v["prefill_ms"]}
 
 
 def main() -> None:
@@ -64,7 +68,14 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/fairness")
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--tpot-threshold-ms", type=float, default=40.0,
+                    help="the fair modes' tpot_threshold_ms (what A's batch is held to)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated: which of " + ", ".join(MODES))
     ns = ap.parse_args()
+    modes = {k: (mode, cfg if cfg is None or cfg.mode != "fair" else
+                 dataclasses.replace(cfg, tpot_threshold_ms=ns.tpot_threshold_ms))
+             for k, (mode, cfg) in MODES.items() if k in ns.modes.split(",")}
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -74,14 +85,15 @@ def main() -> None:
         alone = noisy_neighbour([Tenant("B", LIGHT)], "fcfs", ns.duration, seed=seed)
         runs.append({"seed": seed, "mode": "alone", **row(alone),
                      "wall_s": time.perf_counter() - t0})
-        for label, (mode, cfg) in MODES.items():
+        for label, (mode, cfg) in modes.items():
             t0 = time.perf_counter()
             r = noisy_neighbour(flood, mode, ns.duration, seed=seed, flow=cfg)
             runs.append({"seed": seed, "mode": label, **row(r),
                          "wall_s": time.perf_counter() - t0})
             print(json.dumps(runs[-1]), flush=True)
         two = [Tenant("A", NORMAL * 10), Tenant("D", NORMAL * 10), Tenant("B", LIGHT)]
-        r = noisy_neighbour(two, "fair", ns.duration, seed=seed, flow=MODES["fair"][1])
+        r = noisy_neighbour(two, "fair", ns.duration, seed=seed,
+                            flow=modes.get("fair", MODES["fair"])[1])
         runs.append({"seed": seed, "mode": "fair:two-flooders", "service_gap": r["service_gap"],
                      "vtc_bound": r["vtc_bound"], "flows": r["service_gap_flows"],
                      **row(r)})
@@ -95,20 +107,27 @@ def main() -> None:
 
 def markdown(runs: list[dict[str, Any]]) -> str:
     lines = ["| seed | mode | B TTFT p50 ms | B TTFT p90 ms | B TTFT p99 ms | B goodput | "
-             "B refused | A tokens/s | utilisation |", "|" + "---|" * 9]
+             "B refused | A tokens/s | utilisation | B mean ms: gateway wait / engine queue / "
+             "prefill |", "|" + "---|" * 10]
     for r in runs:
         if r["mode"] == "fair:two-flooders":
             continue
         lines.append(f"| {r['seed']} | {r['mode']} | {r['victim_ttft_p50_ms']:.0f} | "
                      f"{r['victim_ttft_p90_ms']:.0f} | {r['victim_ttft_p99_ms']:.0f} | "
                      f"{r['victim_goodput']:.3f} | {sum(r['victim_refused'].values())} | "
-                     f"{r['flooder_tokens_per_s']:.0f} | {r['utilisation']:.3f} |")
+                     f"{r['flooder_tokens_per_s']:.0f} | {r['utilisation']:.3f} | "
+                     f"{_ms(r['victim_gateway_wait_ms'])} / {_ms(r['victim_engine_queue_ms'])} / "
+                     f"{_ms(r['victim_prefill_ms'])} |")
     for r in runs:
         if r["mode"] == "fair:two-flooders":
             lines.append(f"\nseed {r['seed']}, two flooders {r['flows']}: largest weighted "
                          f"service gap while both backlogged {r['service_gap']:.0f} tokens, "
                          f"VTC bound {r['vtc_bound']:.0f}")
     return "\n".join(lines) + "\n"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 if __name__ == "__main__":

@@ -126,8 +126,27 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p90_ms": _pct(ttfts, 0.9),
             "ttft_p99_ms": _pct(ttfts, 0.99), "goodput": good / len(mine) if mine else 0.0,
             "tokens_per_s": sum(r.result.output_tokens for r in mine
-                                if r.result.error is None) / end}
+                                if r.result.error is None) / end,
+            **anatomy(mine)}
     return out
+
+
+def anatomy(reqs: list[SimRequest]) -> dict[str, float | None]:
+    """Where the served requests' TTFT went, in mean ms: waiting in the gateway (flow
+    control), waiting in the engine's queue, and from the engine's first step on it to its
+    first token (its prefill, in whatever batch it shared)."""
+    parts: list[tuple[float, float, float]] = []
+    for r in reqs:
+        e = r.engine_request
+        if r.result.error is not None or r.routed_at is None or e is None \
+                or e.first_scheduled_time is None or e.first_token_time is None:
+            continue
+        parts.append((r.routed_at - r.t, e.first_scheduled_time - e.arrival_time,
+                      e.first_token_time - e.first_scheduled_time))
+    names = ("gateway_wait_ms", "engine_queue_ms", "prefill_ms")
+    if not parts:
+        return dict.fromkeys(names)
+    return {n: 1e3 * sum(p[i] for p in parts) / len(parts) for i, n in enumerate(names)}
 
 
 class _Gap:

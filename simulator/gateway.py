@@ -216,6 +216,7 @@ class SimGateway:
 
     def _decide(self, payload: tuple[SimRequest, RequestInfo]) -> None:
         sr, info = payload
+        sr.routed_at = self.loop.now
         self._sync()
         d = self.router.decide(info)
         if d is not None and self.hindsight is not None and not self.pool.disaggregated:
@@ -311,6 +312,7 @@ class SimGateway:
         req = Request(rid, list(f.sr.prompt_ids), max_tokens, max_tokens, self.loop.now)
         if self.flow is not None:
             req.priority = self.flow.priorities.get(f.sr.index, 0)
+        f.sr.engine_request = req
         req.block_hashes = [BlockHash(h) for h in f.sr.hashes]
         return req
 

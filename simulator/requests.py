@@ -38,6 +38,8 @@ class SimRequest:
     flow: str = ""  # its tenant (flow control), and its band ("": the gateway's default)
     band: str = ""
     weight: float = 1.0
+    routed_at: float | None = None  # when the gateway routed it (after any flow-control wait)
+    engine_request: Any = None  # backend.request.Request the engine ran (the decode side)
     result: RequestResult = field(init=False)
 
     def __post_init__(self) -> None:
