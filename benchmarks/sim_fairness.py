@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config.flow import FlowControl
+from gateway.flow.control import TICK_S
 from simulator.fairness import Tenant, noisy_neighbour
 
 LIGHT = 2.0  # requests/s of B and C
@@ -98,6 +99,17 @@ def main() -> None:
                      "vtc_bound": r["vtc_bound"], "flows": r["service_gap_flows"],
                      **row(r)})
         print(json.dumps(runs[-1]), flush=True)
+        # a reserved tenant idle for the first half returns into the flood
+        r_tenant = Tenant("R", LIGHT, band="reserved", start=ns.duration / 2)
+        r_alone = noisy_neighbour([r_tenant], "fcfs", ns.duration, seed=seed)
+        r = noisy_neighbour([*flood, r_tenant], "fair", ns.duration, seed=seed,
+                            flow=modes.get("fair", MODES["fair"])[1])
+        runs.append({"seed": seed, "mode": "fair:reserved-returns",
+                     "first_gateway_wait_ms": r["tenants"]["R"]["first_gateway_wait_ms"],
+                     "decision_interval_ms": TICK_S * 1e3,
+                     "alone_ttft_p90_ms": r_alone["tenants"]["R"]["ttft_p90_ms"],
+                     **row(r, victim="R")})
+        print(json.dumps(runs[-1]), flush=True)
     (out / "report.json").write_text(json.dumps({"runs": runs, "light_rps": LIGHT,
                                                  "flood_rps": NORMAL * 10,
                                                  "duration_s": ns.duration}, indent=1))
@@ -110,7 +122,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
              "B refused | A tokens/s | utilisation | B mean ms: gateway wait / engine queue / "
              "prefill |", "|" + "---|" * 10]
     for r in runs:
-        if r["mode"] == "fair:two-flooders":
+        if r["mode"].startswith("fair:"):
             continue
         lines.append(f"| {r['seed']} | {r['mode']} | {r['victim_ttft_p50_ms']:.0f} | "
                      f"{r['victim_ttft_p90_ms']:.0f} | {r['victim_ttft_p99_ms']:.0f} | "
@@ -123,6 +135,12 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             lines.append(f"\nseed {r['seed']}, two flooders {r['flows']}: largest weighted "
                          f"service gap while both backlogged {r['service_gap']:.0f} tokens, "
                          f"VTC bound {r['vtc_bound']:.0f}")
+        if r["mode"] == "fair:reserved-returns":
+            lines.append(f"\nseed {r['seed']}, reserved tenant R returning half-way into the "
+                         f"flood: its first request waited {r['first_gateway_wait_ms']:.1f} ms "
+                         f"in the gateway (decision interval {r['decision_interval_ms']:.0f} "
+                         f"ms); R's TTFT p90 {r['victim_ttft_p90_ms']:.0f} ms (alone "
+                         f"{r['alone_ttft_p90_ms']:.0f}), goodput {r['victim_goodput']:.3f}")
     return "\n".join(lines) + "\n"
 
 

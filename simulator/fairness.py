@@ -42,6 +42,7 @@ class Tenant:
     rate: float  # requests per second
     band: str = "standard"
     weight: float = 1.0
+    start: float = 0.0  # it is idle until then (a reserved tenant that returns)
 
 
 def arrivals(rate: float, duration: float, offset: int, seed: int) -> list[tuple[float, int, int]]:
@@ -91,6 +92,8 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             k = zlib.crc32(t.name.encode()) % 65_521
             gen = np.random.default_rng((seed, k))
             for t_at, n_in, n_out in arrivals(t.rate, duration, 997 * k + 13, seed + k):
+                if t_at < t.start:
+                    continue
                 sr = b.request(len(reqs), t_at, b.random(n_in, gen), n_out)
                 sr.flow, sr.band, sr.weight = t.name, t.band, t.weight
                 reqs.append(sr)
@@ -127,8 +130,16 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             "ttft_p99_ms": _pct(ttfts, 0.99), "goodput": good / len(mine) if mine else 0.0,
             "tokens_per_s": sum(r.result.output_tokens for r in mine
                                 if r.result.error is None) / end,
-            **anatomy(mine)}
+            "first_gateway_wait_ms": _first_wait(mine), **anatomy(mine)}
     return out
+
+
+def _first_wait(reqs: list[SimRequest]) -> float | None:
+    """How long its first request waited in the gateway (ms)."""
+    first = min(reqs, key=lambda r: r.t, default=None)
+    if first is None or first.routed_at is None:
+        return None
+    return 1e3 * (first.routed_at - first.t)
 
 
 def anatomy(reqs: list[SimRequest]) -> dict[str, float | None]:
