@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.flow.control import TICK_S
-from gateway.flow.fair import Waiter, engine_priority
+from gateway.flow.fair import Waiter
 from gateway.flow.gate import Gate
 from simulator.events import EventLoop
 
@@ -52,8 +52,7 @@ class SimFlow:
 
     def _let(self, index: int, w: Waiter) -> None:
         if self.gate.cfg.engine_priority:
-            self.priorities[index] = engine_priority(
-                w.band, self.gate.queue.has_waiting(w.flow, w.band))
+            self.priorities[index] = self.gate.engine_priority(w)
 
     def sent(self) -> None:
         """A request let through was sent (or answered without being sent)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gateway import clock
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import Waiter, engine_priority
+from gateway.flow.fair import Waiter
 from gateway.flow.gate import Gate
 from gateway.metrics import GatewayMetrics
 from gateway.routing.endpoints import EndpointState
@@ -38,7 +38,7 @@ class Pass:
     gate: ModelGate
     waiter: Waiter
     open: bool = True
-    engine_priority: int = 0  # for the engine's queue (``fair.engine_priority``)
+    engine_priority: int = 0  # for the engine's queue (``Gate.engine_priority``)
 
     def sent(self) -> None:
         if self.open:
@@ -104,8 +104,7 @@ class ModelGate:
         return self._pass(w)
 
     def _pass(self, w: Waiter) -> Pass:
-        return Pass(self, w, engine_priority=engine_priority(
-            w.band, self.gate.queue.has_waiting(w.flow, w.band)))
+        return Pass(self, w, engine_priority=self.gate.engine_priority(w))
 
     def pump(self) -> None:
         if not self.gate.queue.size:  # (every request's start and end calls it)

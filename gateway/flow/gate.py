@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import FairQueue, Mode, Waiter
+from gateway.flow.fair import FairQueue, Mode, Waiter, engine_priority
 from gateway.flow.saturation import Thresholds, free_slots
 from gateway.routing.endpoints import EndpointState
 
@@ -93,6 +93,13 @@ class Gate:
     def sent(self) -> None:
         """A request let through has been sent to an endpoint (or will not be)."""
         self.let_through = max(0, self.let_through - 1)
+
+    def engine_priority(self, w: Waiter) -> int:
+        """``w``'s ``priority`` for the engine's queue as it is let through
+        (``fair.engine_priority``); 0 unless ``engine_priority`` is on."""
+        if not self.cfg.engine_priority:
+            return 0
+        return engine_priority(w.band, self.queue.has_waiting(w.flow, w.band))
 
     def withdraw(self, w: Waiter) -> None:
         self.queue.remove(w)

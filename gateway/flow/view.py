@@ -18,15 +18,15 @@ def snapshot(gates: FlowGates, share: CounterShare | None, limit: int = 50) -> d
         g = mg.gate
         q = g.queue
         waiting = q.waiting_by_flow()
-        top = sorted(set(q.counters) | set(waiting),
-                     key=lambda f: (-q.counters.get(f, 0.0), f))[:limit]
+        flows = set(q.counters) | set(waiting)
+        top = sorted(flows, key=lambda f: (-q.counters.get(f, 0.0), f))[:limit]
         models[name] = {
             "mode": g.mode, "waiting": dict(q.waiting()), "queued": q.size,
             "granted_not_sent": g.let_through,
             "free_slots": g.free(now) if g.queues else None,
             "flows": [{"flow": f, "waiting": waiting.get(f, 0),
                        "served": round(q.counters.get(f, 0.0), 3)} for f in top],
-            "flows_total": len(set(q.counters) | set(waiting))}
+            "flows_total": len(flows)}
     shared = None if share is None else {
         "degraded": share.degraded, "exchanges": share.exchanges, "failures": share.failures,
         "interval_s": share.interval_s}
