@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-fairness bench-predictor bench-accuracy bench-vllm calibration soak clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-fairness bench-fairness-live bench-predictor bench-accuracy bench-vllm calibration soak clean
 
 $(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,9 @@ bench-models: install
 
 bench-fairness: install
 	$(BIN)/python -m benchmarks.sim_fairness $(ARGS)
+
+bench-fairness-live: install
+	$(BIN)/python -m benchmarks.fairness_live $(ARGS)
 
 bench-peers: install redis-server
 	$(BIN)/python -m benchmarks.peers $(ARGS)

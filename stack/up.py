@@ -71,7 +71,9 @@ def start_vllm(cfg: UpConfig, policy: Policy) -> None:
             spec = vllm.VllmSpec(
                 port=u.port, served_name=m.upstream_name, core=cores[len(specs) % len(cores)],
                 kv_events_port=int(kv.endpoint.rsplit(":", 1)[1]) if kv else None,
-                nixl_port=free_port())
+                nixl_port=free_port(),
+                extra_args=["--scheduling-policy", "priority"]
+                if policy.settings.flow_control.engine_priority else [])
             log = log_dir / f"vllm-{u.port}.log"
             cfg.engines.append(vllm.start(spec, log, model))
             specs.append((spec, log))
@@ -114,7 +116,10 @@ def start_backends(cfg: UpConfig, policy: Policy) -> list[str]:
     for netloc, members in shared.items():
         u = urlsplit(members[0][1].url)
         log = open(log_dir / f"backend-{u.port}.log", "wb")  # noqa: SIM115 - child's stderr
-        cfg.children.append(subprocess.Popen(_backend_cmd(cfg, members), stdout=log,
+        cmd = _backend_cmd(cfg, members)
+        if policy.settings.flow_control.engine_priority:  # the gateway sends a ``priority``
+            cmd += ["--scheduling-policy", "priority"]
+        cfg.children.append(subprocess.Popen(cmd, stdout=log,
                                              stderr=log, env=_pool_env(cfg)))
         log.close()
         urls.append(f"{u.scheme}://{netloc}")

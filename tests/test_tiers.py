@@ -99,3 +99,95 @@ def test_a_failed_request_gives_its_reserved_throughput_back(tmp_path: Path) -> 
         assert state.remaining >= 149  # reserved for ~51 tokens, all of it back
     finally:
         gw.close()
+
+
+def spill_doc(big: str, small: str) -> dict[str, Any]:
+    return {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
+                                       "spend": {"log": False},
+                                       "flow_control": {"mode": "fair", "queue_depth": 1}},
+            "models": {"m": {"endpoints": [{"url": big}], "upstream_model": "llama-3-8b",
+                             "default_max_tokens": 40, "spillover": "o",
+                             "price": {"input_per_1k": 1.0, "output_per_1k": 1.0}},
+                       "o": {"endpoints": [{"url": small}], "upstream_model": "llama-3-8b",
+                             "default_max_tokens": 40,
+                             "price": {"input_per_1k": 3.0, "output_per_1k": 3.0}}},
+            "tenants": {"p": {"keys": [{"sha256": sha("key-p")}],
+                              # room on the spillover model for two requests of ~81 tokens
+                              "model_limits": {"o": {"tpm": 170}}},
+                        "r": {"keys": [{"sha256": sha("key-r")}], "reserved": {"m": 100000}}},
+            "routes": {"x": {"tenants": ["p", "r"], "models": ["m", "o"]}}}
+
+
+def test_payg_spills_over_while_the_pool_is_saturated_and_reserved_never_does(
+        backend_factory: Callable[..., RunningBackend], tmp_path: Path) -> None:
+    """One engine running one sequence at a time, ``queue_depth: 1``: with two requests on
+    it the pool is saturated. Pay-as-you-go requests then go to the spillover model while its
+    quota lasts (two fit), priced there and said so; the rest wait for their own pool. A
+    reserved tenant's requests never spill."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    big = backend_factory(time_scale=0.5, max_num_seqs=1)
+    small = backend_factory()
+    gw = start_gateway(write_policy(tmp_path / "p.yaml", spill_doc(f"{big.url}/v1",
+                                                                   f"{small.url}/v1")))
+    try:
+        def ask(key: str) -> httpx.Response:
+            return httpx.post(f"{gw.url}/v1/completions", timeout=60, headers={
+                "Authorization": f"Bearer {key}"}, json={
+                "model": "m", "prompt": "word " * 40, "max_tokens": 40})
+
+        with ThreadPoolExecutor(8) as ex:
+            payg = list(ex.map(ask, ["key-p"] * 8))
+        assert all(r.status_code == 200 for r in payg), [r.text for r in payg]
+        spilled = [r for r in payg if r.headers.get("x-tokengate-failover") == "spillover"]
+        assert len(spilled) == 2, [dict(r.headers) for r in payg]
+        assert all(r.headers["x-tokengate-model"] == "o" and r.headers["x-tokengate-tier"]
+                   == "payg" for r in spilled)
+        stayed = [r for r in payg if r not in spilled]
+        assert all(r.headers["x-tokengate-model"] == "m" for r in stayed)
+        with ThreadPoolExecutor(6) as ex:
+            reserved = list(ex.map(ask, ["key-r"] * 6))
+        assert all(r.status_code == 200 and r.headers["x-tokengate-model"] == "m"
+                   and r.headers["x-tokengate-tier"] == "reserved"
+                   and "x-tokengate-failover" not in r.headers for r in reserved)
+        admin = {"Authorization": "Bearer admin-key"}
+        rows = httpx.get(f"{gw.url}/admin/spend", params={"by": "model"},
+                         headers=admin).json()["rows"]
+        by = {r["model"]: r for r in rows}
+        assert by["o"]["requests"] == 2
+        tokens = by["o"]["prompt_tokens"] + by["o"]["completion_tokens"]
+        assert abs(by["o"]["dollars"] - 3.0 * tokens / 1000) < 1e-9, by["o"]
+        metrics = httpx.get(f"{gw.url}/metrics", headers=admin).text
+        assert 'tokengate_failovers_total{from_model="m",reason="spillover",to_model="o"} 2.0' \
+            in metrics, [x for x in metrics.splitlines() if "failovers" in x]
+    finally:
+        gw.close()
+
+
+def test_a_share_of_the_pool_follows_its_healthy_endpoints() -> None:
+    from gateway.config.decode import Decoder
+    from gateway.config.policy import _tenant
+
+    m = Model("m", (), capacity_tpm=60_000.0)
+    t = _tenant(Decoder("p.yaml"), "t", {"keys": [{"sha256": "0" * 64}],
+                                         "reserved": {"m": "25%", "n": 500}}, "tenants.t")
+    assert t.reserved_tpm(m, 4) == 60_000.0  # a quarter of four endpoints' capacity
+    assert t.reserved_tpm(m, 2) == 30_000.0  # the pool shrank: so did the reservation
+    assert t.reserved_tpm(Model("n", ()), 4) == 500.0
+
+
+def test_a_bad_reservation_is_refused_with_its_path(tmp_path: Path) -> None:
+    from gateway.config.decode import PolicyError
+    from gateway.config.policy import load_policy
+
+    base = doc("http://127.0.0.1:9/v1")
+    for value, says in (("150%", "at most 100%"), ("lots%", "percentage"),
+                        ("25%", "capacity_tpm")):
+        base["tenants"]["r"]["reserved"] = {"m": value}
+        path = write_policy(tmp_path / "bad.yaml", base)
+        try:
+            load_policy(path)
+        except PolicyError as exc:
+            assert "tenants.r.reserved.m" in str(exc) and says in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{value} was accepted")

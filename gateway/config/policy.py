@@ -106,6 +106,10 @@ class Model:
     scaling: Scaling | None = None  # a pool that grows and shrinks (gateway.scaling)
     kv_pool: KVPool | None = None  # the shared KV pool its engines use
     lora: Lora | None = None  # an adapter the endpoints load on demand
+    # tokens (prompt + output) per minute one endpoint serves: what a share reservation is of
+    capacity_tpm: float | None = None
+    # where pay-as-you-go requests go instead of waiting when this pool is saturated
+    spillover: str | None = None
 
     @property
     def upstream_name(self) -> str:
@@ -134,6 +138,16 @@ class Tenant:
     weight: float = 1.0  # its share of a saturated pool under fair flow control
     # provisioned throughput: model -> tokens per minute guaranteed to it on that model's pool
     reserved: Mapping[str, float] = field(default_factory=dict)
+    # ... or model -> the share (0-1] of that pool's capacity (``Model.capacity_tpm`` x the
+    # endpoints healthy now)
+    reserved_share: Mapping[str, float] = field(default_factory=dict)
+
+    def reserved_tpm(self, model: Model, endpoints: int) -> float:
+        """Its reserved tokens per minute on ``model``'s pool with ``endpoints`` healthy."""
+        share = self.reserved_share.get(model.name)
+        if share is not None and model.capacity_tpm:
+            return share * model.capacity_tpm * endpoints
+        return self.reserved.get(model.name, 0.0)
 
     @property
     def priority_ceiling(self) -> str:
@@ -213,6 +227,10 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
             kw[k] = d.integer(m[k], f"{path}.{k}")
     if "fallback" in m:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
+    if "spillover" in m:
+        kw["spillover"] = d.string(m["spillover"], f"{path}.spillover")
+    if "capacity_tpm" in m:
+        kw["capacity_tpm"] = d.number(m["capacity_tpm"], f"{path}.capacity_tpm")
     kw["limits"] = _limits(d, m.get("limits"), f"{path}.limits")
     if "backend" in m:
         kw["backend"] = parse_backend(d, m["backend"], f"{path}.backend")
@@ -252,10 +270,29 @@ def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:
     weight = d.number(m["weight"], f"{path}.weight") if "weight" in m else 1.0
     rv = m.get("reserved") or {}
     if not isinstance(rv, Mapping):
-        raise d.fail(f"{path}.reserved", "expected a mapping of model to tokens per minute")
-    reserved = {str(k): d.number(v, f"{path}.reserved.{k}") for k, v in rv.items()}
+        raise d.fail(f"{path}.reserved", "expected a mapping of model to tokens per minute "
+                     "or a percentage of its pool")
+    reserved: dict[str, float] = {}
+    shares: dict[str, float] = {}
+    for k, v in rv.items():
+        if isinstance(v, str) and v.strip().endswith("%"):
+            pct = _percent(d, v, f"{path}.reserved.{k}")
+            shares[str(k)] = pct / 100.0
+        else:
+            reserved[str(k)] = d.number(v, f"{path}.reserved.{k}")
     return Tenant(name, tuple(keys), _limits(d, m.get("limits"), f"{path}.limits"), model_limits,
-                  priority, ceiling, weight, reserved)
+                  priority, ceiling, weight, reserved, shares)
+
+
+def _percent(d: Decoder, raw: str, path: str) -> float:
+    try:
+        pct = float(raw.strip()[:-1])
+    except ValueError:
+        raise d.fail(path, f"expected tokens per minute or a percentage like '25%', got "
+                     f"{raw!r}") from None
+    if not 0.0 < pct <= 100.0:
+        raise d.fail(path, f"a share of the pool is more than 0% and at most 100%, got {raw!r}")
+    return pct
 
 
 def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
@@ -301,10 +338,21 @@ def parse_policy(doc: Any, source: str = "<memory>") -> Policy:
                              "itself")
     for m in models.values():
         _check_cycle(d, models, m.name)
+        if m.spillover is not None:
+            if m.spillover not in models:
+                raise d.fail(f"models.{m.name}.spillover", f"unknown model {m.spillover!r}")
+            if m.spillover == m.name:
+                raise d.fail(f"models.{m.name}.spillover", "a pool cannot spill over to itself")
     for t in tenants.values():
         for model_name in t.model_limits:
             if model_name not in models:
                 raise d.fail(f"tenants.{t.name}.model_limits.{model_name}", "unknown model")
+        for model_name in (*t.reserved, *t.reserved_share):
+            if model_name not in models:
+                raise d.fail(f"tenants.{t.name}.reserved.{model_name}", "unknown model")
+            if model_name in t.reserved_share and not models[model_name].capacity_tpm:
+                raise d.fail(f"tenants.{t.name}.reserved.{model_name}", "a share of the pool "
+                             f"needs models.{model_name}.capacity_tpm (what one endpoint serves)")
     for r in routes.values():
         for i, tname in enumerate(r.tenants):
             if tname not in tenants:

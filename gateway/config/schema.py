@@ -66,6 +66,15 @@ SECTIONS: dict[str, Section] = {
          "fallback": spec("list of model names", [], "Cheaper models to serve from, in order, "
                         "when this one's quota or endpoints are exhausted (the answer says "
                         "so in `x-tokengate-failover`)."),
+         "spillover": spec("model name", NONE, "Pay-as-you-go capacity: when this model's "
+                         "pool is saturated, a request beyond its tenant's reservation (tier "
+                         "`payg`) is served by this model (its own quota and price) instead "
+                         "of waiting; `x-tokengate-failover: spillover` says so. Reserved and "
+                         "flex requests never spill."),
+         "capacity_tpm": spec("number > 0", NONE, "Tokens (prompt + output) per minute one "
+                            "endpoint serves at saturation, as your load test measured: a "
+                            "tenant's `reserved` share (`'25%'`) is that share of this x the "
+                            "endpoints healthy now."),
          "default_max_tokens": spec("integer > 0", 256, "Reserved when a request gives no "
                                   "`max_tokens`."),
          "max_context": spec("integer > 0", NONE, "Context limit (default: the endpoints' "
@@ -236,10 +245,12 @@ SECTIONS: dict[str, Section] = {
                             "for explicitly (default: `priority`)."),
          "weight": spec("number > 0", 1.0, "Its share of a saturated pool under fair flow "
                       "control, against other tenants' weights."),
-         "reserved": spec("mapping of model to tokens/min", NONE, "Provisioned throughput: "
-                        "tokens per minute of the model's pool guaranteed to it (ahead of "
+         "reserved": spec("mapping of model to tokens/min or 'N%'", NONE, "Provisioned "
+                        "throughput: tokens per minute of the model's pool guaranteed to it, "
+                        "or a percentage of the pool's capacity (the model's `capacity_tpm` x "
+                        "its healthy endpoints, so it follows the pool as it scales); ahead of "
                         "pay-as-you-go when the pool is saturated, lent to others while it "
-                        "is idle); beyond it, requests are pay-as-you-go.")}),
+                        "is idle; beyond it, requests are pay-as-you-go.")}),
     "key": Section(
         "tenants.NAME.keys[]", "One API key. The policy holds its SHA-256, never the key.",
         {"name": spec("string", "key0, key1, …", "Shown in logs and `/admin/policy`."),

@@ -74,6 +74,10 @@ class Gate:
             return Offer(True, shed)
         return Offer(False, shed)
 
+    def saturated(self, now: float) -> bool:
+        """Would a request offered now wait (others wait already, or no slot is free)?"""
+        return self.queues and (self.queue.size > 0 or self.free(now) <= 0)
+
     def headroom(self, now: float) -> int:
         """Slots beyond saturation: one more request waiting per endpoint, whatever its
         decode step (the KV threshold still holds)."""

@@ -162,14 +162,15 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
 
 
 async def classify(store: RateStore, policy: Policy, tenant: str, model: Model, priority: str,
-                   tokens: int) -> tuple[str, Settlement | None]:
+                   tokens: int, endpoints: int) -> tuple[str, Settlement | None]:
     """The request's capacity tier: ``flex`` (its band), ``reserved`` while the tenant's
     reserved throughput on ``model`` covers its tokens (a bucket in the rate store, so exact
-    across replicas, held until settled), else ``payg``. A store that cannot be reached
-    makes it ``payg``: the tier orders and prices the request, it never refuses it."""
+    across replicas, held until settled; a share of the pool is sized on the ``endpoints``
+    healthy now), else ``payg``. A store that cannot be reached makes it ``payg``: the tier
+    orders and prices the request, it never refuses it."""
     if priority == "flex":
         return "flex", None
-    tpm = policy.tenants[tenant].reserved.get(model.name)
+    tpm = policy.tenants[tenant].reserved_tpm(model, endpoints)
     if not tpm:
         return "payg", None
     c = Charge(f"reserved:{tenant}|model:{model.name}", Limit("tokens", tpm, 60.0, tpm),

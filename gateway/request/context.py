@@ -50,6 +50,7 @@ class RequestContext:
     tier: str = "payg"  # its capacity tier: reserved, payg or flex (``quota.classify``)
     tier_hold: Settlement | None = None  # the reserved throughput it holds until settled
     flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
+    no_spill: bool = False  # its spillover failed: it waits on its own model instead
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in

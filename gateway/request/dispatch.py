@@ -19,8 +19,10 @@ from urllib.parse import urlsplit
 import orjson
 from opentelemetry.trace import Span, SpanKind
 
+from gateway import clock
+from gateway.config.flow import FlowControl
 from gateway.config.policy import Model
-from gateway.flow.control import Pass
+from gateway.flow.control import ModelGate, Pass
 from gateway.flow.fair import engine_priority
 from gateway.quota import admission
 from gateway.quota import ledger as quota
@@ -44,6 +46,7 @@ T = TypeVar("T")
 # fields the gateway sets for the engine; a client's are never forwarded (a client's
 # ``priority`` would jump the engine's queue)
 GATEWAY_ONLY_FIELDS = ("kv_transfer_params", "priority")
+SPILL = "pool_saturated"  # route()'s answer when a request goes to the spillover model
 
 
 def band_of(ctx: RequestContext) -> str:
@@ -101,6 +104,9 @@ async def route(state: GatewayState, ctx: RequestContext, m: Model, prompt_token
     """Hold while the pool wakes from zero, then the first decision (held to the SLO),
     never on an endpoint ``exclude`` names (an EPP's proxy may narrow the candidates)."""
     router = ctx.view.routers[m.name]
+    if spills(state, ctx, m):
+        return APIError(503, f"{m.name}'s pool is saturated", type="service_unavailable",
+                        code=SPILL)
     scaler = state.scalers.get(m.name)
     if scaler is not None:
         scaler.admitted(prompt_tokens, reserved)
@@ -132,6 +138,29 @@ async def route(state: GatewayState, ctx: RequestContext, m: Model, prompt_token
     return router, info, first
 
 
+def spills(state: GatewayState, ctx: RequestContext, m: Model) -> bool:
+    """Does this pay-as-you-go request go to ``m``'s spillover model instead of waiting for
+    ``m``'s saturated pool? Reserved and flex requests never spill, nor one whose spillover
+    already failed."""
+    if m.spillover is None or ctx.tier != "payg" or ctx.no_spill \
+            or m.spillover not in ctx.route.models:
+        return False
+    cfg = ctx.view.policy.settings.flow_control
+    if not state.flow.queues(cfg):
+        return False
+    return flow_gate(state, m, cfg).gate.saturated(clock.now())
+
+
+def flow_gate(state: GatewayState, m: Model, cfg: FlowControl) -> ModelGate:
+    name = m.name
+
+    def endpoints() -> Sequence[EndpointState]:
+        pool = state.view.pools.get(name)
+        return pool.endpoints if pool is not None else ()
+
+    return state.flow.get(name, cfg, endpoints)
+
+
 async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
                     reserved: int) -> Pass | None:
     """Wait for the request's turn on ``m`` when the pool is saturated (flow control; None
@@ -140,12 +169,7 @@ async def flow_turn(state: GatewayState, ctx: RequestContext, m: Model, prompt_t
     if not state.flow.queues(cfg):
         return None
     name = m.name
-
-    def endpoints() -> Sequence[EndpointState]:
-        pool = state.view.pools.get(name)
-        return pool.endpoints if pool is not None else ()
-
-    gate = state.flow.get(name, cfg, endpoints)
+    gate = flow_gate(state, m, cfg)
     deadline = cfg.deadline(ctx.received_at, ctx.slo[0])
     turn = await gate.enter(ctx.flow, band_of(ctx), deadline, prompt_tokens, reserved,
                             ctx.view.policy.tenants[ctx.tenant].weight)
@@ -282,6 +306,12 @@ async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admi
     policy = ctx.view.policy
     failover = "quota" if adm.failover_from else None
     opened = await opener(state, ctx, adm.model, adm.prompt_tokens, adm.expected_output)
+    if isinstance(opened, APIError) and opened.code == SPILL:
+        spilled = await spill(state, ctx, adm, opener)
+        if spilled is not None:
+            return spilled
+        ctx.no_spill = True  # it waits for its own pool after all
+        opened = await opener(state, ctx, adm.model, adm.prompt_tokens, adm.expected_output)
     if not isinstance(opened, APIError):
         return adm, opened, failover
     if not ctx.route.failover or opened.code in ("overloaded",) or opened.status == 400:
@@ -306,3 +336,24 @@ async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admi
         refund_later(ctx, adm)
         return nxt, attempt_, reason
     return opened
+
+
+async def spill(state: GatewayState, ctx: RequestContext, adm: quota.Admission,
+                opener: Opener[T]) -> tuple[quota.Admission, T, str] | None:
+    """Serve a pay-as-you-go request from its model's spillover model (its own quota and
+    price) while the model's pool is saturated; None when that model refuses it (quota) or
+    cannot serve it, and the request then waits for its own pool."""
+    assert adm.model.spillover is not None
+    target = ctx.view.policy.models[adm.model.spillover]
+    nxt = await admission.reserve(state, ctx, target)
+    if not nxt.decision.allowed or nxt.model is not target:
+        if nxt.decision.allowed:
+            refund_later(ctx, nxt)
+        return None
+    opened = await opener(state, ctx, target, nxt.prompt_tokens, nxt.expected_output)
+    if isinstance(opened, APIError):
+        refund_later(ctx, nxt)
+        return None
+    state.metrics.series("failovers", "spillover", adm.model.name, target.name).inc()
+    refund_later(ctx, adm)
+    return nxt, opened, "spillover"

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from gateway import clock as clk
 from gateway.config.policy import Policy
 from gateway.front.http_guard import read_body
 from gateway.quota import admission
@@ -197,13 +198,23 @@ async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     adm = await admission.reserve(state, ctx, ctx.view.policy.models[ctx.parsed.model])
     if not adm.decision.allowed:
         raise quota.rate_limit_error(adm.decision)
+    share = adm.model.name in ctx.view.policy.tenants[ctx.tenant].reserved_share
     ctx.tier, ctx.tier_hold = await quota.classify(
         state.store, ctx.view.policy, ctx.tenant, adm.model, ctx.priority,
-        adm.prompt_tokens + adm.expected_output)
+        adm.prompt_tokens + adm.expected_output,
+        healthy_endpoints(state, adm.model.name) if share else 0)
     state.metrics.series("tier_requests", adm.model.name, ctx.tier).inc()
     if adm.failover_from:
         state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()
     return adm
+
+
+def healthy_endpoints(state: GatewayState, model: str) -> int:
+    pool = state.view.pools.get(model)
+    if pool is None:
+        return 0
+    now = clk.now()
+    return sum(1 for e in pool.endpoints if e.healthy(now))
 
 
 def settle_leftovers(ctx: RequestContext) -> None:

