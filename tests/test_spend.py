@@ -144,3 +144,63 @@ def test_two_replicas_report_the_fleets_spend(
         one.close()
         two.close()
         redis.stop()
+
+
+def test_spend_over_sliding_windows_by_session_across_replicas(
+        backend_factory: Callable[..., RunningBackend], tmp_path: Path) -> None:
+    """``/admin/spend?window=``: two replicas on one real Redis answer the same sums by
+    session (``x-fairness-id``) and by tenant over the last hour; a malformed window, or
+    sessions over a window longer than the minute buckets keep, is a 400 in OpenAI's shape."""
+    b = backend_factory()
+    redis = RedisServer(tmp_path / "redis")
+    path = write_policy(tmp_path / "p.yaml", doc(f"{b.url}/v1", spend={"log": False}))
+    one: RunningGateway = start_gateway(path, redis_url=redis.url)
+    two: RunningGateway = start_gateway(path, redis_url=redis.url)
+    try:
+        for gw, session, n in ((one, "agent-1", 2), (two, "agent-2", 1), (two, None, 1)):
+            c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-ci", max_retries=0,
+                              default_headers={"x-fairness-id": session} if session else {})
+            for _ in range(n):
+                c.completions.create(model="m", prompt="hi", max_tokens=2)
+
+        def window(gw: RunningGateway, by: str, w: str = "1h") -> httpx.Response:
+            return httpx.get(f"{gw.url}/admin/spend", params={"by": by, "window": w},
+                             headers=ADMIN)
+
+        def sessions(gw: RunningGateway) -> dict[str | None, int]:
+            return {r["session"]: r["requests"] for r in window(gw, "session").json()["rows"]}
+
+        wait_for(lambda: sessions(one) == {"agent-1": 2, "agent-2": 1, None: 1}
+                 and sessions(two) == sessions(one))
+        body = window(one, "tenant,key").json()
+        assert [(r["tenant"], r["key"], r["requests"]) for r in body["rows"]] == [
+            ("t", "ci", 4)]
+        assert body["rows"][0]["dollars"] > 0 and body["bucket_s"] == 60
+        assert body["to"] - body["from"] <= 3600 + 60
+        day = window(one, "tenant", "24h").json()
+        assert day["bucket_s"] == 3600 and day["rows"][0]["requests"] == 4
+        for params, param in (({"window": "1 fortnight"}, "window"),
+                              ({"window": "9d"}, "window"),
+                              ({"window": "24h", "by": "session"}, "window"),
+                              ({"window": "1h", "by": "day"}, "by")):
+            r = httpx.get(f"{one.url}/admin/spend", params=params, headers=ADMIN)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        one.close()
+        two.close()
+        redis.stop()
+
+
+def test_a_window_sums_whole_buckets_back_from_now() -> None:
+    from gateway.spend.windows import Windows
+
+    w = Windows("unused:")
+    now = 1_800_000_000.0 + 30  # 30 s into a minute
+    cell = ("t", "k", "m", "standard", "payg", "")
+    for age in (10, 3590, 3700):  # seconds ago
+        w.add(now - age, cell, (1.0, 10.0, 5.0, 0.0, 0.01))
+    hour = asyncio.run(w.spend(None, now, 3600.0, ("tenant",)))
+    assert hour["rows"][0]["requests"] == 2  # 3700 s ago is outside the last hour's minutes
+    assert hour["from"] <= now - 3600 and hour["from"] > now - 3660
+    day = asyncio.run(w.spend(None, now, 86400.0, ("tenant",)))
+    assert day["rows"][0]["requests"] == 3 and day["bucket_s"] == 3600

@@ -77,8 +77,9 @@ SETTINGS_SECTIONS: dict[str, Section] = {
         "settings.spend",
         "A record per request (request id, tenant, key name, model, priority, prompt, "
         "completion and cached tokens, dollars, outcome, endpoint, session) to the log and, "
-        "optionally, PostgreSQL; `/admin/spend` sums them by day, tenant, key, model and "
-        "priority (across replicas when they share Redis).",
+        "optionally, PostgreSQL; `/admin/spend` sums them by day, tenant, key, model, "
+        "priority and tier, or over a sliding window (`?window=1h`) also by session "
+        "(across replicas when they share Redis).",
         {"log": spec("boolean", True, "One JSON line per request on the logger "
                    "`tokengate.spend`."),
          "postgres_url": spec("postgresql:// URL", NONE, "Also insert each record into the "

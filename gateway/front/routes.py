@@ -33,6 +33,7 @@ from gateway.routing.endpoints import EndpointState
 from gateway.routing.prefix_hints import PrefixShare
 from gateway.spend.ledger import GROUPS, group
 from gateway.spend.postgres import PostgresSink
+from gateway.spend.windows import MINUTES_KEPT_S, WINDOW_GROUPS, parse_window
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
 from predictor.sync import ModelSync
@@ -238,6 +239,8 @@ async def admin_spend(request: web.Request) -> web.Response:
     ``days`` (YYYY-MM-DD, comma-separated; default today in the policy's time zone)."""
     state = _admin(request)
     by = tuple(x for x in request.query.get("by", "tenant").split(",") if x)
+    if "window" in request.query:
+        return await _spend_window(state, request.query["window"], by)
     bad_by = [x for x in by if x not in GROUPS]
     if bad_by or not by:
         raise APIError(400, f"by must name some of {', '.join(GROUPS)}", param="by",
@@ -251,6 +254,25 @@ async def admin_spend(request: web.Request) -> web.Response:
     return web.json_response({"by": list(by), "days": days,
                               "shared": state.spend.redis is not None,
                               "rows": group(cells, by)}, dumps=_dumps)
+
+
+async def _spend_window(state: GatewayState, window: str, by: tuple[str, ...]
+                        ) -> web.Response:
+    """Spend over the last ``window`` (``15m``, ``1h``, ``7d``), by any of
+    ``WINDOW_GROUPS`` (sessions only within ``MINUTES_KEPT_S``)."""
+    window_s = parse_window(window)
+    if window_s is None:
+        raise APIError(400, "window must be a duration like 15m, 1h or 7d, at most 7d",
+                       param="window", code="invalid_value")
+    if not by or any(x not in WINDOW_GROUPS for x in by):
+        raise APIError(400, f"with window, by must name some of {', '.join(WINDOW_GROUPS)}",
+                       param="by", code="invalid_value")
+    if "session" in by and window_s > MINUTES_KEPT_S:
+        raise APIError(400, f"spend by session is kept for windows up to "
+                       f"{MINUTES_KEPT_S // 3600}h", param="window", code="invalid_value")
+    out = await state.spend.windows.spend(state.spend.redis, time.time(), window_s, by)
+    return web.json_response({"by": list(by), **out, "shared": state.spend.redis is not None},
+                             dumps=_dumps)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo
@@ -25,13 +25,12 @@ from zoneinfo import ZoneInfo
 from gateway.metrics import GatewayMetrics
 from gateway.redis_clients import Executor, add_to_hash
 from gateway.spend.record import SpendRecord
+from gateway.spend.windows import FIELDS, SEP, Windows, add_row
 
 log = logging.getLogger("tokengate.spend")
 KEY = "{tokengate:spend}:"
 TTL_S = 400 * 86400  # a day's spend is kept for a little over a year
-FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "dollars")
 GROUPS = ("day", "tenant", "key", "model", "priority", "tier")
-_SEP = "\x1f"
 Cell = tuple[str, str, str, str, str, str]  # day, tenant, key, model, priority, tier
 
 
@@ -53,6 +52,7 @@ class SpendLedger:
         self.redis: Executor | None = None
         self.totals: dict[Cell, list[float]] = {}  # this replica's, since it started
         self._unsent: dict[Cell, list[float]] = {}
+        self.windows = Windows(KEY)  # minute and hour buckets: spend over sliding windows
         self.failures = 0
 
     def record(self, rec: SpendRecord) -> None:
@@ -70,8 +70,10 @@ class SpendLedger:
         cell = (day, rec.tenant, rec.key, rec.model, rec.priority, rec.tier)
         amounts = (1.0, float(rec.prompt_tokens), float(rec.completion_tokens),
                    float(rec.cached_tokens), rec.dollars)
-        _add(self.totals, cell, amounts)
-        _add(self._unsent, cell, amounts)
+        add_row(self.totals, cell, amounts)
+        add_row(self._unsent, cell, amounts)
+        self.windows.add(rec.at, (rec.tenant, rec.key, rec.model, rec.priority, rec.tier,
+                                  rec.session or ""), amounts)
 
     def day(self, at: float) -> str:
         return datetime.fromtimestamp(at, ZoneInfo(self.time_zone())).strftime("%Y-%m-%d")
@@ -85,12 +87,20 @@ class SpendLedger:
     async def flush(self) -> None:
         """Send what this replica added since the last flush, a day at a time; a day Redis
         did not take is kept for the next flush (each amount is sent exactly once)."""
-        if self.redis is None or not self._unsent:
+        if self.redis is None:
+            return
+        try:
+            await self.windows.flush(self.redis)
+        except Exception as exc:  # any Redis failure: kept for a later flush
+            self.failures += 1
+            log.warning("spend windows not shared yet (Redis: %s); kept for the next flush",
+                        exc)
+        if not self._unsent:
             return
         unsent, self._unsent = self._unsent, {}
         days = sorted({c[0] for c in unsent})
         for n, day in enumerate(days):
-            amounts = {_SEP.join((*rest, name)): v for (d, *rest), row in unsent.items()
+            amounts = {SEP.join((*rest, name)): v for (d, *rest), row in unsent.items()
                        if d == day for name, v in zip(FIELDS, row, strict=True) if v}
             try:
                 await add_to_hash(self.redis, KEY + day, TTL_S, amounts)
@@ -100,7 +110,7 @@ class SpendLedger:
                             "flush", exc)
                 for cell, row in unsent.items():
                     if cell[0] in days[n:]:
-                        _add(self._unsent, cell, row)
+                        add_row(self._unsent, cell, row)
                 return
 
     async def cells(self, days: Iterable[str]) -> dict[Cell, list[float]]:
@@ -113,17 +123,11 @@ class SpendLedger:
             raw = await self.redis.execute("HGETALL", KEY + day)
             for i in range(0, len(raw) - 1, 2):
                 k = raw[i].decode() if isinstance(raw[i], bytes) else raw[i]
-                tenant, key, model, priority, tier, name = k.split(_SEP)
+                tenant, key, model, priority, tier, name = k.split(SEP)
                 row = out.setdefault((day, tenant, key, model, priority, tier),
                                      [0.0] * len(FIELDS))
                 row[FIELDS.index(name)] = float(raw[i + 1])
         return out
-
-
-def _add(table: dict[Cell, list[float]], cell: Cell, amounts: Sequence[float]) -> None:
-    row = table.setdefault(cell, [0.0] * len(FIELDS))
-    for i, v in enumerate(amounts):
-        row[i] += v
 
 
 def group(cells: dict[Cell, list[float]], by: tuple[str, ...]) -> list[dict[str, Any]]:
