@@ -83,7 +83,7 @@ bench-fairness: install
 	$(BIN)/python -m benchmarks.sim_fairness $(ARGS)
 
 bench-fairness-live: install
-	$(BIN)/python -m benchmarks.fairness_live $(ARGS)
+	$(BIN)/python -m benchmarks.sim_fairness_confirm $(ARGS)
 
 bench-peers: install redis-server
 	$(BIN)/python -m benchmarks.peers $(ARGS)

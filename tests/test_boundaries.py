@@ -27,7 +27,8 @@ COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
                         "benchmarks.sim_tiers", "benchmarks.sim_models",
-                        "benchmarks.sim_models_confirm", "benchmarks.sim_fairness"}
+                        "benchmarks.sim_models_confirm", "benchmarks.sim_fairness",
+                        "benchmarks.sim_fairness_confirm"}
 
 
 def _modules() -> dict[str, Path]:

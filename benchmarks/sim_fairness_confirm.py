@@ -4,7 +4,7 @@ each with its own key, through ``tokengate up`` (two reference backends simulati
 Llama-3-8B on an H100, as the simulated pool) with ``--flow-control fcfs|fair``, beside the
 simulation of the same requests.
 
-    python -m benchmarks.fairness_live [--duration 60] [--time-scale 5] [--seeds 1]
+    python -m benchmarks.sim_fairness_confirm [--duration 60] [--time-scale 5] [--seeds 1]
                                        [--modes alone,fcfs,fair] [--out DIR]
 
 The backends run ``--time-scale`` times slower than the modelled GPU, and every arrival time
