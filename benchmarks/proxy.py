@@ -64,10 +64,11 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-async def _one(s: aiohttp.ClientSession, base: str, data: str, stream: bool) -> float:
+async def _one(s: aiohttp.ClientSession, base: str, data: str, stream: bool,
+               headers: Mapping[str, str] = HEADERS) -> float:
     """Seconds to the whole answer, or (streaming) to the first content chunk."""
     t = time.perf_counter()
-    async with s.post(f"{base}/chat/completions", data=data, headers=HEADERS) as r:
+    async with s.post(f"{base}/chat/completions", data=data, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"{base}: HTTP {r.status}: {(await r.text())[:200]}")
         if not stream:
@@ -82,15 +83,17 @@ async def _one(s: aiohttp.ClientSession, base: str, data: str, stream: bool) -> 
         return first
 
 
-async def interleaved(targets: Mapping[str, str], n: int, stream: bool, warmup: int = 50
+async def interleaved(targets: Mapping[str, str], n: int, stream: bool, warmup: int = 50,
+                      headers: Mapping[str, Mapping[str, str]] | None = None
                       ) -> dict[str, list[float]]:
-    """One client: request i goes to every target in turn (so drift hits all alike)."""
+    """One client: request i goes to every target in turn (so drift hits all alike), with
+    the target's ``headers`` (default: the bench key's)."""
     data = body(stream)
     out: dict[str, list[float]] = {k: [] for k in targets}
     async with aiohttp.ClientSession() as s:
         for i in range(warmup + n):
             for name, base in targets.items():
-                dt = await _one(s, base, data, stream)
+                dt = await _one(s, base, data, stream, (headers or {}).get(name, HEADERS))
                 if i >= warmup:
                     out[name].append(dt)
     return out
