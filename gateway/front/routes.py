@@ -360,6 +360,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r = app.router
     r.add_post("/v1/chat/completions", lambda q: pipeline.handle(q, "chat"))
     r.add_post("/v1/completions", lambda q: pipeline.handle(q, "completion"))
+    r.add_post("/v1/responses", lambda q: pipeline.handle(q, "chat", responses=True))
     r.add_get("/v1/models", models)
     r.add_get("/openapi.json", openapi_json)
     r.add_get("/health", health)

@@ -16,6 +16,7 @@ from gateway.tracing import RequestTrace
 from protocol import logs
 from protocol.chat_template import ChatTemplateError
 from protocol.errors import bad
+from protocol.responses import Shape
 from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class RequestContext:
     tier_hold: Settlement | None = None  # the reserved throughput it holds until settled
     flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
     no_spill: bool = False  # its spillover failed: it waits on its own model instead
+    responses: Shape | None = None  # a Responses API request, served as this chat request
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in

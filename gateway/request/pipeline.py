@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
+import orjson
 from aiohttp import web
 
 from gateway import clock as clk
@@ -34,6 +35,7 @@ from gateway.request.settle import refund_later
 from gateway.state import GATEWAY, GatewayState
 from protocol import logs
 from protocol.errors import APIError, bad
+from protocol.responses import Shape, to_chat
 from protocol.validate import Kind, load_json, validate
 
 log = logging.getLogger("tokengate.gateway")
@@ -98,13 +100,21 @@ def gate(state: GatewayState, headers: Headers) -> str:
 
 
 def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: Kind,
-          received: float) -> RequestContext:
+          received: float, *, responses: bool = False) -> RequestContext:
     """Everything between the body and admission, for any front (``serve``'s HTTP handler,
     the EPP): parse and validate the body, find the route, read the SLO and priority
-    headers, start the trace."""
+    headers, start the trace. ``responses``: the body is a Responses API request, served as
+    the chat request it translates to (``protocol.responses``)."""
     view = state.view
     policy = view.policy
     body = load_json(raw)
+    shape = None
+    if responses:
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        shape = Shape(body, request_id(headers))
+        body = to_chat(body)
+        raw = orjson.dumps(body)
     g = validate(kind, body)
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) > policy.settings.max_messages:
@@ -116,6 +126,7 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
                        "to it.", param="model", code="model_not_found")
     ctx = RequestContext(state, view, kind, tenant, route, body, g, request_id(headers),
                          received, raw)
+    ctx.responses = shape
     logs.bind(ctx.request_id, tenant, g.model)
     ctx.slo = (slo.header(headers, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
@@ -143,12 +154,13 @@ def end_trace(ctx: RequestContext, exc: APIError | None) -> None:
         ctx.trace.end(ctx.trace.root)
 
 
-async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
+async def handle(request: web.Request, kind: Kind, *, responses: bool = False
+                 ) -> web.StreamResponse:
     received = time.perf_counter()
     state = request.app[GATEWAY]
     tenant = gate(state, request.headers)
     raw = await read_body(request, state.view.policy.settings.client.body_timeout_s)
-    ctx = begin(state, tenant, request.headers, raw, kind, received)
+    ctx = begin(state, tenant, request.headers, raw, kind, received, responses=responses)
     try:
         return await _serve(request, state, ctx)
     except APIError as exc:

@@ -13,13 +13,16 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.quota import ledger as quota
+from gateway.request import responses
 from gateway.request.aggregate import Aggregate
 from gateway.request.attempt import Routed, Sent, continue_stream
 from gateway.request.context import RequestContext
 from gateway.request.migrate import Live
-from gateway.request.relay import RelayResult, relay_stream
+from gateway.request.relay import RelayResult, Sink, relay_stream
+from gateway.request.responses import EventSink
 from gateway.request.settle import hand_back
 from protocol.errors import APIError
+from protocol.responses import EventStream
 
 _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '
                      b'endpoint", "type": "server_error", "param": null, "code": '
@@ -78,6 +81,10 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
     resp = web.StreamResponse(status=200, headers={
         **h, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    sink: Sink = resp
+    if ctx.responses is not None:  # chat events out as the Responses API's
+        sink = EventSink(resp, EventStream(ctx.responses, adm.model.name), lambda: {
+            "prompt_tokens": adm.prompt_tokens, "completion_tokens": result.chunks})
 
     async def progress(n: int) -> None:
         await quota.charge_progress(state.store, adm, n)
@@ -94,7 +101,7 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
             state.live.add(live)
         try:
             await relay_stream(
-                sent.lines, resp, upstream_model=adm.model.upstream_name,
+                sent.lines, sink, upstream_model=adm.model.upstream_name,
                 served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
                 on_tokens=progress, every=policy.settings.progressive_charge_tokens,
                 every_s=policy.settings.progressive_charge_ms / 1000.0, into=result,
@@ -109,7 +116,7 @@ async def _stream(request: web.Request, ctx: RequestContext, adm: quota.Admissio
         moved = await continue_stream(state, ctx, adm, sent, live, result.chunks)
         if moved is None:
             result.broken = True
-            await resp.write(_MIGRATION_FAILED)
+            await sink.write(_MIGRATION_FAILED)
             break
         # Hand over: the old endpoint's share goes back, the new one's is taken.
         sent.up.release()
@@ -133,6 +140,8 @@ async def _whole(ctx: RequestContext, adm: quota.Admission, sent: Sent, result: 
     if body is None:
         raise APIError(502, "the upstream's answer broke off before it was complete",
                        type="server_error", code="upstream_error")
+    if ctx.responses is not None:
+        body = responses.whole(ctx.responses, body)
     return web.Response(status=200, body=body, headers={**h, "Content-Type": "application/json"})
 
 
