@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backend import admin, lora_api, openai_api, pd
+from backend import admin, embeddings_api, lora_api, openai_api, pd
 from backend.config import BackendConfig
 from backend.lora import runtime_updates_allowed
 from backend.state import STATE, BackendState
@@ -100,6 +100,7 @@ def build_app(state: BackendState) -> web.Application:
     r = app.router
     r.add_post("/v1/chat/completions", lambda q: openai_api.generate(q, "chat"))
     r.add_post("/v1/completions", lambda q: openai_api.generate(q, "completion"))
+    r.add_post("/v1/embeddings", embeddings_api.embeddings)
     r.add_get("/v1/models", openai_api.models)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)

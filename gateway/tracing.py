@@ -114,7 +114,7 @@ class Tracer:
         if self._tracer is None:
             return None
         parent: Context = _PROPAGATOR.extract(dict(headers))
-        op = "chat" if kind == "chat" else "text_completion"
+        op = kind if kind in ("chat", "embeddings") else "text_completion"
         root = self._tracer.start_span(
             f"{op} {model}", context=parent, kind=SpanKind.SERVER,
             attributes=_clean({"gen_ai.operation.name": op, "gen_ai.request.model": model,

@@ -28,7 +28,7 @@ from gateway.quota import ledger as quota
 from gateway.quota.limiter.resilient import ResilientStore
 from gateway.quota.limiter.store import StoreUnavailable
 from gateway.redis_clients import coordination_client
-from gateway.request import pipeline
+from gateway.request import embeddings, pipeline
 from gateway.routing.endpoints import EndpointState
 from gateway.routing.prefix_hints import PrefixShare
 from gateway.spend.ledger import GROUPS, group
@@ -361,6 +361,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_post("/v1/chat/completions", lambda q: pipeline.handle(q, "chat"))
     r.add_post("/v1/completions", lambda q: pipeline.handle(q, "completion"))
     r.add_post("/v1/responses", lambda q: pipeline.handle(q, "chat", responses=True))
+    r.add_post("/v1/embeddings", embeddings.handle)
     r.add_get("/v1/models", models)
     r.add_get("/openapi.json", openapi_json)
     r.add_get("/health", health)

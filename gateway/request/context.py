@@ -53,6 +53,7 @@ class RequestContext:
     flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
     no_spill: bool = False  # its spillover failed: it waits on its own model instead
     responses: Shape | None = None  # a Responses API request, served as this chat request
+    inputs: tuple[int, ...] | None = None  # an embeddings request: each input's tokens
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in
@@ -98,6 +99,12 @@ class RequestContext:
             except ChatTemplateError as exc:
                 raise bad(str(exc), "messages") from None
         limit = self.max_context(m)
+        if self.inputs is not None:  # embeddings: each input must fit, not their sum
+            longest = max(self.inputs)
+            if limit is not None and longest >= limit:
+                raise bad(f"This model's maximum context length is {limit} tokens. However, "
+                          f"an input has {longest} tokens.", "input", "context_length_exceeded")
+            return n
         asked = self.parsed.max_tokens
         if limit is not None and (n >= limit or (asked is not None and n + asked > limit)):
             raise ContextTooLong(limit, n, asked, self.kind)

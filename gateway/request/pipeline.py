@@ -17,7 +17,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -36,7 +37,7 @@ from gateway.state import GATEWAY, GatewayState
 from protocol import logs
 from protocol.errors import APIError, bad
 from protocol.responses import Shape, to_chat
-from protocol.validate import Kind, load_json, validate
+from protocol.validate import GenerationRequest, Kind, load_json, validate
 
 log = logging.getLogger("tokengate.gateway")
 Headers = Mapping[str, str]  # a request's headers, case-insensitive (aiohttp's or the EPP's)
@@ -108,32 +109,44 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
     view = state.view
     policy = view.policy
     body = load_json(raw)
-    shape = None
+    asked = None
     if responses:
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
-        shape = Shape(body, request_id(headers))
-        body = to_chat(body)
+        asked, body = body, to_chat(body)
         raw = orjson.dumps(body)
     g = validate(kind, body)
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) > policy.settings.max_messages:
         raise bad(f"too many messages: {len(messages)} > {policy.settings.max_messages}",
                   "messages")
+    ctx = context(state, tenant, headers, raw, received, kind, body, g)
+    if asked is not None:
+        ctx.responses = Shape(asked, ctx.request_id)
+    return ctx
+
+
+def context(state: GatewayState, tenant: str, headers: Headers, raw: bytes, received: float,
+            kind: Kind, body: dict[str, Any], g: GenerationRequest, *,
+            operation: str | None = None) -> RequestContext:
+    """The request's context once its body is valid: its route (404 when the tenant may not
+    use the model), SLO, priority, flow and key, its trace (``operation``: its name there,
+    default ``kind``'s)."""
+    view = state.view
+    policy = view.policy
     route = policy.route_for(tenant, g.model)
     if route is None:
         raise APIError(404, f"The model `{g.model}` does not exist or you do not have access "
                        "to it.", param="model", code="model_not_found")
     ctx = RequestContext(state, view, kind, tenant, route, body, g, request_id(headers),
                          received, raw)
-    ctx.responses = shape
     logs.bind(ctx.request_id, tenant, g.model)
     ctx.slo = (slo.header(headers, "x-slo-ttft-ms", route.slo_ttft_ms),
                slo.header(headers, "x-slo-tpot-ms", route.slo_tpot_ms))
     ctx.priority = slo.priority(headers, policy.tenants[tenant])
     ctx.flow = flow_id(headers, tenant)
     ctx.key_name = key_name(headers, policy)
-    ctx.trace = state.tracer.request(kind, g.model, headers, {
+    ctx.trace = state.tracer.request(operation or kind, g.model, headers, {
         "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
         "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,
         "tokengate.priority": ctx.priority})
@@ -154,15 +167,26 @@ def end_trace(ctx: RequestContext, exc: APIError | None) -> None:
         ctx.trace.end(ctx.trace.root)
 
 
+Begin = Callable[[GatewayState, str, Headers, bytes, float], RequestContext]
+Serve = Callable[[web.Request, GatewayState, RequestContext], Awaitable[web.StreamResponse]]
+
+
 async def handle(request: web.Request, kind: Kind, *, responses: bool = False
                  ) -> web.StreamResponse:
+    return await run(request, lambda state, tenant, headers, raw, received: begin(
+        state, tenant, headers, raw, kind, received, responses=responses), _serve)
+
+
+async def run(request: web.Request, start: Begin, serve: Serve) -> web.StreamResponse:
+    """One request on ``serve``'s front, for any API: the tenant, the body, ``start`` (the
+    context), ``serve``; a refusal counted and recorded as spend, the trace ended."""
     received = time.perf_counter()
     state = request.app[GATEWAY]
     tenant = gate(state, request.headers)
     raw = await read_body(request, state.view.policy.settings.client.body_timeout_s)
-    ctx = begin(state, tenant, request.headers, raw, kind, received, responses=responses)
+    ctx = start(state, tenant, request.headers, raw, received)
     try:
-        return await _serve(request, state, ctx)
+        return await serve(request, state, ctx)
     except APIError as exc:
         ctx.finish(ctx.parsed.model, str(exc.status))
         ctx.spent(ctx.view.policy.models[ctx.parsed.model], 0, 0, 0, str(exc.status))
