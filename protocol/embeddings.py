@@ -61,7 +61,7 @@ def _inputs(raw: Any) -> tuple[str | tuple[int, ...], ...]:
                 raise bad(f"'input[{i}]' is empty", f"input[{i}]")
             out.append(x)
         elif isinstance(x, list) and x and all(_is_id(t) for t in x):
-            out.append(tuple(x))
+            out.append(tuple(int(t) for t in x))
         else:
             raise bad(f"'input[{i}]' must be a non-empty string or array of token ids",
                       f"input[{i}]")
@@ -69,6 +69,9 @@ def _inputs(raw: Any) -> tuple[str | tuple[int, ...], ...]:
 
 
 def _is_id(x: Any) -> bool:
+    """A token id: an integer (2.0 is taken as 2, as JSON numbers go) within range."""
+    if isinstance(x, float) and x.is_integer():
+        x = int(x)
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_TOKEN_ID
 
 

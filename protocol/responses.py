@@ -66,13 +66,19 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
             raise bad("instructions must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
     messages.extend(_input_messages(body.get("input")))
-    if body.get("stream") not in (None, True, False):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise bad("stream must be a boolean", "stream")
+    limit = body.get("max_output_tokens")
+    if isinstance(limit, float) and limit.is_integer():
+        limit = int(limit)  # 16.0 is 16, as JSON numbers go
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or not 1 <= limit < 2**31):
+        raise bad("max_output_tokens must be a positive integer", "max_output_tokens")
     chat: dict[str, Any] = {"model": model, "messages": messages}
     if body.get("stream"):  # the usage comes last, for response.completed
         chat.update(stream=True, stream_options={"include_usage": True})
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    if limit is not None:
+        chat["max_tokens"] = limit
     for k in _PASSED:
         if body.get(k) is not None:
             chat[k] = body[k]
@@ -102,7 +108,8 @@ def _input_messages(raw: Any) -> list[dict[str, Any]]:
             raise bad(f"{p} must be an object", p)
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            asked = item.get("role")
+            role = _ROLES.get(asked) if isinstance(asked, str) else None
             if role is None:
                 raise bad(f"{p}.role must be one of user, assistant, system, developer",
                           f"{p}.role")

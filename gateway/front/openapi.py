@@ -65,6 +65,51 @@ _COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": 
                                                      "maximum": 2**31 - 1},
                           "minItems": 1}]}}}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+_RESPONSES = {"type": "object", "required": ["model", "input"], "additionalProperties": False,
+              "properties": {
+    "model": {"type": "string", "minLength": 1},
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
+        "oneOf": [
+            {"type": "object", "required": ["role", "content"], "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "assistant", "system", "developer"]},
+                "content": {"oneOf": [{"type": "string"},
+                                      {"type": "array", "items": _TEXT_PART}]}}},
+            {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+             "properties": {"type": {"const": "function_call"}, "call_id": {"type": "string"},
+                            "name": {"type": "string"}, "arguments": {"type": "string"}}},
+            {"type": "object", "required": ["type", "call_id", "output"],
+             "properties": {"type": {"const": "function_call_output"},
+                            "call_id": {"type": "string"}, "output": {"type": "string"}}}]}}]},
+    "instructions": {"type": ["string", "null"]},
+    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31 - 1},
+    "stream": {"type": ["boolean", "null"]},
+    "store": {"const": False, "description": "responses are not stored (stateless)"},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+    "tools": {"type": "array", "items": {
+        "type": "object", "required": ["type", "name"],
+        "properties": {"type": {"const": "function"}, "name": {"type": "string"},
+                       "description": {"type": "string"}, "parameters": {"type": "object"}}}},
+    "tool_choice": {"enum": ["auto", "none", "required"]},
+    "user": {"type": "string"}}}
+_EMBEDDINGS = {"type": "object", "required": ["model", "input"], "additionalProperties": False,
+               "properties": {
+    "model": {"type": "string", "minLength": 1},
+    "input": {"oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "maxItems": 2048,
+         "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0,
+                                                     "maximum": 2**31 - 1}},
+        {"type": "array", "minItems": 1, "maxItems": 2048, "items": {
+            "type": "array", "minItems": 1,
+            "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}}]},
+    "encoding_format": {"enum": ["float", "base64"]},
+    "dimensions": {"type": "integer", "minimum": 1},
+    "user": {"type": "string"}}}
 
 
 def _generation(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +152,8 @@ def document(max_messages: int = 4096) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation("Chat completion", _chat(max_messages)),
             "/v1/completions": _generation("Text completion", _COMPLETION),
+            "/v1/responses": _generation("Response (stateless)", _RESPONSES),
+            "/v1/embeddings": _generation("Embeddings", _EMBEDDINGS),
             "/v1/models": {"get": {"summary": "Models the key may use",
                                    "security": [{"bearer": []}],
                                    "responses": {"200": {"description": "Model list",
