@@ -111,6 +111,31 @@ class ChatTemplate:
         return True
 
 
+def developer_roles(messages: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """The messages as vLLM renders them with a template that never names the ``developer``
+    role (vLLM 0.32, ``renderers/hf.py``): every ``developer`` message becomes ``system``,
+    and when a system message is then not first, or there are several, they are merged
+    into one first message, their non-empty contents joined by a blank line."""
+    if not any(m.get("role") == "developer" for m in messages) \
+            or "'developer'" in source or '"developer"' in source:
+        return messages
+    converted = [{**m, "role": "system"} if m.get("role") == "developer" else m
+                 for m in messages]
+    systems: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(converted):
+        if m.get("role") == "system":
+            merge = merge or i > 0 or bool(systems)
+            if m.get("content"):
+                systems.append(str(m["content"]))
+        else:
+            rest.append(m)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(systems)}, *rest]
+
+
 def skeleton(messages: Sequence[Mapping[str, Any]]
              ) -> tuple[list[dict[str, Any]], list[str]]:
     """Messages with every non-empty content replaced by its sentinel, and the contents."""

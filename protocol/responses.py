@@ -34,8 +34,7 @@ _ACCEPTED = frozenset({
     "include", "reasoning", "service_tier", "truncation", "safety_identifier",
     "prompt_cache_key", "stream_options", "top_logprobs", *_PASSED})
 _STATEFUL = "this gateway serves the Responses API statelessly: "
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
-          "developer": "system"}
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
 
 
 def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,7 +63,8 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     if instructions is not None:
         if not isinstance(instructions, str):
             raise bad("instructions must be a string", "instructions")
-        messages.append({"role": "system", "content": instructions})
+        if instructions:  # an empty one adds no message (as vLLM's own Responses API)
+            messages.append({"role": "system", "content": instructions})
     messages.extend(_input_messages(body.get("input")))
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise bad("stream must be a boolean", "stream")
@@ -108,9 +108,8 @@ def _input_messages(raw: Any) -> list[dict[str, Any]]:
             raise bad(f"{p} must be an object", p)
         kind = item.get("type", "message")
         if kind == "message":
-            asked = item.get("role")
-            role = _ROLES.get(asked) if isinstance(asked, str) else None
-            if role is None:
+            role = item.get("role")
+            if not isinstance(role, str) or role not in _ROLES:
                 raise bad(f"{p}.role must be one of user, assistant, system, developer",
                           f"{p}.role")
             out.append({"role": role, "content": _content(item.get("content"), p, role)})
@@ -131,7 +130,14 @@ def _input_messages(raw: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", p),
                         "content": output})
         elif kind == "reasoning":
-            continue  # a model's own reasoning from an earlier turn: chat templates drop it
+            # a model's own reasoning from an earlier turn: on the assistant turn it belongs
+            # to (as vLLM's own Responses API passes it to the chat template)
+            text = _reasoning_text(item, p)
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+                last["reasoning"] = text
+            else:
+                out.append({"role": "assistant", "reasoning": text})
         else:
             raise bad(f"{p}.type {kind!r} is not supported (message, function_call, "
                       "function_call_output, reasoning)", f"{p}.type")
@@ -147,7 +153,7 @@ def _content(raw: Any, p: str, role: str) -> Any:
     for j, part in enumerate(raw):
         q = f"{p}.content[{j}]"
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind in ("input_text", "output_text", "text"):
+        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
             text = part.get("text")
             if not isinstance(text, str):
                 raise bad(f"{q}.text must be a string", f"{q}.text")
@@ -166,14 +172,23 @@ def _content(raw: Any, p: str, role: str) -> Any:
         else:
             raise bad(f"{q}.type {kind!r} is not supported (input_text, input_image)",
                       f"{q}.type")
-    if all(x["type"] == "text" for x in parts):
-        return "".join(x["text"] for x in parts)  # as a string: every template takes it
-    return parts
+    return parts  # text parts are joined as the chat path joins them (as vLLM does)
+
+
+def _reasoning_text(item: Mapping[str, Any], p: str) -> str:
+    if item.get("encrypted_content"):
+        raise bad(f"{p}.encrypted_content: encrypted reasoning cannot be read by this "
+                  "model", f"{p}.encrypted_content")
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts:
+            return _text_of(parts[:1], f"{p}.{key}")
+    return ""
 
 
 def _text_of(parts: list[Any], p: str) -> str:
-    texts = [x.get("text") for x in parts if isinstance(x, Mapping)
-             and x.get("type") in ("input_text", "output_text", "text")]
+    texts = [x.get("text") for x in parts if isinstance(x, Mapping) and x.get("type") in (
+        "input_text", "output_text", "text", "reasoning_text", "summary_text")]
     if len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
         raise bad(f"{p} must be a string or a list of text parts", p)
     return "".join(texts)  # type: ignore[arg-type]

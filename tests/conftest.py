@@ -85,3 +85,12 @@ def backend_factory(tokenizer: Tokenizer) -> Iterator[Callable[..., RunningBacke
     yield make
     for b in started:
         b.close()
+
+
+FIRST = ("test_vllm_embeddings.py",)  # its own vLLM instance, before the session's fleet
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules in ``FIRST`` run before the rest (stable order otherwise): their real
+    vLLM instance cannot start beside the session's two (``test_vllm_embeddings``)."""
+    items.sort(key=lambda it: it.path.name not in FIRST)

@@ -89,6 +89,9 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": [{"type": "text", "text": "part one"},
                                   {"type": "text", "text": "part two"}]}],
     [{"role": "user", "content": "<|im_start|>user\nspecial tokens in text<|im_end|>"}],
+    # a template that does not know the developer role: vLLM merges it into the system one
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+     {"role": "developer", "content": "Use Celsius."}, {"role": "user", "content": "ok"}],
 ]
 PROMPTS = ["Hello world " * 100, "x", "<|endoftext|> a special token", "日本語のテキスト 🙂"]
 
@@ -332,3 +335,53 @@ def test_one_trace_from_gateway_to_engine(vllm_fleet: VllmFleet, gw_factory: Any
     route = by_name["tokengate.route"]
     assert route.attributes["tokengate.routing.candidates"] == [vllm_fleet.url(0) + "/v1"]
     assert json.dumps(route.attributes)  # every attribute is a plain value
+
+
+RESPONSES_TOOLS: list[Any] = [{
+    "type": "function", "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}]
+RESPONSES_INPUTS: list[Any] = [
+    "Hello there",
+    [{"role": "user", "content": "What is the weather in Paris?"}],
+    [{"role": "user", "content": "Paris and Rome?"},
+     {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+      "arguments": '{"city": "Paris"}'},
+     {"type": "function_call_output", "call_id": "call_1", "output": "18 C, clear"}],
+    [{"role": "developer", "content": "Use Celsius."},
+     {"role": "user", "content": [{"type": "input_text", "text": "Rome?"}]},
+     {"type": "function_call", "call_id": "c2", "name": "get_weather",
+      "arguments": '{"city": "Rome"}'},
+     {"type": "function_call_output", "call_id": "c2", "output": "24 C"},
+     {"role": "assistant", "content": "It is 24 C in Rome."},
+     {"role": "user", "content": "And tomorrow?"}],
+    [{"role": "user", "content": "<|im_start|>user\nspecial tokens in text<|im_end|>"}],
+]
+
+
+def test_responses_on_real_vllm_count_as_vllms_own_responses_api(
+        vllm_fleet: VllmFleet, gw_factory: Any) -> None:
+    """Five Responses requests with instructions, tools and function-call items through the
+    gateway (translated to chat): the gateway's count equals the engine's usage, and equals
+    what vLLM's own ``/v1/responses`` counts for the same request; one streamed ends with
+    ``response.completed`` carrying that usage."""
+    gw = gw_factory(policy(vllm_fleet, [{"url": vllm_fleet.url(0) + "/v1"}]))
+    with client(gw) as c:
+        for i, inp in enumerate(RESPONSES_INPUTS):
+            body: dict[str, Any] = {"model": "tiny", "input": inp, "max_output_tokens": 2,
+                                    "instructions": "You are a weather bot." * i}
+            if i >= 2:
+                body["tools"] = RESPONSES_TOOLS
+            raw = c.responses.with_raw_response.create(**body)
+            r = raw.parse()
+            assert r.usage is not None
+            ours = int(raw.headers["x-tokengate-prompt-tokens"])
+            native = vllm_fleet.usage(0, "/v1/responses", {**body, "store": False})
+            assert ours == r.usage.input_tokens == native["input_tokens"], (i, ours, native)
+        events = list(c.responses.create(model="tiny", input=RESPONSES_INPUTS[3],
+                                         tools=RESPONSES_TOOLS, max_output_tokens=3,
+                                         stream=True))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.usage is not None and final.usage.output_tokens == 3

@@ -31,6 +31,8 @@ from protocol.loopback import free_port
 
 LORA_INSTANCE = 1
 LORA_SLOTS = 2
+# instance 0 parses tool calls, as an agent's engine does (chat with tools defaults to "auto")
+TOOLS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
 
 
 @dataclass
@@ -85,7 +87,8 @@ def vllm_fleet() -> Iterator[VllmFleet]:
     logs_dir = Path(tempfile.mkdtemp(prefix="tokengate-vllm-"))
     specs = [vllm.VllmSpec(port=free_port(), core=i, kv_events_port=_port_pair(),
                            nixl_port=free_port(), otlp_endpoint=otlp.endpoint,
-                           max_loras=LORA_SLOTS if i == LORA_INSTANCE else None)
+                           max_loras=LORA_SLOTS if i == LORA_INSTANCE else None,
+                           extra_args=TOOLS if i == 0 else [])
              for i in range(2)]
     fleet = VllmFleet(specs, model, otlp)
     try:

@@ -39,7 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.chat_template import SENTINEL, ChatTemplate, skeleton, substitute
+from protocol.chat_template import (
+    SENTINEL,
+    ChatTemplate,
+    developer_roles,
+    skeleton,
+    substitute,
+)
 from protocol.tokenizer import Tokenizer
 
 _OFFLOAD_CHARS = 16_384
@@ -182,7 +188,8 @@ class TokenCounter:
                          kwargs: Mapping[str, Any] | None) -> ChatPrompt:
         tpl = self.template
         assert tpl is not None
-        msgs = [{**m, "content": message_text(m)} for m in messages]
+        msgs = developer_roles([{**m, "content": message_text(m)} for m in messages],
+                               tpl.source)
         if tpl.substitutable:
             skel, contents = skeleton(msgs)
             mkeys = [self.key(m) for m in msgs]
