@@ -11,6 +11,7 @@ no endpoint, any exception -- returns it whole here (``settle_leftovers``), as i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -24,10 +25,11 @@ import orjson
 from aiohttp import web
 
 from gateway import clock as clk
-from gateway.config.policy import Policy
+from gateway.config.policy import Model, Policy
 from gateway.front.http_guard import read_body
 from gateway.quota import admission
 from gateway.quota import ledger as quota
+from gateway.quota.limiter.store import RateStore, Settlement
 from gateway.request import slo
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_model, open_request
@@ -231,18 +233,53 @@ async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
                               ctx.raw, time.time())
     if stop is not None:
         raise stop
-    adm = await admission.reserve(state, ctx, ctx.view.policy.models[ctx.parsed.model])
-    if not adm.decision.allowed:
-        raise quota.rate_limit_error(adm.decision)
-    share = adm.model.name in ctx.view.policy.tenants[ctx.tenant].reserved_share
-    ctx.tier, ctx.tier_hold = await quota.classify(
-        state.store, ctx.view.policy, ctx.tenant, adm.model, ctx.priority,
-        adm.prompt_tokens + adm.expected_output,
-        healthy_endpoints(state, adm.model.name) if share else 0)
+    model = ctx.view.policy.models[ctx.parsed.model]
+    tenant = ctx.view.policy.tenants[ctx.tenant]
+    early: asyncio.Task[tuple[str, Settlement | None]] | None = None
+    if ctx.priority != "flex" and (model.name in tenant.reserved
+                                   or model.name in tenant.reserved_share):
+        # Its tier bucket is asked in parallel with its quota: one round trip's wait, not two.
+        tokens = await ctx.count_prompt(model) + ctx.expected_output(model)
+        early = asyncio.ensure_future(_classify(state, ctx, model, tokens))
+    try:
+        adm = await admission.reserve(state, ctx, model)
+    except BaseException:
+        if early is not None:
+            state.spawn(_give_back(state.store, early))
+        raise
+    if not adm.decision.allowed or (early is not None and adm.model is not model):
+        if early is not None:  # refused, or served by a fallback: the primary's tier is moot
+            state.spawn(_give_back(state.store, early))
+            early = None
+        if not adm.decision.allowed:
+            raise quota.rate_limit_error(adm.decision)
+    if early is not None:
+        ctx.tier, ctx.tier_hold = await early
+    else:
+        ctx.tier, ctx.tier_hold = await _classify(
+            state, ctx, adm.model, adm.prompt_tokens + adm.expected_output)
     state.metrics.series("tier_requests", adm.model.name, ctx.tier).inc()
     if adm.failover_from:
         state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()
     return adm
+
+
+async def _classify(state: GatewayState, ctx: RequestContext, model: Model, tokens: int
+                    ) -> tuple[str, Settlement | None]:
+    share = model.name in ctx.view.policy.tenants[ctx.tenant].reserved_share
+    return await quota.classify(state.store, ctx.view.policy, ctx.tenant, model, ctx.priority,
+                                tokens, healthy_endpoints(state, model.name) if share else 0)
+
+
+async def _give_back(store: RateStore, early: asyncio.Task[tuple[str, Settlement | None]]
+                     ) -> None:
+    """A tier hold taken for a request that will not use it goes back whole."""
+    try:
+        _, hold = await early
+    except Exception:
+        return
+    if hold is not None:
+        await quota.settle_tier(store, hold, 0)
 
 
 def healthy_endpoints(state: GatewayState, model: str) -> int:
