@@ -71,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a("--max-num-batched-tokens", type=int, default=8192,
       help="token budget of one step, prefill chunks included (vLLM's flag)")
     a("--max-model-len", type=int, help="context limit (default: the profile's)")
+    a("--image-tokens", type=int, default=0,
+      help="serve image_url parts (base64 data URLs), each as this many prompt tokens, as a "
+           "vision model's encoder would (0: images are refused)")
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
     a("--gpu-memory-utilization", type=float, default=0.9,
       help="fraction of GPU memory for weights and KV cache (vLLM's flag)")
@@ -144,7 +147,8 @@ def backend_config(ns: argparse.Namespace) -> BackendConfig:
         host=ns.host, port=ns.port, model=ns.model, tensor_parallel=ns.tensor_parallel,
         hardware=ns.hardware,
         served_model_name=ns.served_model_name, role=ns.role, profiles_file=ns.profiles,
-        max_model_len=ns.max_model_len, output_len=ns.output_len, kv_link_bps=link,
+        max_model_len=ns.max_model_len, image_tokens=ns.image_tokens,
+        output_len=ns.output_len, kv_link_bps=link,
         load_bandwidth_bps=ns.load_bandwidth * 1e9, api_key=ns.api_key,
         kv_peers=tuple(ns.kv_peer) if ns.kv_peer else LOOPBACK_PEERS,
         max_body_bytes=int(ns.max_body_mb * 1024 * 1024), engine=engine, faults=faults,

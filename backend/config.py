@@ -63,6 +63,7 @@ class BackendConfig:
     kv_pool_url: str | None = None  # the shared KV pool (``tokengate kvpool``)
     kv_pool_token: str | None = None  # its shared secret (sent as a bearer token)
     tokenizer: str | None = None  # a tokenizer (model directory, tokenizer.json, tiktoken)
+    image_tokens: int = 0  # prompt tokens an image part becomes (0: images are refused)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     pooling: PoolingConfig | None = None  # several models on this instance

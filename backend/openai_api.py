@@ -157,13 +157,15 @@ class _Chunks:
                 "model": self.model, "choices": choices, **extra}
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def text(self, text: str, finish: str | None = None, role: bool = False) -> bytes:
+    def text(self, text: str, finish: str | None = None, role: bool = False,
+             index: int = 0) -> bytes:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role \
                 else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         return self._frame([choice])
 
     def final(self, usage: dict[str, Any] | None, **extra: Any) -> bytes:
@@ -189,7 +191,9 @@ async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     if base_of(state, g.model) is None:
         raise APIError(404, f"The model `{g.model}` does not exist.", param="model",
                        code="model_not_found")
-    ids = await _prompt_ids(state, g)
+    ids = _with_images(state, g, await _prompt_ids(state, g))
+    if g.n > 1:
+        return await _parallel(request, state, g, ids)
     req, rng = _new_request(state, g, ids, request)
     stream = RequestStream(stop=g.stop)
     stall = state.faults.stall_s()
@@ -282,6 +286,112 @@ async def _stream(request: web.Request, state: BackendState, g: GenerationReques
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _with_images(state: BackendState, g: GenerationRequest, ids: list[int]) -> list[int]:
+    """The prompt with each image's tokens (``--image-tokens``, as a vision encoder's
+    placeholders); images are refused without it, and fetched from nowhere: data URLs only."""
+    images = g.images
+    if not images.count:
+        return ids
+    if not state.config.image_tokens:
+        raise bad(f"the model `{g.model}` does not accept images", images.first,
+                  "image_not_supported")
+    if images.remote is not None:
+        raise bad("this server takes images as base64 data URLs only", images.remote,
+                  "image_url_not_allowed")
+    pad = state.tokenizer.output_words[0]
+    return ids + [pad] * (images.count * state.config.image_tokens)
+
+
+async def _parallel(request: web.Request, state: BackendState, g: GenerationRequest,
+                    ids: list[int]) -> web.StreamResponse:
+    """``n`` choices: ``n`` requests in the engine sharing the prompt (its blocks cached after
+    the first), each with its own seed; answered as one response with a choice per index and
+    the prompt counted once in ``usage``, as vLLM does."""
+    reqs: list[Request] = []
+    streams: list[RequestStream] = []
+    for _ in range(g.n):  # each submitted before the next is named (its id must be new)
+        req, rng = _new_request(state, g, ids, request)
+        stream = RequestStream(stop=g.stop)
+        state.engine.submit(req, stream, WordSource(state.tokenizer.output_words, rng))
+        reqs.append(req)
+        streams.append(stream)
+    c = _Chunks(g.kind, reqs[0].request_id, g.model)
+    try:
+        if not g.stream:
+            outs = await asyncio.gather(*(_collect(s) for s in streams))
+            choices = []
+            for i, (text, finish) in enumerate(outs):
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish}
+                               if g.kind == "chat" else
+                               {"index": i, "text": text, "logprobs": None,
+                                "finish_reason": finish})
+            return web.Response(body=orjson.dumps({
+                "id": c.id, "object": "chat.completion" if g.kind == "chat"
+                else "text_completion", "created": c.created, "model": c.model,
+                "choices": choices, "usage": _usage_n(reqs)}), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            while True:
+                d = await s.next()
+                await queue.put((i, d))
+                if d.finish is not None or d.error is not None:
+                    return
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left, first = len(streams), set(range(len(streams)))
+            while left:
+                i, d = await queue.get()
+                if d.error is not None:
+                    err = APIError(500, d.error, type="server_error", code="engine_failed")
+                    await resp.write(b"data: " + err.body() + b"\n\n")
+                    await resp.write_eof()
+                    return resp
+                finish = _finish_reason(d.finish)
+                pieces = _pieces(state, d, bool(g.stop)) or ([""] if d.finish else [])
+                for j, piece in enumerate(pieces):
+                    last = d.finish is not None and j == len(pieces) - 1
+                    await resp.write(c.text(piece, finish if last else None,
+                                            role=i in first, index=i))
+                    first.discard(i)
+                left -= d.finish is not None
+        finally:
+            for t in tasks:
+                t.cancel()
+        if g.include_usage:
+            await resp.write(c.final(_usage_n(reqs)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    finally:
+        for req, s in zip(reqs, streams, strict=True):
+            if s.finish is None:
+                state.engine.abort(req.request_id)
+
+
+async def _collect(stream: RequestStream) -> tuple[str, str | None]:
+    parts: list[str] = []
+    while True:
+        d = await stream.next()
+        if d.error is not None:
+            raise APIError(500, d.error, type="server_error", code="engine_failed")
+        parts.append(d.text)
+        if d.finish is not None:
+            return "".join(parts), _finish_reason(d.finish)
+
+
+def _usage_n(reqs: list[Request]) -> dict[str, Any]:
+    prompt = reqs[0].num_prompt_tokens
+    out = sum(r.num_output_tokens for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": max(reqs[0].num_cached_tokens, 0)}}
 
 
 def _drop(request: web.Request) -> None:

@@ -39,6 +39,8 @@ def parse_embeddings(body: Any) -> EmbeddingsRequest:
     if fmt not in ("float", "base64"):
         raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     dims = body.get("dimensions")
+    if isinstance(dims, float) and dims.is_integer():
+        dims = int(dims)  # 64.0 is 64, as JSON numbers go
     if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
         raise bad("'dimensions' must be a positive integer", "dimensions")
     return EmbeddingsRequest(model, _inputs(body.get("input")), fmt, dims)

@@ -7,6 +7,7 @@ ignored (routers add their own, e.g. SGLang's ``no_stop_trim``). Errors use Open
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,6 +41,8 @@ class GenerationRequest:
     kv_transfer_params: dict[str, Any] | None = None
     continue_final: bool = False  # chat: extend the final assistant message (vLLM's option)
     priority: int = 0  # vLLM's: lower is scheduled first under --scheduling-policy priority
+    n: int = 1  # choices asked for (each up to max_tokens)
+    images: Images = field(default_factory=lambda: Images())  # image parts in the messages
 
 
 def _opt_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -74,22 +77,50 @@ def _opt_bool(body: Mapping[str, Any], key: str) -> bool:
     return v
 
 
-def _text_content(content: Any, param: str) -> str:
+_IMAGE_DATA = re.compile(r"^data:image/(png|jpeg|jpg|gif|webp);base64,[A-Za-z0-9+/=\s]+$")
+
+
+@dataclass(slots=True)
+class Images:
+    """The images a chat request's messages carry (``image_url`` content parts)."""
+
+    count: int = 0
+    first: str | None = None  # the parameter path of the first
+    remote: str | None = None  # the path of the first given by http(s) URL (the engine fetches)
+
+
+def _text_content(content: Any, param: str, images: Images) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
         parts: list[str] = []
         for i, part in enumerate(content):
+            p = f"{param}[{i}]"
+            if isinstance(part, Mapping) and part.get("type") == "image_url":
+                _image(part.get("image_url"), p, images)
+                continue
             if not isinstance(part, Mapping) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
-                raise bad(f"{param}[{i}]: only text content parts are supported by this model",
-                          f"{param}[{i}]")
+                raise bad(f"{p}: content parts are text or image_url", p)
             parts.append(part["text"])
         return "\n".join(parts)
     raise bad(f"{param} must be a string or a list of content parts", param)
 
 
-def _messages(raw: Any) -> list[dict[str, Any]]:
+def _image(raw: Any, p: str, images: Images) -> None:
+    url = raw.get("url") if isinstance(raw, Mapping) else None
+    if not isinstance(url, str):
+        raise bad(f"{p}.image_url.url must be a string", f"{p}.image_url.url")
+    if url.startswith(("http://", "https://")):
+        images.remote = images.remote or p
+    elif not _IMAGE_DATA.match(url[:64] + url[-8:] if len(url) > 72 else url):
+        raise bad(f"{p}.image_url.url must be a base64 data URL of a png, jpeg, gif or webp "
+                  "image, or an http(s) URL", f"{p}.image_url.url")
+    images.count += 1
+    images.first = images.first or p
+
+
+def _messages(raw: Any, images: Images) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty array", "messages")
     out: list[dict[str, Any]] = []
@@ -100,7 +131,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise bad(f"{p}.role must be one of {sorted(_ROLES)}", f"{p}.role")
-        content = _text_content(m.get("content"), f"{p}.content")
+        content = _text_content(m.get("content"), f"{p}.content", images)
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -180,7 +211,7 @@ def validate(kind: Kind, body: Any) -> GenerationRequest:
         raise bad("'model' is required and must be a string", "model")
     req = GenerationRequest(kind=kind, model=model)
     if kind == "chat":
-        req.messages = _messages(body.get("messages"))
+        req.messages = _messages(body.get("messages"), req.images)
         defs = definitions(body)
         if defs is not None:
             req.messages.insert(0, {"role": "system", "content": defs})
@@ -203,9 +234,7 @@ def validate(kind: Kind, body: Any) -> GenerationRequest:
     req.min_tokens = _opt_int(body, "min_tokens", 0, 2**31 - 1) or 0
     req.ignore_eos = _opt_bool(body, "ignore_eos")
     req.priority = _opt_int(body, "priority", -(2**31), 2**31 - 1) or 0
-    n = _opt_int(body, "n", 1, 128)
-    if n is not None and n != 1:
-        raise bad("only n=1 is supported", "n")
+    req.n = _opt_int(body, "n", 1, 128) or 1
     req.seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
     _opt_number(body, "temperature", 0.0, 2.0)
     _opt_number(body, "top_p", 0.0, 1.0)

@@ -126,7 +126,12 @@ def test_errors_use_openai_shape(backend_factory: Factory) -> None:
     msgs = [{"role": "user", "content": "x"}]
     assert "JSON" in err(post(url, b"{not json"), 400)["message"]
     assert err(post(url, {"model": "nope", "messages": msgs}), 404)["code"] == "model_not_found"
-    assert err(post(url, {"model": "llama-3-8b", "messages": msgs, "n": 2}), 400)["param"] == "n"
+    assert err(post(url, {"model": "llama-3-8b", "messages": msgs, "n": 200}), 400)["param"] == "n"
+    image = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
+    # a text-only model (no --image-tokens) refuses an image, naming the part
+    assert err(post(url, {"model": "llama-3-8b", "messages": image}), 400)["param"] == \
+        "messages[0].content[1]"
     assert err(post(url, {"model": "llama-3-8b", "messages": "hi"}), 400)["param"] == "messages"
     assert err(post(url, {"model": "llama-3-8b", "messages": msgs, "max_tokens": -1}),
                400)["param"] == "max_tokens"

@@ -87,6 +87,15 @@ class Price:
 
 
 @dataclass(frozen=True, slots=True)
+class Images:
+    """A model that takes ``image_url`` content parts."""
+
+    tokens_per_image: int = 1024  # reserved per image (the engine's usage settles it)
+    remote_urls: bool = False  # http(s) image URLs, which the engine fetches (else data only)
+    max_per_request: int = 16
+
+
+@dataclass(frozen=True, slots=True)
 class Model:
     name: str
     endpoints: tuple[Endpoint, ...]
@@ -110,6 +119,7 @@ class Model:
     capacity_tpm: float | None = None
     # where pay-as-you-go requests go instead of waiting when this pool is saturated
     spillover: str | None = None
+    images: Images | None = None  # it takes image parts (None: they are refused)
 
     @property
     def upstream_name(self) -> str:
@@ -227,6 +237,13 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
             kw[k] = d.integer(m[k], f"{path}.{k}")
     if "fallback" in m:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
+    if "images" in m:
+        im = d.mapping(m["images"], f"{path}.images", schema.keys("images"))
+        ikw: dict[str, Any] = {k: d.integer(im[k], f"{path}.images.{k}")
+                               for k in ("tokens_per_image", "max_per_request") if k in im}
+        if "remote_urls" in im:
+            ikw["remote_urls"] = d.boolean(im["remote_urls"], f"{path}.images.remote_urls")
+        kw["images"] = Images(**ikw)
     if "spillover" in m:
         kw["spillover"] = d.string(m["spillover"], f"{path}.spillover")
     if "capacity_tpm" in m:

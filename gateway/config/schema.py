@@ -66,6 +66,7 @@ SECTIONS: dict[str, Section] = {
          "fallback": spec("list of model names", [], "Cheaper models to serve from, in order, "
                         "when this one's quota or endpoints are exhausted (the answer says "
                         "so in `x-tokengate-failover`)."),
+         "images": spec("images", NONE, "The model takes images (below)."),
          "spillover": spec("model name", NONE, "Pay-as-you-go capacity: when this model's "
                          "pool is saturated, a request beyond its tenant's reservation (tier "
                          "`payg`) is served by this model (its own quota and price) instead "
@@ -104,6 +105,20 @@ SECTIONS: dict[str, Section] = {
          "load_ms": spec("number > 0", 200.0, "What a load is expected to cost, until loads "
                        "have been measured (routing prefers endpoints holding the adapter "
                        "by this much).")}),
+    "images": Section(
+        "models.NAME.images",
+        "The model takes images (`image_url` content parts) and its engines serve them (a "
+        "vision model). Without this section a request with an image is refused with a 400 "
+        "naming the part. The gateway cannot count an image as the engine's vision encoder "
+        "will, so it reserves `tokens_per_image` for each and settles with the engine's "
+        "`usage` (held within a factor 2 of its own count).",
+        {"tokens_per_image": spec("integer > 0", 1024, "Prompt tokens reserved per image "
+                                "(e.g. 576 for LLaVA-1.5 at 336 px; set it to your model's "
+                                "largest image)."),
+         "remote_urls": spec("boolean", False, "Accept http(s) image URLs, which the engine "
+                           "fetches; by default only base64 `data:` URLs pass, so no request "
+                           "makes an engine connect anywhere."),
+         "max_per_request": spec("integer > 0", 16, "The most images one request may carry.")}),
     "endpoint": Section(
         "models.NAME.endpoints[]", "One engine serving the model.",
         {"url": spec("http(s) URL", REQUIRED, "Its OpenAI base URL, e.g. "

@@ -33,17 +33,23 @@ _COMMON: dict[str, Any] = {
                "description": "stream_options ({include_usage}) is accepted when true"},
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
     "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 128},
     "stop": _STOP,
     "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**64 - 1},
     "user": {"type": "string"},
 }
+_DATA_URL = "^data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/]+=*$"
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string",
              "enum": ["system", "developer", "user", "assistant", "tool", "function"]},
     "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+        "oneOf": [{"type": "object", "required": ["type", "text"],
+                   "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+                  {"type": "object", "required": ["type", "image_url"],
+                   "description": "models whose policy has an images section",
+                   "properties": {"type": {"const": "image_url"}, "image_url": {
+                       "type": "object", "required": ["url"],
+                       "properties": {"url": {"type": "string", "pattern": _DATA_URL}}}}}]}}]},
     "name": {"type": "string"}}}
 
 
@@ -108,7 +114,7 @@ _EMBEDDINGS = {"type": "object", "required": ["model", "input"], "additionalProp
             "type": "array", "minItems": 1,
             "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}}]},
     "encoding_format": {"enum": ["float", "base64"]},
-    "dimensions": {"type": "integer", "minimum": 1},
+    "dimensions": {"type": "integer", "minimum": 1, "maximum": 65536},
     "user": {"type": "string"}}}
 
 

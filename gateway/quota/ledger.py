@@ -105,7 +105,16 @@ class Admission:
         return st is not None and not st.final and not self.settling
 
 
-class ContextTooLong(APIError):
+class Unfit(APIError):
+    """The request cannot run on this model (a fallback may still take it)."""
+
+
+class ImagesRefused(Unfit):
+    def __init__(self, message: str, param: str | None, code: str) -> None:
+        super().__init__(400, message, param=param, code=code)
+
+
+class ContextTooLong(Unfit):
     """The prompt, with the output asked for, does not fit the model's context (OpenAI's
     wording and code)."""
 
@@ -136,10 +145,10 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
     for candidate in chain:
         try:
             prompt = await count_prompt(candidate)
-        except ContextTooLong:
+        except Unfit:
             if candidate is model:
                 raise
-            continue  # a fallback with a shorter context cannot take this prompt
+            continue  # a fallback with a shorter context (or no images) cannot take it
         out = expected_output(candidate)
         cs = charges(policy, tenant, route, candidate, prompt, out, session)
         rid = uuid.uuid4().hex

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
-from gateway.quota.ledger import ContextTooLong
+from gateway.quota.ledger import ContextTooLong, ImagesRefused
 from gateway.request.tokenize import ChatPrompt
 from gateway.spend.record import SpendRecord
 from gateway.state import GatewayState, PolicyView
@@ -94,8 +94,9 @@ class RequestContext:
         anything is reserved, with OpenAI's ``context_length_exceeded``."""
         n = self.prompt_tokens.get(m.name)
         if n is None:
+            images = self._images(m)
             try:
-                n = self.prompt_tokens[m.name] = await self._count(m)
+                n = self.prompt_tokens[m.name] = await self._count(m) + images
             except ChatTemplateError as exc:
                 raise bad(str(exc), "messages") from None
         limit = self.max_context(m)
@@ -109,6 +110,23 @@ class RequestContext:
         if limit is not None and (n >= limit or (asked is not None and n + asked > limit)):
             raise ContextTooLong(limit, n, asked, self.kind)
         return n
+
+    def _images(self, m: Model) -> int:
+        """What the request's images are reserved as on ``m``: ``tokens_per_image`` each
+        (400 when ``m`` takes no images, too many, or a URL it must not be given)."""
+        im = self.parsed.images
+        if not im.count:
+            return 0
+        if m.images is None:
+            raise ImagesRefused(f"the model `{m.name}` does not accept images", im.first,
+                                "image_not_supported")
+        if im.count > m.images.max_per_request:
+            raise ImagesRefused(f"at most {m.images.max_per_request} images per request, got "
+                                f"{im.count}", im.first, "too_many_images")
+        if im.remote is not None and not m.images.remote_urls:
+            raise ImagesRefused("images must be base64 data URLs for this model (the engine "
+                                "fetches no URL)", im.remote, "image_url_not_allowed")
+        return im.count * m.images.tokens_per_image
 
     def max_context(self, m: Model) -> int | None:
         """The policy's ``max_context``, else the smallest context the model's engines report
@@ -157,4 +175,4 @@ class RequestContext:
             if limit is not None and n is not None:
                 out = max(1, min(out, limit - n))
         self.output_limit[m.name] = out
-        return out
+        return out * self.parsed.n  # each of its n choices may use all of it

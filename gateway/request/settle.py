@@ -112,7 +112,9 @@ async def served(ctx: RequestContext, adm: quota.Admission, r: RelayResult) -> S
     usage = r.usage or {}
     prompt, output = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
     counter = ctx.view.counters.get(adm.model.name)
-    exact = ctx.kind != "chat" or (counter is not None and counter.mode != "openai")
+    # images are reserved by an estimate: the engine's count is held to the looser bound
+    exact = not ctx.parsed.images.count and (
+        ctx.kind != "chat" or (counter is not None and counter.mode != "openai"))
 
     async def text_tokens() -> int:
         if counter is None or not r.texts:
