@@ -86,6 +86,18 @@ def session(c: openai.OpenAI, b: openai.OpenAI, stranger: openai.OpenAI) -> dict
         messages=[{"role": "user", "content": "x"}], extra_body={"ignore_eos": True}))
     assert with_usage[-1].usage is not None
     seen["usage"] = with_usage[-1].usage.completion_tokens
+    # the Responses API, served as chat by either front
+    rr = c.responses.with_raw_response.create(model="small", input="hi", instructions="be",
+                                              max_output_tokens=4)
+    r2 = rr.parse()
+    assert r2.usage is not None and r2.output_text
+    seen["responses"] = (r2.object, r2.model, r2.usage.input_tokens,
+                         int(rr.headers["x-tokengate-prompt-tokens"]),
+                         tokengate_headers(rr.headers))
+    events = [e.type for e in c.responses.create(model="small", input="hi",
+                                                  max_output_tokens=3, stream=True)]
+    seen["responses_stream"] = (events[:3], events[-1] in ("response.completed",
+                                                           "response.incomplete"))
     assert_quota_failover(c, 300)
     for _ in range(3):
         b.completions.create(model="small", prompt="x", max_tokens=1)

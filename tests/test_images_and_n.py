@@ -18,7 +18,8 @@ from conftest import RunningBackend
 from gateway_stack import RunningGateway, start_gateway, write_policy
 from test_gateway_e2e import sha
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+       "/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg==")
 IMAGE_TOKENS = 64
 
 

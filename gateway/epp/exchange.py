@@ -31,19 +31,23 @@ from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.pick import Picked, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.quota import ledger as quota
-from gateway.request import pipeline
+from gateway.request import pipeline, responses
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_request
 from gateway.request.failure import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
-from gateway.request.relay import RelayResult, relay_stream
+from gateway.request.relay import RelayResult, Sink, relay_stream
 from gateway.request.respond import aggregate
 from gateway.request.respond import headers as client_headers
+from gateway.request.responses import EventSink
 from gateway.request.settle import hand_back
 from gateway.state import GatewayState
 from protocol.errors import APIError
+from protocol.responses import EventStream
 from protocol.validate import Kind
 
-KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                          "/v1/responses": "chat"}
+RESPONSES = "/v1/responses"  # served as the chat request it translates to (Envoy sends chat)
 
 # The order ext_proc sends one HTTP exchange in: each message kind is taken only in the phases
 # listed, and moves the exchange to the phase after it (a body or trailers that end a side
@@ -70,6 +74,7 @@ class Exchange:
         self.received = time.perf_counter()
         self.headers: Mapping[str, str] = {}
         self.kind: Kind = "chat"
+        self.responses = False  # a Responses API request (``protocol.responses``)
         self.tenant = ""
         self.allowed: set[str] | None = None
         self.request = bytearray()
@@ -145,6 +150,7 @@ class Exchange:
             raise APIError(405, "this URL takes POST",
                            type="invalid_request_error", code="method_not_allowed")
         self.kind, self.allowed = kind, messages.subset(req, h)
+        self.responses = path == RESPONSES
         self.tenant = pipeline.gate(self.state, h)
         if req.request_headers.end_of_stream:
             return await self._request_body(b"", True)
@@ -166,7 +172,8 @@ class Exchange:
         if not end:
             return []
         ctx = self.ctx = pipeline.begin(self.state, self.tenant, self.headers,
-                                        bytes(self.request), self.kind, self.received)
+                                        bytes(self.request), self.kind, self.received,
+                                        responses=self.responses)
         adm = await pipeline.admit(self.state, ctx)
         opened = await open_request(self.state, ctx, adm, picker(self.allowed))
         if isinstance(opened, APIError):
@@ -225,8 +232,12 @@ class Exchange:
         async def progress(n: int) -> None:
             await quota.charge_progress(state.store, adm, n)
 
+        sink: Sink = self.sink
+        if ctx.responses is not None:  # chat events out as the Responses API's
+            sink = EventSink(self.sink, EventStream(ctx.responses, adm.model.name), lambda: {
+                "prompt_tokens": adm.prompt_tokens, "completion_tokens": self.result.chunks})
         return await relay_stream(
-            feed, self.sink, upstream_model=adm.model.upstream_name,
+            feed, sink, upstream_model=adm.model.upstream_name,
             served_model=adm.model.name, pass_usage=ctx.parsed.include_usage,
             on_tokens=progress, every=settings.progressive_charge_tokens,
             every_s=settings.progressive_charge_ms / 1000.0, into=self.result,
@@ -279,6 +290,8 @@ class Exchange:
                     self.result.status = error.status
             self._finish()
             return [self._refuse(error)]
+        if self.ctx is not None and self.ctx.responses is not None:
+            body = responses.whole(self.ctx.responses, body)
         self._finish()
         return [messages.response_headers({**self.answer_headers,
                                            "content-type": "application/json",
