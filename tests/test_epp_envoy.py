@@ -98,6 +98,11 @@ def session(c: openai.OpenAI, b: openai.OpenAI, stranger: openai.OpenAI) -> dict
                                                   max_output_tokens=3, stream=True)]
     seen["responses_stream"] = (events[:3], events[-1] in ("response.completed",
                                                            "response.incomplete"))
+    er = c.embeddings.with_raw_response.create(model="small", input=["hi there", "x"])
+    emb = er.parse()
+    seen["embeddings"] = (emb.model, [len(d.embedding) for d in emb.data],
+                          emb.usage.prompt_tokens, int(er.headers["x-tokengate-prompt-tokens"]),
+                          tokengate_headers(er.headers))
     assert_quota_failover(c, 300)
     for _ in range(3):
         b.completions.create(model="small", prompt="x", max_tokens=1)

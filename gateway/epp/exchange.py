@@ -28,10 +28,10 @@ import orjson
 
 from gateway.epp import messages
 from gateway.epp.feed import Collected, LineFeed
-from gateway.epp.pick import Picked, picker
+from gateway.epp.pick import Picked, embeddings_picker, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.quota import ledger as quota
-from gateway.request import pipeline, responses
+from gateway.request import embeddings, pipeline, responses
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_request
 from gateway.request.failure import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
@@ -46,7 +46,8 @@ from protocol.responses import EventStream
 from protocol.validate import Kind
 
 KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
-                          "/v1/responses": "chat"}
+                          "/v1/responses": "chat", "/v1/embeddings": "completion"}
+EMBEDDINGS = "/v1/embeddings"  # answered whole by the engine (no stream)
 RESPONSES = "/v1/responses"  # served as the chat request it translates to (Envoy sends chat)
 
 # The order ext_proc sends one HTTP exchange in: each message kind is taken only in the phases
@@ -75,6 +76,7 @@ class Exchange:
         self.headers: Mapping[str, str] = {}
         self.kind: Kind = "chat"
         self.responses = False  # a Responses API request (``protocol.responses``)
+        self.embeddings = False  # an embeddings request
         self.tenant = ""
         self.allowed: set[str] | None = None
         self.request = bytearray()
@@ -150,7 +152,7 @@ class Exchange:
             raise APIError(405, "this URL takes POST",
                            type="invalid_request_error", code="method_not_allowed")
         self.kind, self.allowed = kind, messages.subset(req, h)
-        self.responses = path == RESPONSES
+        self.responses, self.embeddings = path == RESPONSES, path == EMBEDDINGS
         self.tenant = pipeline.gate(self.state, h)
         if req.request_headers.end_of_stream:
             return await self._request_body(b"", True)
@@ -171,11 +173,16 @@ class Exchange:
                            type="invalid_request_error", code="request_too_large")
         if not end:
             return []
-        ctx = self.ctx = pipeline.begin(self.state, self.tenant, self.headers,
-                                        bytes(self.request), self.kind, self.received,
-                                        responses=self.responses)
+        if self.embeddings:
+            ctx = self.ctx = embeddings.begin(self.state, self.tenant, self.headers,
+                                              bytes(self.request), self.received)
+        else:
+            ctx = self.ctx = pipeline.begin(self.state, self.tenant, self.headers,
+                                            bytes(self.request), self.kind, self.received,
+                                            responses=self.responses)
         adm = await pipeline.admit(self.state, ctx)
-        opened = await open_request(self.state, ctx, adm, picker(self.allowed))
+        opened = await open_request(self.state, ctx, adm, (
+            embeddings_picker if self.embeddings else picker)(self.allowed))
         if isinstance(opened, APIError):
             if opened.code == "upstream_unavailable":  # GIE: no endpoint available is a 503
                 opened.status = 503
@@ -208,6 +215,8 @@ class Exchange:
         p, ctx = self.picked, self.ctx
         p.router.commit(p.decision, p.info)  # only now are its blocks on that engine
         p.attempt.relay()
+        if self.embeddings:
+            return []  # its whole answer is read, then answered with its headers
         self.feed = LineFeed()
         if not ctx.parsed.stream:
             # The engine streams (the EPP asked it to); the client gets the answer built
@@ -251,6 +260,9 @@ class Exchange:
             if len(self.response) < ERROR_BODY_LIMIT:
                 self.response += data
             return [self._upstream_failed()] if end else []
+        if self.embeddings:
+            self.response += data
+            return self._embedded() if end else []
         if self.feed is None or self.relay is None:
             return [messages.body(data, end, response=True)]
         self.feed.push(data, end)
@@ -292,6 +304,23 @@ class Exchange:
             return [self._refuse(error)]
         if self.ctx is not None and self.ctx.responses is not None:
             body = responses.whole(self.ctx.responses, body)
+        self._finish()
+        return [messages.response_headers({**self.answer_headers,
+                                           "content-type": "application/json",
+                                           "content-length": str(len(body))}),
+                messages.body(body, True, response=True)]
+
+    def _embedded(self) -> list[pb.ProcessingResponse]:
+        """The engine's whole embeddings answer, renamed and settled with its usage."""
+        assert self.adm is not None and self.picked is not None
+        self.picked.attempt.first_token()
+        try:
+            embeddings.read_answer(bytes(self.response), self.adm.model.name, self.result)
+        except APIError as exc:
+            self._finish()
+            return [self._refuse(exc)]
+        body = self.result.body
+        assert body is not None
         self._finish()
         return [messages.response_headers({**self.answer_headers,
                                            "content-type": "application/json",

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import orjson
+
 from gateway.config.policy import Model
 from gateway.request.attempt import Attempt
 from gateway.request.context import RequestContext
@@ -104,3 +106,24 @@ async def pick_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     return Picked(d, router, a, info, hostport(ep.url),
                   urlsplit(ep.url).path.rstrip("/") + api, upstream_body(ctx, m, kv),
                   kv is not None, started_at if kv is not None else time.perf_counter())
+
+
+def embeddings_picker(allowed: set[str] | None) -> Opener[Picked]:
+    """An ``Opener`` for an embeddings request: routed within ``allowed``, sent whole to the
+    endpoint's ``/embeddings``."""
+    async def pick(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,
+                   reserved: int) -> Picked | APIError:
+        routed = await traced_route(state, ctx, m, prompt_tokens, 0, outside(allowed))
+        if isinstance(routed, APIError):
+            return routed
+        router, info, d = routed
+        ep = d.endpoint.ep
+        state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
+                             "sole").inc()
+        a = Attempt(state, ctx, router.pool, ep, prompt_tokens, d.endpoint.uncached_tokens,
+                    upstream_span(ctx, m, ep.url, False, 1))
+        body = orjson.dumps({**ctx.body, "model": m.upstream_name})
+        return Picked(d, router, a, info, hostport(ep.url),
+                      urlsplit(ep.url).path.rstrip("/") + "/embeddings", body, False,
+                      time.perf_counter())
+    return pick

@@ -73,8 +73,17 @@ _COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": 
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
-_RESPONSES = {"type": "object", "required": ["model", "input"], "additionalProperties": False,
-              "properties": {
+def _responses(max_messages: int) -> dict[str, Any]:
+    """A Responses request; its items become at most one message each, the instructions
+    one more."""
+    return {**_RESPONSES, "properties": {**_RESPONSES["properties"], "input": {
+        "oneOf": [{"type": "string"}, {**_RESPONSES["properties"]["input"]["oneOf"][1],
+                                       "maxItems": max_messages - 1}]}}}
+
+
+_RESPONSES: dict[str, Any] = {
+    "type": "object", "required": ["model", "input"], "additionalProperties": False,
+    "properties": {
     "model": {"type": "string", "minLength": 1},
     "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
         "oneOf": [
@@ -158,7 +167,7 @@ def document(max_messages: int = 4096) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation("Chat completion", _chat(max_messages)),
             "/v1/completions": _generation("Text completion", _COMPLETION),
-            "/v1/responses": _generation("Response (stateless)", _RESPONSES),
+            "/v1/responses": _generation("Response (stateless)", _responses(max_messages)),
             "/v1/embeddings": _generation("Embeddings", _EMBEDDINGS),
             "/v1/models": {"get": {"summary": "Models the key may use",
                                    "security": [{"bearer": []}],

@@ -81,26 +81,36 @@ async def serve(request: web.Request, state: GatewayState, ctx: RequestContext
         pipeline.settle_leftovers(ctx)
 
 
-def answer(ctx: RequestContext, adm: quota.Admission, sent: Embedded, failover: str | None
-           ) -> web.Response:
-    """The engine's answer under the model's name, settled (in the background) with its
-    usage."""
-    result = RelayResult(status=200, done=True)
+def read_answer(raw: bytes, served: str, result: RelayResult) -> None:
+    """An engine's embeddings answer into ``result``: its body under the model's name
+    ``served`` and its usage (no completion); a malformed one marks ``result`` broken and
+    raises the 502 to answer (``serve`` and the EPP alike)."""
     try:
-        obj = orjson.loads(sent.body)
+        obj = orjson.loads(raw)
         if not isinstance(obj, dict) or not isinstance(obj.get("data"), list):
             raise ValueError("no data")
-        obj["model"] = adm.model.name
+        obj["model"] = served
         usage = obj.get("usage")
         if isinstance(usage, dict):
             result.usage = {**usage, "completion_tokens": 0}
         result.body = orjson.dumps(obj)
+        result.done = True
     except ValueError:
         result.status, result.broken = 502, True
         raise APIError(502, "the upstream's embeddings answer is malformed",
                        type="server_error", code="upstream_error") from None
+
+
+def answer(ctx: RequestContext, adm: quota.Admission, sent: Embedded, failover: str | None
+           ) -> web.Response:
+    """The engine's answer under the model's name, settled (in the background) with its
+    usage."""
+    result = RelayResult(status=200)
+    try:
+        read_answer(sent.body, adm.model.name, result)
     finally:
         hand_back(ctx, adm, result, sent)
+    assert result.body is not None
     return web.Response(status=200, body=result.body, headers={
         **headers(ctx, adm, sent, failover), "Content-Type": "application/json"})
 

@@ -121,7 +121,7 @@ def begin(state: GatewayState, tenant: str, headers: Headers, raw: bytes, kind: 
     messages = body.get("messages")
     if isinstance(messages, list) and len(messages) > policy.settings.max_messages:
         raise bad(f"too many messages: {len(messages)} > {policy.settings.max_messages}",
-                  "messages")
+                  "input" if responses else "messages")
     ctx = context(state, tenant, headers, raw, received, kind, body, g)
     if asked is not None:
         ctx.responses = Shape(asked, ctx.request_id)
