@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from backend.openai_api import check_ready
 from backend.request import Request
 from backend.state import STATE, BackendState, base_of
 from backend.stream import RequestStream
@@ -35,12 +36,7 @@ def vector(ids: list[int], hidden: int, dimensions: int | None) -> list[float]:
 
 async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.engine.failed is not None:
-        raise APIError(503, "the engine has failed; see the server log",
-                       type="service_unavailable", code="engine_failed")
-    if not state.ready:
-        raise APIError(503, "the model is still loading", type="service_unavailable",
-                       code="model_loading", headers={"retry-after": "1"})
+    check_ready(state)
     e = parse_embeddings(load_json(await read_body(request)))
     base = base_of(state, e.model)
     if base is None:

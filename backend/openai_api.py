@@ -175,14 +175,27 @@ class _Chunks:
         return self._frame([], **extra)
 
 
-async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
-    state = request.app[STATE]
+def check_ready(state: BackendState) -> None:
+    """503 while the engine has failed or the model is loading."""
     if state.engine.failed is not None:
         raise APIError(503, "the engine has failed; see the server log",
                        type="service_unavailable", code="engine_failed")
     if not state.ready:
         raise APIError(503, "the model is still loading", type="service_unavailable",
                        code="model_loading", headers={"retry-after": "1"})
+
+
+async def _failed(resp: web.StreamResponse, error: str) -> web.StreamResponse:
+    """The engine failed mid-stream: its error event, then the end."""
+    err = APIError(500, error, type="server_error", code="engine_failed")
+    await resp.write(b"data: " + err.body() + b"\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    state = request.app[STATE]
+    check_ready(state)
     status = state.faults.error_status()
     if status is not None:
         raise APIError(status, "injected fault", type="rate_limit_exceeded" if status == 429
@@ -261,10 +274,7 @@ async def _stream(request: web.Request, state: BackendState, g: GenerationReques
     while True:
         d = await stream.next()
         if d.error is not None:
-            err = APIError(500, d.error, type="server_error", code="engine_failed")
-            await resp.write(b"data: " + err.body() + b"\n\n")
-            await resp.write_eof()
-            return resp
+            return await _failed(resp, d.error)
         finish = _finish_reason(d.finish)
         pieces = _pieces(state, d, bool(g.stop))
         for i, piece in enumerate(pieces):
@@ -350,10 +360,7 @@ async def _parallel(request: web.Request, state: BackendState, g: GenerationRequ
             while left:
                 i, d = await queue.get()
                 if d.error is not None:
-                    err = APIError(500, d.error, type="server_error", code="engine_failed")
-                    await resp.write(b"data: " + err.body() + b"\n\n")
-                    await resp.write_eof()
-                    return resp
+                    return await _failed(resp, d.error)
                 finish = _finish_reason(d.finish)
                 pieces = _pieces(state, d, bool(g.stop)) or ([""] if d.finish else [])
                 for j, piece in enumerate(pieces):

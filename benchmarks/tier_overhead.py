@@ -4,7 +4,7 @@ same chat request sent in turn by a tenant without a reservation (``payg``: no t
 a tenant with one (``reserved``: a reservation in Redis before routing, settled after) and
 the first tenant as ``flex``, one at a time.
 
-    python -m benchmarks.tier_overhead [--requests 2000] [--rounds 3] [--out DIR]
+    python -m benchmarks.tier_overhead [--requests 2000] [--rounds 3] [--lease F] [--out DIR]
 
 Reported per round: p50 and p99 of each and the difference against ``payg``. Every request
 reserves its tokens against the tenant's quota either way; the difference is the tier.
@@ -34,12 +34,12 @@ KEYS = {"payg": "tier-bench-payg", "reserved": "tier-bench-reserved",
         "flex": "tier-bench-payg"}
 
 
-def policy(upstream: str) -> dict[str, Any]:
+def policy(upstream: str, lease: float) -> dict[str, Any]:
     def tenant(key: str, **kw: Any) -> dict[str, Any]:
         return {"keys": [{"sha256": hashlib.sha256(key.encode()).hexdigest()}],
                 "limits": {"rpm": 1e9, "tpm": 1e12}, **kw}
     return {"version": 1, "settings": {"flow_control": {"mode": "fair"},
-                                       "spend": {"log": False}},
+                                       "spend": {"log": False}, "quota_lease": lease},
             "models": {"m": {"endpoints": [{"url": upstream}],
                              "price": {"input_per_1k": 1.0, "output_per_1k": 1.0,
                                        "reserved": 0.5, "flex": 0.5}}},
@@ -48,7 +48,7 @@ def policy(upstream: str) -> dict[str, Any]:
             "routes": {"r": {"tenants": ["plain", "owner"], "models": ["m"]}}}
 
 
-def start(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+def start(workdir: Path, lease: float) -> tuple[list[subprocess.Popen[bytes]], str]:
     up, gw, rport = free_port(), free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
                                str(up), "--chunks", "8"]),
@@ -56,7 +56,7 @@ def start(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
                                "--appendonly", "no", "--bind", "127.0.0.1"],
                               stdout=subprocess.DEVNULL)]
     path = workdir / "policy.yaml"
-    path.write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1")))
+    path.write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1", lease)))
     time.sleep(0.5)
     procs.append(subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
                                    str(path), "--port", str(gw), "--log-level", "warning",
@@ -81,15 +81,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/tier-overhead")
+    ap.add_argument("--lease", type=float, default=0.0,
+                    help="settings.quota_lease: buckets (the tier's too) leased per replica")
     ns = ap.parse_args()
-    procs, base = start(Path(tempfile.mkdtemp(prefix="tokengate-tiers-")))
+    procs, base = start(Path(tempfile.mkdtemp(prefix="tokengate-tiers-")), ns.lease)
     try:
         asyncio.run(wait_for(base.removesuffix("/v1") + "/health", timeout_s=60))
         rounds = []
         for r in range(ns.rounds):
             rounds.append(asyncio.run(one_round(base, ns.requests)))
             print(json.dumps({"round": r, **rounds[-1]}), flush=True)
-        write(ns.out, {"rounds": rounds, "requests": ns.requests})
+        write(ns.out, {"rounds": rounds, "requests": ns.requests, "lease": ns.lease})
     finally:
         stop_all(procs)
 

@@ -378,6 +378,13 @@ def test_responses_on_real_vllm_count_as_vllms_own_responses_api(
             ours = int(raw.headers["x-tokengate-prompt-tokens"])
             native = vllm_fleet.usage(0, "/v1/responses", {**body, "store": False})
             assert ours == r.usage.input_tokens == native["input_tokens"], (i, ours, native)
+        # n choices: reserved n x, vLLM's usage counts the prompt once
+        raw_n = c.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3)
+        many = raw_n.parse()
+        assert [ch.index for ch in many.choices] == [0, 1] and many.usage is not None
+        assert int(raw_n.headers["x-tokengate-prompt-tokens"]) == many.usage.prompt_tokens
+        assert many.usage.completion_tokens <= 6
         events = list(c.responses.create(model="tiny", input=RESPONSES_INPUTS[3],
                                          tools=RESPONSES_TOOLS, max_output_tokens=3,
                                          stream=True))

@@ -281,11 +281,22 @@ async def attempt_on(state: GatewayState, ctx: RequestContext, a: Attempt, body:
                      ) -> Answer:
     """Send ``a`` and wait for its first event; a failure is judged on ``a`` (which is
     closed) and raised as a ``Failure``; cancelled, ``a`` is closed."""
+    async def streamed() -> Answer:
+        ans = await send(state, ctx, a, body, ctx.route.timeouts)
+        if ans.up.status != 200 or ans.lines is None:
+            raise await answer_failure(ans.up, a.ep, a.pool)
+        return ans
+
+    return await judged(a, streamed())
+
+
+async def judged(a: Attempt, work: Awaitable[T]) -> T:
+    """``work`` (an exchange with ``a``'s endpoint), its failures judged on ``a`` (which is
+    then closed) and raised as a ``Failure``: a timeout or an upstream error as
+    ``upstream_failure`` says, a ``Failure`` as it is; cancelled, ``a`` is closed."""
     try:
         try:
-            ans = await send(state, ctx, a, body, ctx.route.timeouts)
-            if ans.up.status != 200 or ans.lines is None:
-                raise await answer_failure(ans.up, a.ep, a.pool)
+            return await work
         except (UpstreamError, TimeoutError) as exc:
             raise upstream_failure(exc) from exc
     except Failure as f:
@@ -294,7 +305,6 @@ async def attempt_on(state: GatewayState, ctx: RequestContext, a: Attempt, body:
     except BaseException:
         a.close()
         raise
-    return ans
 
 
 async def continue_stream(state: GatewayState, ctx: RequestContext, adm: quota.Admission,

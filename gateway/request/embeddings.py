@@ -18,14 +18,14 @@ from aiohttp import web
 from gateway.config.policy import Model
 from gateway.quota import ledger as quota
 from gateway.request import pipeline
-from gateway.request.attempt import Attempt, request_headers, retry
+from gateway.request.attempt import Attempt, judged, request_headers, retry
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_request, traced_route, upstream_span
-from gateway.request.failure import Failure, answer_failure, upstream_failure
+from gateway.request.failure import answer_failure
 from gateway.request.relay import RelayResult
 from gateway.request.respond import headers
 from gateway.request.settle import hand_back
-from gateway.request.upstream import UpstreamError, UpstreamResponse
+from gateway.request.upstream import UpstreamResponse
 from gateway.routing.router import Decision
 from gateway.state import GatewayState
 from protocol.embeddings import parse_embeddings
@@ -134,23 +134,17 @@ async def open_embeddings(state: GatewayState, ctx: RequestContext, m: Model,
         a = Attempt(state, ctx, pool, ep, prompt_tokens, decision.endpoint.uncached_tokens,
                     upstream_span(ctx, m, ep.url, False, n))
         sent_at = time.perf_counter()
-        try:
-            try:
-                async with asyncio.timeout(t.total_s):
-                    up = await state.upstream.post(
-                        ep.url + "/embeddings", body, request_headers(ctx, a),
-                        connect_timeout_s=t.connect_s, ca_file=ep.ca_file)
-                    if up.status != 200:
-                        raise await answer_failure(up, ep, pool)
-                    data = await up.read()
-            except (UpstreamError, TimeoutError) as exc:
-                raise upstream_failure(exc) from exc
-        except Failure as f:
-            a.failed(f)
-            raise
-        except BaseException:
-            a.close()
-            raise
+
+        async def whole() -> tuple[UpstreamResponse, bytes]:
+            async with asyncio.timeout(t.total_s):
+                up = await state.upstream.post(
+                    ep.url + "/embeddings", body, request_headers(ctx, a),
+                    connect_timeout_s=t.connect_s, ca_file=ep.ca_file)
+                if up.status != 200:
+                    raise await answer_failure(up, ep, pool)
+                return up, await up.read()
+
+        up, data = await judged(a, whole())
         up.release()
         a.first_token()  # the whole answer is in: the inputs were computed
         router.commit(decision, info)
