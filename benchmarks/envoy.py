@@ -101,7 +101,8 @@ class Stack:
         for name, file, extra in (
                 ("envoy", "envoy-roundrobin.yaml", {"ENDPOINTS": endpoints_yaml(hostports)}),
                 ("envoy+epp", "envoy-epp.yaml", {"EPP_HOST": "127.0.0.1",
-                                                 "EPP_PORT": epp_port})):
+                                                 "EPP_PORT": epp_port,
+                                                 "ENDPOINTS": endpoints_yaml(hostports)})):
             listen, admin = free_port(), free_port()
             e = self._envoy(render(file, ADMIN_PORT=admin, LISTEN_HOST="127.0.0.1",
                                    LISTEN_PORT=listen, **extra), admin)

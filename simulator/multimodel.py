@@ -238,8 +238,12 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig,
 
 def fewest_gpus(requests: Sequence[ModelRequest], base: FleetConfig, target: float,
                 max_instances: int, log: Any = None) -> tuple[int | None, list[dict[str, Any]]]:
-    """The fewest instances whose SLO attainment reaches ``target`` (binary search over
-    ``1..max_instances``, attainment taken as non-decreasing in instances), with every trial."""
+    """The fewest instances whose SLO attainment reaches ``target``, with every trial.
+
+    Attainment is taken as non-decreasing in instances. The search gallops up from the fewest
+    instances that can host every model (doubling until one suffices), then bisects: a trial
+    that falls short stops early and is cheap, one with many instances is not, so the largest
+    size tried is at most twice the answer rather than ``max_instances``."""
     trials: list[dict[str, Any]] = []
     cache: dict[int, float] = {}
 
@@ -262,8 +266,14 @@ def fewest_gpus(requests: Sequence[ModelRequest], base: FleetConfig, target: flo
     hi = max(lo, max_instances)
     if attain(lo) >= target:
         return lo, trials  # the fewest that can host every model already suffice
-    if attain(hi) < target:
-        return None, trials
+    while True:
+        step = min(hi, 2 * lo)
+        if attain(step) >= target:
+            lo, hi = lo + 1, step
+            break
+        if step == hi:
+            return None, trials
+        lo = step + 1
     while lo < hi:
         mid = (lo + hi) // 2
         if attain(mid) >= target:

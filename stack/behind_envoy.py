@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gateway.epp.envoy import Envoy, render
+from gateway.config.policy import load_policy
+from gateway.epp.envoy import Envoy, epp_front, policy_endpoints
 from gateway.epp.server import EPPConfig, serve_epp
 from protocol.loopback import free_port
 
@@ -23,8 +24,9 @@ async def behind_envoy(policy: str, host: str, port: int, redis_url: str | None,
     if task.done():
         task.result()
     admin = free_port()
-    envoy = Envoy(render("envoy-epp.yaml", ADMIN_PORT=admin, LISTEN_HOST=host,
-                         LISTEN_PORT=port, EPP_HOST=cfg.host, EPP_PORT=cfg.port), admin)
+    envoy = Envoy(epp_front(admin_port=admin, listen_host=host, listen_port=port,
+                            epp_host=cfg.host, epp_port=cfg.port,
+                            endpoints=policy_endpoints(load_policy(policy))), admin)
     try:
         await asyncio.to_thread(envoy.start)
         ready.set()

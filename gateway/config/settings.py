@@ -38,6 +38,9 @@ class Settings:
     progressive_charge_ms: int = 1000
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 4096
+    # How many endpoints the EPP names per request (GIE's fallback list): the pick, then the
+    # next best the proxy walks on retry; 1 names the pick alone.
+    epp_endpoints: int = 3
     timeouts: Timeouts = field(default_factory=Timeouts)  # defaults for every route
     retries: Retries = field(default_factory=Retries)
     client: ClientLimits = field(default_factory=ClientLimits)
@@ -66,7 +69,7 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
             raise d.fail("settings.redis_failure", "expected fail_open or fail_closed")
         kw["redis_failure"] = m["redis_failure"]
     for k in ("replicas", "progressive_charge_tokens", "progressive_charge_ms",
-              "max_body_bytes", "max_messages"):
+              "max_body_bytes", "max_messages", "epp_endpoints"):
         if k in m:
             kw[k] = d.integer(m[k], f"settings.{k}")
     if "quota_lease" in m:

@@ -12,9 +12,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import orjson
+
+from gateway.config.policy import Policy
+from gateway.epp.pick import hostport
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -46,6 +50,24 @@ def endpoints_yaml(hostports: list[tuple[str, int]]) -> str:
     """The ``lb_endpoints`` of a static cluster, as a flow-style YAML list (JSON is YAML)."""
     return orjson.dumps([{"endpoint": {"address": {"socket_address": {
         "address": h, "port_value": p}}}} for h, p in hostports]).decode()
+
+
+def epp_front(*, admin_port: int, listen_host: str, listen_port: int, epp_host: str,
+              epp_port: int, endpoints: Iterable[str]) -> str:
+    """``envoy-epp.yaml`` rendered: Envoy on ``listen_host:listen_port`` with the EPP at
+    ``epp_host:epp_port``, over a pool of ``endpoints`` (``ip:port``, or ``[ip6]:port``)."""
+    pairs = []
+    for e in dict.fromkeys(endpoints):
+        host, _, port = e.rpartition(":")
+        pairs.append((host.strip("[]"), int(port)))
+    return render("envoy-epp.yaml", ADMIN_PORT=admin_port, LISTEN_HOST=listen_host,
+                  LISTEN_PORT=listen_port, EPP_HOST=epp_host, EPP_PORT=epp_port,
+                  ENDPOINTS=endpoints_yaml(pairs))
+
+
+def policy_endpoints(policy: Policy) -> list[str]:
+    """Every endpoint of ``policy``'s models as Envoy's cluster holds it (``ip:port``)."""
+    return [hostport(e.url) for m in policy.models.values() for e in m.endpoints]
 
 
 class Envoy:

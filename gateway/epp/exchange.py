@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,8 +34,9 @@ from gateway.epp.pick import Picked, embeddings_picker, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.quota import ledger as quota
 from gateway.request import embeddings, pipeline, responses
+from gateway.request.attempt import Attempt
 from gateway.request.context import RequestContext
-from gateway.request.dispatch import open_request
+from gateway.request.dispatch import open_request, upstream_span
 from gateway.request.failure import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
 from gateway.request.relay import RelayResult, Sink, relay_stream
 from gateway.request.respond import aggregate
@@ -61,6 +64,8 @@ _ALLOWED = {"request_headers": (_NEW,), "request_body": (_REQUEST,),
 # Envoy's router stamps this on every response an upstream sent; a 5xx without it is
 # Envoy's own local reply (the endpoint could not be reached, or reset before answering).
 UPSTREAM_TIME = "x-envoy-upstream-service-time"
+
+log = logging.getLogger("tokengate.epp")
 
 
 class OutOfOrder(Exception):
@@ -124,7 +129,7 @@ class Exchange:
                 out = [] if self.ctx is not None else await self._request_body(b"", True)
                 return [*out, messages.trailers(response=False)]
             if which == "response_headers":
-                return self._response_headers(req.response_headers)
+                return self._response_headers(req)
             if which == "response_body":
                 return await self._response_body(req.response_body.body,
                                                  req.response_body.end_of_stream)
@@ -193,16 +198,17 @@ class Exchange:
         a = picked.attempt
         auth = {k.lower(): v for k, v in a.pool.auth_headers(a.ep).items()}
         set_ = {":path": picked.path, "content-length": str(len(picked.body)),
-                "x-request-id": ctx.request_id, **auth,
-                **a.trace_headers()}  # the engine's spans join the trace
+                "x-request-id": ctx.request_id, messages.MAX_RETRIES: str(len(picked.fallbacks)),
+                **auth, **a.trace_headers()}  # the engine's spans join the trace
         self.state.metrics.overhead.observe(time.perf_counter() - self.received)
         return [messages.request_headers(set_, () if auth else ("authorization",),
-                                         picked.destination),
+                                         picked.destinations),
                 messages.body(picked.body, True, response=False)]
 
     # -- the response --------------------------------------------------------------------
 
-    def _response_headers(self, h: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def _response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        h = req.response_headers
         hm = self.upstream_headers = messages.header_map(h)
         try:
             self.result.status = int(hm.get(":status", "0"))
@@ -210,6 +216,7 @@ class Exchange:
             self.result.status = 0
         if self.picked is None or self.ctx is None:
             return [messages.response_headers({})]
+        self._served_by(messages.served(req, hm))
         if self.result.status != 200:
             return [self._upstream_failed()] if h.end_of_stream else []  # judged on its body
         p, ctx = self.picked, self.ctx
@@ -227,6 +234,32 @@ class Exchange:
         return [messages.response_headers(
             {**self.answer_headers, "content-type": "text/event-stream",
              "cache-control": "no-cache"}, ("content-length",))]
+
+    def _served_by(self, served: str | None) -> None:
+        """The proxy fell back from the pick to ``served`` (one of the fallbacks the EPP
+        named): the pick could not be reached, and is judged so; the request is now the
+        served endpoint's -- its ticket, its in-flight count, its settlement."""
+        p, ctx = self.picked, self.ctx
+        assert p is not None and ctx is not None
+        if served is None or served == p.destination:
+            return
+        c = p.fallback_at(served)
+        if c is None:
+            log.warning("the proxy says %s served request %s, which the EPP did not name "
+                        "(it named %s)", served, ctx.request_id, p.destinations)
+            return
+        old = p.attempt
+        old.failed(Failure(APIError(502, "the upstream could not be reached",
+                                    type="server_error", code="upstream_unavailable"),
+                           "connect", False))
+        model = ctx.parsed.model
+        self.state.metrics.series("retries", model, "proxy_fallback").inc()
+        p.attempt = Attempt(self.state, ctx, old.pool, c.ep, old.ticket.tokens,
+                            c.uncached_tokens, upstream_span(ctx, p.router.model, c.ep.url,
+                                                             False, 2))
+        p.decision = dataclasses.replace(p.decision, endpoint=c)
+        p.destination = served
+        p.fallbacks = ()
 
     async def _aggregate(self, feed: LineFeed) -> bytes | None:
         assert self.ctx is not None and self.adm is not None and self.picked is not None

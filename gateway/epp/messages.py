@@ -23,6 +23,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 SERVED = "x-gateway-destination-endpoint-served"
+# Envoy's own header for the retries of one request: the EPP sets it to the fallbacks it
+# named, so the proxy walks the list and no further (never past the EPP's choice).
+MAX_RETRIES = "x-envoy-max-retries"
 # GIE names a request's InferenceObjective in this header; ours are named after the
 # priorities they stand for (deploy/k8s/gie/objectives.yaml), so the name is the priority.
 OBJECTIVE = "x-gateway-inference-objective"
@@ -124,3 +127,14 @@ def subset(req: pb.ProcessingRequest, headers: Mapping[str, str]) -> set[str] | 
         found = headers[SUBSET_HEADER].split(",")
     picked = {x.strip() for x in found if x.strip()}
     return picked or None
+
+
+def served(req: pb.ProcessingRequest, headers: Mapping[str, str]) -> str | None:
+    """The ``ip:port`` the proxy says served the request: the protocol's
+    ``envoy.lb`` metadata, else the response header of the same name; None if neither."""
+    ns = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if ns is not None and SERVED in ns.fields:
+        value = ns.fields[SERVED].string_value.strip()
+        if value:
+            return value
+    return headers.get(SERVED) or None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import math
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from gateway.request.attempt import Attempt
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
 from gateway.routing.endpoints import EndpointPool, EndpointState
-from gateway.routing.plugins import RequestInfo
+from gateway.routing.plugins import Candidate, RequestInfo
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState
 from protocol.errors import APIError
@@ -39,10 +40,22 @@ class Picked:
     body: bytes
     prefill_used: bool
     started_at: float  # the prefill's start when prefilled elsewhere, else the pick's end
+    # the endpoints the proxy may fall back to, in order, when ``destination`` cannot be
+    # reached (GIE's fallback list); the request Envoy sends them is the very same
+    fallbacks: tuple[Candidate, ...] = ()
 
     @property
     def ttft_origin(self) -> float:
         return self.started_at
+
+    @property
+    def destinations(self) -> str:
+        """The protocol's ``x-gateway-destination-endpoint``: ``ip:port[,ip:port...]``."""
+        return ",".join((self.destination, *(hostport(c.ep.url) for c in self.fallbacks)))
+
+    def fallback_at(self, served: str) -> Candidate | None:
+        """The fallback that ``served`` (an ``ip:port``) names, if any."""
+        return next((c for c in self.fallbacks if hostport(c.ep.url) == served), None)
 
 
 _RESOLVED: dict[tuple[str, int], tuple[str, float]] = {}
@@ -65,6 +78,22 @@ def hostport(url: str) -> str:
             cached = _RESOLVED[(host, port)] = (str(addr), now + RESOLVE_TTL_S)
         ip = ipaddress.ip_address(cached[0])
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def fallbacks(state: GatewayState, m: Model, pool: EndpointPool, d: Decision,
+              prefilled: bool) -> tuple[Candidate, ...]:
+    """The candidates after the pick, best predicted first, that could take the very request
+    Envoy sends the pick: the same key and base path, no prefill done for it elsewhere, no
+    adapter loaded for it; at most ``settings.epp_endpoints - 1``."""
+    n = state.view.policy.settings.epp_endpoints - 1
+    if n <= 0 or prefilled or m.lora is not None:
+        return ()
+    ep = d.endpoint.ep
+    path, auth = urlsplit(ep.url).path.rstrip("/"), pool.auth_headers(ep)
+    same = [c for c in d.considered if c.ep is not ep and c.ep.role != "prefill"
+            and urlsplit(c.ep.url).path.rstrip("/") == path and pool.auth_headers(c.ep) == auth]
+    same.sort(key=lambda c: math.inf if math.isnan(c.ttft_ms) else c.ttft_ms)
+    return tuple(same[:n])
 
 
 def outside(allowed: set[str] | None
@@ -105,7 +134,8 @@ async def pick_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
     api = "/chat/completions" if ctx.kind == "chat" else "/completions"
     return Picked(d, router, a, info, hostport(ep.url),
                   urlsplit(ep.url).path.rstrip("/") + api, upstream_body(ctx, m, kv),
-                  kv is not None, started_at if kv is not None else time.perf_counter())
+                  kv is not None, started_at if kv is not None else time.perf_counter(),
+                  fallbacks(state, m, pool, d, kv is not None))
 
 
 def embeddings_picker(allowed: set[str] | None) -> Opener[Picked]:
@@ -125,5 +155,5 @@ def embeddings_picker(allowed: set[str] | None) -> Opener[Picked]:
         body = orjson.dumps({**ctx.body, "model": m.upstream_name})
         return Picked(d, router, a, info, hostport(ep.url),
                       urlsplit(ep.url).path.rstrip("/") + "/embeddings", body, False,
-                      time.perf_counter())
+                      time.perf_counter(), fallbacks(state, m, router.pool, d, False))
     return pick

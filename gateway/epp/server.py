@@ -2,7 +2,8 @@
 behind Envoy's ext_proc filter.
 
 One process, one event loop: the ext_proc gRPC service (``envoy.service.ext_proc.v3``) and
-gRPC health checking (``grpc.health.v1``: SERVING while it takes requests) on ``--port``, and
+gRPC health checking (``grpc.health.v1``: the protocol's ``liveness`` and ``readiness``
+services and the ext_proc service's own name) on ``--port``, and
 ``tokengate serve``'s own HTTP app on ``--http-port`` for ``/metrics``, ``/ready`` and
 ``/admin/*`` (and the OpenAI API itself, for clients that bypass the proxy). Both share one
 gateway state: the policy (reloaded on SIGHUP), the rate store (Redis: replicas of the EPP
@@ -30,6 +31,11 @@ from gateway.front.routes import build_app
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokengate.epp")
+
+# The protocol's health services (v1.0.0): alive while the process answers; ready (and the
+# ext_proc service serving) while it takes requests. Every replica is ready: they share
+# their state through Redis (active-active), so none waits as a follower.
+LIVENESS, READINESS = "liveness", "readiness"
 
 
 class Processor:
@@ -97,7 +103,7 @@ async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     cfg.port = bound
     await server.start()
-    for name in ("", SERVICE):
+    for name in ("", LIVENESS, READINESS, SERVICE):
         await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("EPP listening on %s:%d (ext_proc, health), HTTP on %d (policy %s, store %s)",
              cfg.host, cfg.port, cfg.http_port, cfg.policy, type(state.store).__name__)
@@ -105,7 +111,7 @@ async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
     try:
         await stop.wait()
         state.draining = True
-        for name in ("", SERVICE):
+        for name in ("", READINESS, SERVICE):  # alive while it drains, no longer ready
             await checker.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await drain(cfg.drain_timeout_s, lambda: processor.streams > 0 or in_flight(state) > 0)
         log.info("drained (%d exchanges open); stopping", processor.streams)
