@@ -119,6 +119,7 @@ class Engine:
         self.held: dict[str, HeldKV] = {}
         self.kv_events = KVEventPublisher(config.block_size)
         self._entries: dict[str, _Entry] = {}
+        self.submitted = 0  # requests ever submitted (admin/state; tests)
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -153,6 +154,7 @@ class Engine:
         if req.request_id in self._entries:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._entries[req.request_id] = _Entry(req, stream, words)
+        self.submitted += 1
         if self.tiers is not None and self.tiers.pool_url is not None \
                 and self.config.enable_prefix_caching:
             self._spawn(self._admit(req))

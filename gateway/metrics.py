@@ -53,6 +53,10 @@ class GatewayMetrics:
         self.retries = Counter("tokengate_retries", "Retries on another endpoint: made, or "
                                "denied by the attempts limit or the retry budget.",
                                ["model", "outcome"], registry=r)
+        self.discovered_endpoints = Gauge(
+            "tokengate_discovered_endpoints", "Endpoints discovery finds for a model now "
+            "(an InferencePool's ready pods, or a headless Service's addresses).", ["model"],
+            registry=r)
         self.policy_reloads = Counter("tokengate_policy_reloads", "Policy reload attempts.",
                                       ["outcome"], registry=r)
         self.predictor_mape = Gauge("tokengate_predictor_mape",

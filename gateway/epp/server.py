@@ -67,6 +67,13 @@ class Processor:
             ex.close()
 
 
+async def _ready_when_discovered(state: GatewayState, checker: health.aio.HealthServicer
+                                 ) -> None:
+    await state.discoverer.until_ready()
+    for name in ("", READINESS, SERVICE):
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
 @dataclass(slots=True)
 class EPPConfig:
     policy: str
@@ -103,13 +110,16 @@ async def serve_epp(cfg: EPPConfig, *, ready: asyncio.Event | None = None,
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     cfg.port = bound
     await server.start()
-    for name in ("", LIVENESS, READINESS, SERVICE):
-        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await checker.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    for name in ("", READINESS, SERVICE):  # ready once discovery has found the endpoints
+        await checker.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    readying = asyncio.ensure_future(_ready_when_discovered(state, checker))
     log.info("EPP listening on %s:%d (ext_proc, health), HTTP on %d (policy %s, store %s)",
              cfg.host, cfg.port, cfg.http_port, cfg.policy, type(state.store).__name__)
     stop = announce(stop, watcher, handle_signals, ready)
     try:
         await stop.wait()
+        readying.cancel()
         state.draining = True
         for name in ("", READINESS, SERVICE):  # alive while it drains, no longer ready
             await checker.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -40,7 +40,7 @@ class PolicyWatcher:
             policy = load_policy(self.path)
             view = build_view(policy, self.state.tokenizers, self.state.executor,
                               self.state.fleet, self.state.predictor, self.state.view,
-                              self.state.scalers)
+                              self.state.scalers, self.state.found)
         except (PolicyError, ValueError) as exc:
             self.last_error = str(exc)
             self.state.metrics.policy_reloads.labels("rejected").inc()

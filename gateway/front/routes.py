@@ -73,8 +73,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    if request.app[GATEWAY].draining:
+    state = request.app[GATEWAY]
+    if state.draining:
         return web.Response(status=503, text="draining")
+    if not state.discoverer.ready():
+        return web.Response(status=503, text="discovering endpoints")
     return web.Response(text="ready")
 
 
@@ -280,6 +283,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     watcher = app.get(WATCHER)
     tasks = [asyncio.ensure_future(watcher.run())] if watcher is not None else []
     tasks.append(asyncio.ensure_future(state.fleet.scrape_loop()))
+    tasks.append(asyncio.ensure_future(state.discoverer.run()))
     sync = None
     share = None
     if state.redis_url:

@@ -1,0 +1,34 @@
+"""The endpoints discovery found, put into a policy version's pools beside the endpoints the
+policy lists (as the autoscaler puts its launched instances): one ``EndpointState`` per URL,
+kept in the fleet, so a pod that stays keeps its live counters, scrapes and caches across
+changes and policy reloads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from gateway.config.policy import Policy
+from gateway.routing.endpoints import EndpointPool
+from gateway.routing.fleet import Fleet
+
+
+def attach(policy: Policy, pools: Mapping[str, EndpointPool], fleet: Fleet,
+           found: Mapping[str, Sequence[str]]) -> None:
+    """Each discovering model's pool: the policy's endpoints, then those found."""
+    for name, m in policy.models.items():
+        d, pool = m.discovery, pools.get(name)
+        if d is None or pool is None:
+            continue
+        listed = {e.url for e in m.endpoints}
+        key = os.environ.get(d.api_key_env) if d.api_key_env else None
+        static = [e for e in pool.endpoints if e.url in listed]
+        extra = [fleet.endpoint(u, key, "both", m.backend.hardware)
+                 for u in found.get(name, ()) if u not in listed]
+        for e in extra:
+            pool.api_keys[e.url] = key
+        pool.endpoints = static + extra
+
+
+def urls(found: Mapping[str, Sequence[str]]) -> list[str]:
+    return [u for us in found.values() for u in us]
