@@ -4,6 +4,7 @@ Service's DNS name resolves to (``gateway.discovery``)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +45,9 @@ def parse_discovery(d: Decoder, raw: Any, path: str) -> Discovery:
         if port > 65535:
             raise d.fail(f"{path}.port", f"expected a TCP port, got {port}")
         kw["port"] = port
+    if kind == "inference_pool" and importlib.util.find_spec("kubernetes") is None:
+        raise d.fail(f"{path}.inference_pool", "discovery from an InferencePool needs the "
+                     "Kubernetes client: pip install 'tokengate[kubernetes]'")
     if kind == "dns" and "port" not in kw:
         raise d.fail(f"{path}.port", "dns discovery needs the engines' port")
     if kind == "dns" and ("namespace" in kw or "kubeconfig" in kw):
