@@ -116,17 +116,17 @@ def error(exc: APIError, extra: Mapping[str, str] | None = None) -> pb.Processin
 
 def subset(req: pb.ProcessingRequest, headers: Mapping[str, str]) -> set[str] | None:
     """The ``ip:port`` candidates the proxy narrowed this request to, from the filter
-    metadata it sent (``envoy.lb.subset_hint``) or the subset header; None: any."""
-    found: list[str] = []
+    metadata it sent (``envoy.lb.subset_hint``) or the subset header; None: any. A subset
+    key that is set but empty narrows to nothing (the protocol: a 503)."""
     ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
     if ns is not None and SUBSET_HEADER in ns.fields:
         v = ns.fields[SUBSET_HEADER]
         found = ([x.string_value for x in v.list_value.values] if v.HasField("list_value")
                  else v.string_value.split(","))
-    elif headers.get(SUBSET_HEADER):
-        found = headers[SUBSET_HEADER].split(",")
-    picked = {x.strip() for x in found if x.strip()}
-    return picked or None
+        return {x.strip() for x in found if x.strip()}
+    if headers.get(SUBSET_HEADER):
+        return {x.strip() for x in headers[SUBSET_HEADER].split(",") if x.strip()} or None
+    return None
 
 
 def served(req: pb.ProcessingRequest, headers: Mapping[str, str]) -> str | None:
