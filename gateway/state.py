@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +14,9 @@ from aiohttp import web
 
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
+from gateway.discovery.found import Found
 from gateway.discovery.found import attach as attach_found
+from gateway.discovery.found import urls as found_urls
 from gateway.discovery.manager import Discoverer
 from gateway.flow.control import FlowGates
 from gateway.flow.share import CounterShare
@@ -95,7 +97,7 @@ class GatewayState:
     spend: SpendLedger = field(init=False)  # what every request cost
     sentry: Sentry = field(init=False)  # stops runaway agent sessions
     # endpoints discovery found, by model (``gateway.discovery``), and what finds them
-    found: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    found: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     discoverer: Discoverer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,18 +123,18 @@ class GatewayState:
 
 
 def kept_urls(policy: Policy, scalers: Mapping[str, PoolScaler] | None,
-              found: Mapping[str, Sequence[str]] | None) -> list[str]:
+              found: Found | None) -> list[str]:
     """Every endpoint some pool holds: the policy's, the launched ones, the discovered."""
     launched = [u for sc in (scalers or {}).values() for u in sc.urls()]
     return ([e.url for m in policy.models.values() for e in m.endpoints] + launched
-            + [u for us in (found or {}).values() for u in us])
+            + found_urls(found or {}))
 
 
 def build_view(policy: Policy, tokenizers: Tokenizers, executor: ThreadPoolExecutor,
                fleet: Fleet, predictor: OnlinePredictor | None,
                counters_from: PolicyView | None = None,
                scalers: Mapping[str, PoolScaler] | None = None,
-               found: Mapping[str, Sequence[str]] | None = None) -> PolicyView:
+               found: Found | None = None) -> PolicyView:
     """Pools, routers and token counters for one policy version. Endpoint state lives in the
     fleet (by URL) and token counters are kept across versions when the tokenizer settings
     are unchanged, so a reload loses neither live counters nor caches."""

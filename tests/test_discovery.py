@@ -142,7 +142,8 @@ def test_pods_are_followed_as_they_come_go_and_turn_unready(
                for q in watches[1:])
     wait_for(lambda: w.counts["bookmarks"] >= 1)
     status = gw.state.discoverer.status()["m"]
-    assert status["synced"] and sorted(status["endpoints"]) == sorted(urls(gw))
+    assert status["synced"] and sorted(e["url"] for e in status["endpoints"]) == \
+        sorted(urls(gw))
 
 
 def test_a_watch_that_is_too_old_relists_and_misses_nothing(
@@ -239,7 +240,7 @@ def test_dns_discovery_follows_what_the_name_resolves_to(backend_factory: Factor
 
 async def test_a_names_addresses_are_those_the_resolver_gives() -> None:
     got = await dns.resolve("localhost", 8000)
-    want = {(str(i[4][0]), 8000) for i in socket.getaddrinfo("localhost", 8000,
+    want = {(str(i[4][0]), 8000, "both") for i in socket.getaddrinfo("localhost", 8000,
                                                               type=socket.SOCK_STREAM)}
     assert set(got) == want and got == sorted(got)
 
@@ -261,8 +262,13 @@ def test_pool_and_pod_readings() -> None:
     no_ip = pod("w", "", {})
     assert not any(ready(p_) for p_ in (terminating, pending, no_ip,
                                         pod("v", "10.0.0.4", {}, ready=False)))
-    assert addresses([ok, terminating], (8000, 8001)) == [("10.0.0.1", 8000),
-                                                          ("10.0.0.1", 8001)]
+    assert addresses([ok, terminating], (8000, 8001)) == [("10.0.0.1", 8000, "both"),
+                                                          ("10.0.0.1", 8001, "both")]
+    prefill = pod("p", "10.0.0.5", {"llm-d.ai/role": "prefill"})
+    decode = pod("d", "10.0.0.6", {"llm-d.ai/role": "decode", "x": "y"})
+    odd = pod("o", "10.0.0.7", {"llm-d.ai/role": "router"})
+    assert addresses([prefill, decode, odd], (1,)) == [
+        ("10.0.0.5", 1, "prefill"), ("10.0.0.6", 1, "decode"), ("10.0.0.7", 1, "both")]
 
 
 def test_the_policy_says_what_is_wrong_with_a_discovery_section(tmp_path: Path) -> None:
@@ -276,3 +282,18 @@ def test_the_policy_says_what_is_wrong_with_a_discovery_section(tmp_path: Path) 
             load_policy(policy(tmp_path, section))
     m = load_policy(policy(tmp_path, {"inference_pool": "p"})).models["m"]
     assert m.discovery == Discovery("inference_pool", "p") and m.endpoints == ()
+
+
+def test_a_pods_role_label_makes_the_pool_disaggregated(
+        fleet: tuple[KubeAPI, RunningGateway, dict[str, RunningBackend], int]) -> None:
+    """llm-d's ``llm-d.ai/role`` label on a pod gives its endpoint that role: a pool with a
+    prefill pod prefills there and decodes on the others."""
+    api, gw, _, port = fleet
+    wait_for(lambda: len(urls(gw)) == 2)
+    assert not gw.state.view.pools["m"].disaggregated
+    api.put_pod(pod("vllm-2", IPS[2], {**LABELS, "llm-d.ai/role": "prefill"}))
+    wait_for(lambda: len(urls(gw)) == 3)
+    roles = {e.url: e.role for e in gw.state.view.pools["m"].endpoints}
+    assert roles == {f"http://{IPS[0]}:{port}/v1": "both", f"http://{IPS[1]}:{port}/v1": "both",
+                     f"http://{IPS[2]}:{port}/v1": "prefill"}
+    assert gw.state.view.pools["m"].disaggregated

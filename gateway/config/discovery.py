@@ -23,6 +23,7 @@ class Discovery:
     interval_s: float = 5.0  # dns: how often the name is resolved again
     kubeconfig: str | None = None  # inference_pool: default in-cluster, else $KUBECONFIG
     api_key_env: str | None = None  # the bearer key sent to every discovered endpoint
+    role_label: str = "llm-d.ai/role"  # a pod label saying prefill or decode (else both)
 
     def url(self, ip: str, port: int) -> str:
         host = f"[{ip}]" if ":" in ip else ip
@@ -37,7 +38,7 @@ def parse_discovery(d: Decoder, raw: Any, path: str) -> Discovery:
                      "or dns (a headless Service's name)")
     kind: Literal["inference_pool", "dns"] = "dns" if kinds[0] == "dns" else "inference_pool"
     kw: dict[str, Any] = {}
-    for k in ("namespace", "kubeconfig", "api_key_env"):
+    for k in ("namespace", "kubeconfig", "api_key_env", "role_label"):
         if k in m:
             kw[k] = d.string(m[k], f"{path}.{k}")
     if "port" in m:

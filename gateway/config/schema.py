@@ -130,7 +130,10 @@ SECTIONS: dict[str, Section] = {
          "scheme": spec("http | https", "http", "The endpoints' scheme."),
          "path": spec("string", "/v1", "The OpenAI base path on each endpoint."),
          "api_key_env": spec("string", NONE, "An environment variable holding the bearer key "
-                           "sent to every discovered endpoint.")}),
+                           "sent to every discovered endpoint."),
+         "role_label": spec("string", "llm-d.ai/role", "A pod label whose value `prefill` or "
+                          "`decode` gives the pod that role in a disaggregated pool (any "
+                          "other value, or none: both).")}),
     "images": Section(
         "models.NAME.images",
         "The model takes images (`image_url` content parts) and its engines serve them (a "

@@ -12,12 +12,12 @@ from gateway.config.discovery import Discovery
 
 log = logging.getLogger("tokengate.discovery")
 
-Addresses = list[tuple[str, int]]
+Addresses = list[tuple[str, int, str]]  # (ip, port, role)
 
 
 async def resolve(name: str, port: int) -> Addresses:
     infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    return sorted({(str(info[4][0]), port) for info in infos})
+    return sorted({(str(info[4][0]), port, "both") for info in infos})
 
 
 async def follow(d: Discovery, on_change: Callable[[Addresses], None],

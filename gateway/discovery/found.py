@@ -12,10 +12,13 @@ from gateway.config.policy import Policy
 from gateway.routing.endpoints import EndpointPool
 from gateway.routing.fleet import Fleet
 
+Found = Mapping[str, Sequence[tuple[str, str]]]  # model -> (url, role)
+
 
 def attach(policy: Policy, pools: Mapping[str, EndpointPool], fleet: Fleet,
-           found: Mapping[str, Sequence[str]]) -> None:
-    """Each discovering model's pool: the policy's endpoints, then those found."""
+           found: Found) -> None:
+    """Each discovering model's pool: the policy's endpoints, then those found (with the
+    role their pods' label gives: prefill, decode, or both)."""
     for name, m in policy.models.items():
         d, pool = m.discovery, pools.get(name)
         if d is None or pool is None:
@@ -23,12 +26,12 @@ def attach(policy: Policy, pools: Mapping[str, EndpointPool], fleet: Fleet,
         listed = {e.url for e in m.endpoints}
         key = os.environ.get(d.api_key_env) if d.api_key_env else None
         static = [e for e in pool.endpoints if e.url in listed]
-        extra = [fleet.endpoint(u, key, "both", m.backend.hardware)
-                 for u in found.get(name, ()) if u not in listed]
+        extra = [fleet.endpoint(u, key, role, m.backend.hardware)
+                 for u, role in found.get(name, ()) if u not in listed]
         for e in extra:
             pool.api_keys[e.url] = key
         pool.endpoints = static + extra
 
 
-def urls(found: Mapping[str, Sequence[str]]) -> list[str]:
-    return [u for us in found.values() for u in us]
+def urls(found: Found) -> list[str]:
+    return [u for us in found.values() for u, _ in us]

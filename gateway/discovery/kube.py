@@ -34,7 +34,7 @@ WATCH_S = 30  # one watch window (the API server ends it; the pool is read again
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 SERVICE_ACCOUNT_NS = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
-Addresses = list[tuple[str, int]]
+Addresses = list[tuple[str, int, str]]  # (ip, port, role)
 
 
 def own_namespace() -> str:
@@ -174,7 +174,7 @@ class PoolWatcher:
 
     def _publish(self) -> None:
         assert self.target is not None
-        now = addresses(self.pods.values(), self.target.ports)
+        now = addresses(self.pods.values(), self.target.ports, self.d.role_label)
         if now != self._published:
             self._published = now
             self.on_change(now)

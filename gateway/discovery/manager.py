@@ -21,7 +21,7 @@ from gateway.routing.fleet import Fleet
 
 log = logging.getLogger("tokengate.discovery")
 
-Addresses = list[tuple[str, int]]
+Addresses = list[tuple[str, int, str]]  # (ip, port, role)
 CHECK_S = 1.0  # how often a reloaded policy's sections are compared with what runs
 
 
@@ -70,7 +70,7 @@ class Follower:
 class Host(Protocol):
     """What discovery needs of the gateway's state (``gateway.state.GatewayState``)."""
 
-    found: dict[str, tuple[str, ...]]
+    found: dict[str, tuple[tuple[str, str], ...]]  # model -> (url, role)
     fleet: Fleet
     metrics: GatewayMetrics
 
@@ -96,7 +96,8 @@ class Discoverer:
         return all(n in self.followers and self.followers[n].synced.is_set() for n in wanted)
 
     def status(self) -> dict[str, Any]:
-        return {name: {**f.status(), "endpoints": list(self.state.found.get(name, ()))}
+        return {name: {**f.status(), "endpoints": [
+                    {"url": u, "role": r} for u, r in self.state.found.get(name, ())]}
                 for name, f in self.followers.items()}
 
     async def run(self) -> None:
@@ -122,9 +123,10 @@ class Discoverer:
                 self.followers[name] = Follower(d, functools.partial(self._changed, name, d))
 
     def _changed(self, model: str, d: Discovery, addrs: Addresses) -> None:
-        urls = tuple(d.url(ip, port) for ip, port in addrs)
-        before = set(self.state.found.get(model, ()))
-        self.state.found[model] = urls
+        found = tuple((d.url(ip, port), role) for ip, port, role in addrs)
+        urls = [u for u, _ in found]
+        before = {u for u, _ in self.state.found.get(model, ())}
+        self.state.found[model] = found
         self._progress.set()
         policy, pools = self.state.pools_now()
         attach(policy, pools, self.state.fleet, self.state.found)

@@ -45,11 +45,22 @@ def ready(pod: Mapping[str, Any]) -> bool:
                for c in status.get("conditions") or () if isinstance(c, Mapping))
 
 
-def addresses(pods: Iterable[Mapping[str, Any]], ports: Iterable[int]
-              ) -> list[tuple[str, int]]:
-    """``(ip, port)`` of every ready pod on every port, sorted."""
+ROLES = ("prefill", "decode", "both")
+
+
+def role(pod: Mapping[str, Any], label: str) -> str:
+    """The pod's part in prefill/decode disaggregation, from its ``label`` (llm-d's
+    ``llm-d.ai/role``): ``prefill``, ``decode``, else ``both``."""
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(label)
+    return value if value in ROLES else "both"
+
+
+def addresses(pods: Iterable[Mapping[str, Any]], ports: Iterable[int],
+              role_label: str = "llm-d.ai/role") -> list[tuple[str, int, str]]:
+    """``(ip, port, role)`` of every ready pod on every port, sorted."""
     ps = tuple(ports)
-    return sorted({(str(p["status"]["podIP"]), port) for p in pods if ready(p) for port in ps})
+    return sorted({(str(p["status"]["podIP"]), port, role(p, role_label)) for p in pods
+                   if ready(p) for port in ps})
 
 
 def key(obj: Mapping[str, Any]) -> str:
