@@ -7,7 +7,6 @@ broken pool."""
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import yaml
 
 from gateway.config.policy import parse_policy
-from gateway.epp.server import SERVICE, EPPConfig
+from gateway.epp.server import LIVENESS, READINESS, EPPConfig
 
 GIE = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "gie"
 
@@ -91,19 +90,26 @@ def test_the_pieces_agree_with_each_other_and_with_the_epp() -> None:
     deployment = next(d for d in by_kind("Deployment") if d["metadata"]["name"] == "tokengate-epp")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][0] == "epp" and str(port) in container["args"]
-    assert container["readinessProbe"]["grpc"] == {"port": port, "service": SERVICE}
-    # the pods the pool selects are the ones the policy routes to, on the pool's port
+    assert container["readinessProbe"]["grpc"] == {"port": port, "service": READINESS}
+    assert container["livenessProbe"]["grpc"] == {"port": port, "service": LIVENESS}
+    # the pods the pool selects are the ones the policy discovers: the policy names the pool
     sts = by_kind("StatefulSet")[0]
     assert sts["spec"]["template"]["metadata"]["labels"] == pool["selector"]["matchLabels"]
     cm = by_kind("ConfigMap")[0]
     policy = parse_policy(yaml.safe_load(cm["data"]["policy.yaml"]), "configmap")
-    urls = [e.url for m in policy.models.values() for e in m.endpoints]
-    pods = {f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}"
-            for i in range(sts["spec"]["replicas"])}
-    for url in urls:
-        m = re.match(r"http://([^:/]+):(\d+)/v1$", url)
-        assert m and m.group(1) in pods and int(m.group(2)) == pool["targetPorts"][0]["number"]
-    assert len(urls) == len(pods)
+    pool_name = by_kind("InferencePool")[0]["metadata"]["name"]
+    assert [m.discovery.name for m in policy.models.values() if m.discovery] == [pool_name]
+    # least rights: get that one pool, list and watch pods; bound to the EPP's account
+    role = by_kind("Role")[0]
+    assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
+        ("inferencepools", ("get",)), ("pods", ("list", "watch"))}
+    assert next(r for r in role["rules"] if r["resources"] == ["inferencepools"])[
+        "resourceNames"] == [pool_name]
+    binding = by_kind("RoleBinding")[0]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert by_kind("ServiceAccount")[0]["metadata"]["name"] == account
     # objectives are named after the priorities the EPP reads from their names
     assert {o["metadata"]["name"] for o in by_kind("InferenceObjective")} == {
         "critical", "standard", "flex"}
