@@ -3,13 +3,20 @@ are consistent with what the gateway really serves."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from test_deploy_gie import validate_custom
 
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
@@ -23,30 +30,139 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 
 
-@pytest.mark.parametrize("path", sorted((DEPLOY / "k8s").glob("*.yaml")), ids=lambda p: p.name)
-def test_kubernetes_manifests_validate(path: Path) -> None:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    assert docs
+K8S = DEPLOY / "k8s"
+OVERLAYS = ("aggregated", "pd", "kvpool", "demo")
+CORE_GROUPS = ("v1", "apps/v1", "autoscaling/v2", "rbac.authorization.k8s.io/v1")
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    """``kubectl kustomize deploy/k8s/overlays/<overlay>``, as objects."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the kustomize overlays"
+    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+def named(docs: tuple[dict[str, Any], ...], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_and_validates(overlay: str) -> None:
+    """Core objects against Kubernetes' schemas (strict), InferencePools against GIE's CRD."""
+    docs = rendered(overlay)
+    custom = [d for d in docs if d["apiVersion"] not in CORE_GROUPS]
+    assert {d["kind"] for d in custom} == {"InferencePool"}
     for doc in docs:
-        kubernetes_validate.validate(doc, "1.30", strict=True)
+        if doc["apiVersion"] in CORE_GROUPS:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+        else:
+            validate_custom(doc)
 
 
-def test_manifests_cover_the_pieces_and_roles() -> None:
-    docs = [d for p in (DEPLOY / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text())]
-    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert {("Deployment", "tokengate-gateway"), ("Service", "tokengate-gateway"),
-            ("HorizontalPodAutoscaler", "tokengate-gateway"), ("Deployment", "tokengate-redis"),
-            ("Service", "tokengate-redis")} <= kinds
-    roles = {d["metadata"]["labels"].get("tokengate.io/role") for d in docs
-             if d["kind"] == "Deployment" and "backend" in d["metadata"]["name"]}
-    assert {"prefill", "decode", "both"} <= roles
-    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
-    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_discovers_every_models_pods_with_least_rights(overlay: str) -> None:
+    docs = rendered(overlay)
+    deployments, pools = named(docs, "Deployment"), named(docs, "InferencePool")
+    assert {"tokengate-gateway", "tokengate-redis"} <= set(deployments)
+    assert {"tokengate-gateway", "tokengate-redis"} <= set(named(docs, "Service"))
+    assert "tokengate-gateway" in named(docs, "HorizontalPodAutoscaler")
+    cm = named(docs, "ConfigMap")["tokengate-policy"]
     policy = parse_policy(yaml.safe_load(cm["data"]["policy.yaml"]), "configmap")
-    for m in policy.models.values():
-        for e in m.endpoints:
-            host = re.match(r"https?://([^:/]+)", e.url)
-            assert host and host.group(1) in services, e.url
+    engines = [d for d in deployments.values()
+               if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
+    for name, m in policy.models.items():
+        assert m.endpoints == () and m.discovery is not None, name
+        pool = pools[m.discovery.name]["spec"]
+        serving = [d for d in engines if pool["selector"]["matchLabels"].items()
+                   <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert serving, f"no engine pods in {m.discovery.name}"
+        for d in serving:
+            pod = d["spec"]["template"]
+            c = pod["spec"]["containers"][0]
+            assert pool["targetPorts"][0]["number"] in [p["containerPort"] for p in c["ports"]]
+            role = d["metadata"]["labels"]["tokengate.io/role"]
+            assert pod["metadata"]["labels"].get("llm-d.ai/role", "both") == role
+    # the gateway's account may get its pools and list and watch pods: nothing else
+    role = named(docs, "Role")["tokengate-gateway"]
+    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]} == {
+        (("inferencepools",), ("get",)), (("pods",), ("list", "watch"))}
+    assert set(role["rules"][0]["resourceNames"]) == set(pools)
+    account = deployments["tokengate-gateway"]["spec"]["template"]["spec"][
+        "serviceAccountName"]
+    assert named(docs, "RoleBinding")["tokengate-gateway"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": account}]
+
+
+def test_the_overlays_deploy_what_they_say() -> None:
+    def engines(overlay: str) -> dict[str, tuple[str, str]]:
+        return {n: (d["metadata"]["labels"]["tokengate.io/role"],
+                    d["spec"]["template"]["spec"]["containers"][0]["image"])
+                for n, d in named(rendered(overlay), "Deployment").items()
+                if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"}
+    vllm = "vllm/vllm-openai:latest"
+    assert engines("aggregated") == {"tokengate-engine-large": ("both", vllm),
+                                     "tokengate-engine-small": ("both", vllm)}
+    assert engines("pd") == {"tokengate-engine-prefill": ("prefill", vllm),
+                             "tokengate-engine-decode": ("decode", vllm),
+                             "tokengate-engine-small": ("both", vllm)}
+    pd = named(rendered("pd"), "Deployment")["tokengate-engine-prefill"]
+    assert "NixlConnector" in " ".join(pd["spec"]["template"]["spec"]["containers"][0]["args"])
+    for overlay in ("demo", "kvpool"):
+        assert {img for _, img in engines(overlay).values()} == {"tokengate:latest"}
+        for d in named(rendered(overlay), "Deployment").values():
+            if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
+                c = d["spec"]["template"]["spec"]["containers"][0]
+                env = {e["name"] for e in c["env"]}
+                assert c["args"][0] == "backend" and {"SERVED_MODEL", "ENGINE_ROLE"} <= env
+                assert "nvidia.com/gpu" not in str(c["resources"])
+    kv = rendered("kvpool")
+    assert "tokengate-kvpool" in named(kv, "Deployment")
+    policy = parse_policy(yaml.safe_load(named(kv, "ConfigMap")["tokengate-policy"]["data"][
+        "policy.yaml"]), "configmap")
+    assert all(m.kv_pool is not None and m.kv_pool.url == "http://tokengate-kvpool:9100"
+               for m in policy.models.values())
+    for d in named(kv, "Deployment").values():
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
+            args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert args[args.index("--kv-pool") + 1] == "http://tokengate-kvpool:9100"
+
+
+def test_the_rolebasedgroup_validates_and_its_router_finds_its_roles() -> None:
+    """deploy/k8s/rbg: the RoleBasedGroup against RBG's vendored CRD (v1alpha2), the rest
+    against Kubernetes' and GIE's schemas; the router discovers the prefill and decode
+    roles' pods through the pool, with the rights to and nothing more."""
+    docs = tuple(d for d in yaml.safe_load_all((K8S / "rbg" / "rolebasedgroup.yaml")
+                                               .read_text()) if d)
+    assert "Apache License" in (K8S / "rbg" / "crds" / "LICENSE").read_text()
+    for doc in docs:
+        if doc["apiVersion"] in CORE_GROUPS:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+        else:
+            validate_custom(doc)
+    rbg = named(docs, "RoleBasedGroup")["llama-pd"]
+    roles = {r["name"]: r for r in rbg["spec"]["roles"]}
+    assert set(roles) == {"router", "prefill", "decode"}
+    assert set(roles["router"]["dependencies"]) == {"prefill", "decode"}
+    pool = named(docs, "InferencePool")["llama-pd"]["spec"]
+    for name in ("prefill", "decode"):
+        labels = roles[name]["standalonePattern"]["template"]["metadata"]["labels"]
+        assert pool["selector"]["matchLabels"].items() <= labels.items()
+        assert labels["llm-d.ai/role"] == name
+    router = roles["router"]["standalonePattern"]["template"]["spec"]
+    policy = parse_policy(yaml.safe_load(named(docs, "ConfigMap")["tokengate-router-policy"][
+        "data"]["policy.yaml"]), "configmap")
+    assert [m.discovery.name for m in policy.models.values() if m.discovery] == ["llama-pd"]
+    assert router["containers"][0]["args"][0] == "serve"
+    assert named(docs, "RoleBinding")["tokengate-router"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": router["serviceAccountName"]}]
+    # the validator refuses what RBG's API server would: a role without replicas
+    bad = copy.deepcopy(rbg)
+    del bad["spec"]["roles"][1]["replicas"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom(bad)
 
 
 def test_compose_file_and_its_policy() -> None:
@@ -79,20 +195,18 @@ def test_dashboard_queries_existing_metrics() -> None:
         assert name in exported or base in exported, name
 
 
-def test_keda_scales_backends_on_the_desired_replicas_the_gateway_exports() -> None:
-    k8s = DEPLOY / "k8s"
-    deployments = {d["metadata"]["name"] for p in k8s.glob("*.yaml")
-                   for d in yaml.safe_load_all(p.read_text()) if d and d["kind"] == "Deployment"}
+def test_keda_scales_engines_on_the_desired_replicas_the_gateway_exports() -> None:
+    deployments = {n: d for o in OVERLAYS for n, d in named(rendered(o), "Deployment").items()}
     exported = {m.name for m in GatewayMetrics().registry.collect()}
-    objs = list(yaml.safe_load_all((k8s / "keda" / "scaledobjects.yaml").read_text()))
-    assert {o["spec"]["scaleTargetRef"]["name"] for o in objs} <= deployments
+    objs = list(yaml.safe_load_all((K8S / "keda" / "scaledobjects.yaml").read_text()))
     for o in objs:
         assert o["kind"] == "ScaledObject" and o["apiVersion"] == "keda.sh/v1alpha1"
+        target = deployments[o["spec"]["scaleTargetRef"]["name"]]
         for trig in o["spec"]["triggers"]:
             name = re.search(r"(tokengate_\w+)\{", trig["metadata"]["query"])
             assert name and name.group(1) in exported
             role = re.search(r'role="(\w+)"', trig["metadata"]["query"])
-            assert role and role.group(1) in ("prefill", "decode", "both")
+            assert role and role.group(1) == target["metadata"]["labels"]["tokengate.io/role"]
 
 
 def test_the_image_holds_every_package_the_program_installs() -> None:

@@ -7,6 +7,7 @@ broken pool."""
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,13 @@ def docs() -> list[dict[str, Any]]:
     return [d for p in sorted(GIE.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
 
 
+@functools.cache
 def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> the openAPIV3Schema of each vendored CRD version."""
+    """(apiVersion, kind) -> the openAPIV3Schema of each vendored CRD version (GIE's and
+    llm-d's in gie/crds, RBG's in rbg/crds)."""
     out = {}
-    for p in (GIE / "crds").glob("*.yaml"):
-        crd = yaml.safe_load(p.read_text())
+    for p in [*(GIE / "crds").glob("*.yaml"), *(GIE.parent / "rbg" / "crds").glob("*.yaml")]:
+        crd = yaml.load(p.read_text(), Loader=yaml.CSafeLoader)
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for v in crd["spec"]["versions"]:
             out[(f"{group}/{v['name']}", kind)] = v["schema"]["openAPIV3Schema"]
@@ -46,10 +49,10 @@ def by_kind(kind: str) -> list[dict[str, Any]]:
 
 
 def test_the_crds_are_vendored_with_their_licence() -> None:
-    assert "Apache License" in (GIE / "crds" / "LICENSE").read_text()
+    for licence in ("LICENSE", "LICENSE.llm-d"):
+        assert "Apache License" in (GIE / "crds" / licence).read_text()
     assert set(crd_schemas()) >= {("inference.networking.k8s.io/v1", "InferencePool"),
-                                  ("inference.networking.x-k8s.io/v1alpha2",
-                                   "InferenceObjective")}
+                                  ("llm-d.ai/v1alpha2", "InferenceObjective")}
 
 
 @pytest.mark.parametrize("kind", ["InferencePool", "InferenceObjective"])
