@@ -63,7 +63,7 @@ def multiplexer(model: ModelProfile, hardware: HardwareProfile, cfg: EngineConfi
         slots.append(_slot(hardware, cfg, name, profile, blocks, root_hash(name)))
     return Multiplexer(slots, mode=pooling.mode, hardware=hardware, capacity=cap,
                        switch=pooling.switch, ttft_slo_s=pooling.ttft_slo_s,
-                       tpot_slo_s=pooling.tpot_slo_s)
+                       tpot_slo_s=pooling.tpot_slo_s, time_scale=cfg.time_scale)
 
 
 def _slot(hardware: HardwareProfile, cfg: EngineConfig, name: str, profile: ModelProfile,

@@ -160,7 +160,8 @@ class Multiplexer:
 
     def __init__(self, slots: list[ModelSlot], *, mode: Mode, hardware: HardwareProfile,
                  capacity: float, switch: SwitchCost | None = None,
-                 ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.05) -> None:
+                 ttft_slo_s: float = 2.0, tpot_slo_s: float = 0.05,
+                 time_scale: float = 1.0) -> None:
         if not slots:
             raise ValueError("an instance hosts at least one model")
         if mode not in MODES:
@@ -185,6 +186,11 @@ class Multiplexer:
         self.switch = switch or SwitchCost()
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s
+        # clock seconds per model second: the engine's steps and switches take this many
+        # times their modelled duration (``--time-scale``), and ``now``, arrivals and first
+        # tokens come from that clock, so every modelled duration compared with them is
+        # scaled alike
+        self.k = time_scale
         self.stats = SwitchStats()
         self.active: ModelSlot | None = None
         self._hold_until = -math.inf  # token mode keeps a switched-in model until then
@@ -251,7 +257,7 @@ class Multiplexer:
                 self._make_room(slot, self._kv_floor(slot), turn.dropped)
             self._cap(slot)
         slot.last_active = now
-        turn.plan = slot.scheduler.schedule(now + turn.switch_s)
+        turn.plan = slot.scheduler.schedule(now + turn.switch_s * self.k)
         return turn
 
     def _choose(self, now: float) -> ModelSlot | None:
@@ -277,7 +283,8 @@ class Multiplexer:
             return min(cands, key=lambda s: deadlines[s.name])
         others = [s for s in cands if s is not active]
         urgent = [s for s in others
-                  if deadlines[s.name] - now <= self.load_seconds(s.name) + self.tpot_slo_s]
+                  if deadlines[s.name] - now <= (self.load_seconds(s.name)
+                                                 + self.tpot_slo_s) * self.k]
         if urgent:
             best = min(urgent, key=lambda s: deadlines[s.name])
             return best if deadlines[best.name] < deadlines[active.name] else active
@@ -287,7 +294,7 @@ class Multiplexer:
             detour = self.load_seconds(b.name) + self._prefill_estimate(b) \
                 + self._load_s[active.name] * (not self._stays_resident(active, b))
             slack = min((self._decode_deadline(s) for s in cands), default=math.inf) - now
-            if slack >= detour:
+            if slack >= detour * self.k:
                 return b
         return active
 
@@ -298,12 +305,12 @@ class Multiplexer:
         if head is not None:
             est = s.timing.prefill_seconds(head.num_prompt_tokens,
                                            s.scheduler.config.max_num_batched_tokens)
-            d = min(d, head.arrival_time + self.ttft_slo_s - est)
+            d = min(d, head.arrival_time + (self.ttft_slo_s - est) * self.k)
         return d
 
     def _decode_deadline(self, s: ModelSlot) -> float:
         """The earliest next-token deadline of the model's started requests."""
-        return min((r.first_token_time + r.num_output_tokens * self.tpot_slo_s
+        return min((r.first_token_time + r.num_output_tokens * self.tpot_slo_s * self.k
                     for r in s.requests() if r.first_token_time is not None),
                    default=math.inf)
 
@@ -336,7 +343,7 @@ class Multiplexer:
             self.stats.switch_s += cost
         elif self.free_bytes() < self._kv_floor(slot):
             self._make_room(slot, self._kv_floor(slot), dropped)
-        self._hold_until = now + cost * (1 + QUANTUM)
+        self._hold_until = now + cost * (1 + QUANTUM) * self.k
         self.active = slot
         for s in self.slots:
             if s is not slot:

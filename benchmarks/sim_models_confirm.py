@@ -4,7 +4,7 @@ the same endpoint (``backend.pooling: token``), against ``simulator.multimodel``
 same long-tail arrivals.
 
     python -m benchmarks.sim_models_confirm [--models 6] [--rate 1.5] [--duration 120]
-                                            [--rounds 1] [--out DIR]
+                                            [--rounds 1] [--time-scale S] [--out DIR]
 
 Six Llama-3-8B models do not fit on one H100 together (16 GB of weights each, 74.7 GB for
 weights and KV): the backend switches weights in and out over PCIe as the simulator models
@@ -12,6 +12,11 @@ it. Each request is a completion whose prompt is a token array of the trace's le
 ``ignore_eos`` and ``max_tokens`` its output length, streamed; TTFT is measured from the
 scheduled send. Reported: attainment (TTFT ≤ 2 s, TPOT ≤ 50 ms), TTFT p50/p90, TPOT p50,
 switches, real over simulated for each; every round.
+
+``--time-scale S`` runs the backend's kernels and switches S times slower and the arrivals S
+times further apart, and reports model time (measured / S): the fixed cost of the real path
+(HTTP, the gateway, this machine's event loops) then weighs S times less against the modelled
+GPU time, as in ``benchmarks.sim_fairness_confirm``.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ def policy(models: list[str], port: int) -> dict[str, Any]:
             "routes": {"all": {"tenants": ["bench"], "models": models}}}
 
 
-async def send(http: aiohttp.ClientSession, base: str, r: ModelRequest, t0: float) -> None:
-    await asyncio.sleep(max(0.0, t0 + r.t - time.perf_counter()))
+async def send(http: aiohttp.ClientSession, base: str, r: ModelRequest, t0: float,
+               scale: float) -> None:
+    await asyncio.sleep(max(0.0, t0 + r.t * scale - time.perf_counter()))
     body = {"model": r.model, "prompt": [1000 + (r.rid * 7 + i) % 5000
                                          for i in range(r.prompt_tokens)],
             "max_tokens": r.output_tokens, "ignore_eos": True, "stream": True}
@@ -64,11 +70,11 @@ async def send(http: aiohttp.ClientSession, base: str, r: ModelRequest, t0: floa
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
-            now = time.perf_counter()
+            now = (time.perf_counter() - t0) / scale  # model time
             if r.first_token is None:
-                r.first_token = now - t0
+                r.first_token = now
             r.tokens += 1
-            r.done = now - t0
+            r.done = now
 
 
 def figures(reqs: list[ModelRequest]) -> dict[str, Any]:
@@ -80,8 +86,8 @@ def figures(reqs: list[ModelRequest]) -> dict[str, Any]:
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "completed": len(ttft)}
 
 
-def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: bool = False
-         ) -> dict[str, Any]:
+def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: bool = False,
+         scale: float = 1.0) -> dict[str, Any]:
     """The stack through ``tokengate up``; ``direct``: sent to the backend, not the gateway."""
     port, gw_port = free_port(), free_port()
     pol = log_dir / "policy.yaml"
@@ -89,13 +95,14 @@ def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: boo
     with open(log_dir / "up.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokengate", "up", "--policy", str(pol), "--port",
-             str(gw_port), "--log-dir", str(log_dir)], stdout=log, stderr=subprocess.STDOUT,
+             str(gw_port), "--log-dir", str(log_dir), "--time-scale", str(scale)],
+            stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
     try:
         asyncio.run(wait_stack(proc, gw_port, log_dir, "pooled"))
         live = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
                 for r in reqs]
-        state = asyncio.run(drive(live, port if direct else gw_port, port))
+        state = asyncio.run(drive(live, port if direct else gw_port, port, scale))
         return {**figures(live), "switches": state["pooling"]["switches"],
                 "lag_max_s": state["loop"]["max_lag_s"], "resyncs": state["loop"]["resyncs"],
                 "steps": state["loop"]["steps"]}
@@ -103,11 +110,12 @@ def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: boo
         stop_stack(proc)
 
 
-async def drive(live: list[ModelRequest], gw_port: int, port: int) -> dict[str, Any]:
+async def drive(live: list[ModelRequest], gw_port: int, port: int, scale: float
+                ) -> dict[str, Any]:
     base = f"http://127.0.0.1:{gw_port}/v1"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         t0 = time.perf_counter() + 0.5
-        await asyncio.gather(*(send(http, base, r, t0) for r in live))
+        await asyncio.gather(*(send(http, base, r, t0, scale) for r in live))
         async with http.get(f"http://127.0.0.1:{port}/admin/state") as resp:
             state: dict[str, Any] = await resp.json()
     return state
@@ -122,6 +130,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/models-confirm")
     ap.add_argument("--direct", action="store_true",
                     help="send to the backend directly (the gateway's share of a gap)")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="kernels and arrivals this many times slower; figures in model time")
     ns = ap.parse_args()
     runs = []
     for k in range(ns.rounds):
@@ -132,7 +142,7 @@ def main() -> None:
                                           seed=k))
         simulated = {**figures(sim.requests), "switches": sim.instances[0].mux.stats.switches}
         measured = real(reqs, models, Path(tempfile.mkdtemp(prefix="tokengate-models-")),
-                        ns.direct)
+                        ns.direct, ns.time_scale)
         ratio = {k2: measured[k2] / simulated[k2] for k2 in
                  ("attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms")
                  if simulated[k2]}
@@ -140,7 +150,8 @@ def main() -> None:
                      "simulated": simulated, "real_over_sim": ratio})
         print(json.dumps(runs[-1], indent=2), flush=True)
     write(ns.out, {"runs": runs, "models": ns.models, "rate": ns.rate,
-                   "duration_s": ns.duration})
+                   "duration_s": ns.duration, "time_scale": ns.time_scale,
+                   "direct": ns.direct})
 
 
 if __name__ == "__main__":

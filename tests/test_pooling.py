@@ -34,8 +34,9 @@ def mux(profiles: list[ModelProfile], mode: str = "token", **kw: object) -> Mult
 class Driver:
     """The engine loop in virtual time; records every turn and every request's tokens."""
 
-    def __init__(self, m: Multiplexer) -> None:
+    def __init__(self, m: Multiplexer, scale: float = 1.0) -> None:
         self.m = m
+        self.scale = scale  # clock seconds per modelled second (the engine's time_scale)
         self.now = 0.0
         self.turns: list[tuple[str, float, float]] = []  # model, start, switch seconds
         self.first: dict[str, float] = {}
@@ -57,10 +58,10 @@ class Driver:
         assert self.m.free_bytes() >= -1.0, "weights and KV exceed the GPU's memory"
         self.turns.append((turn.slot.name, self.now, turn.switch_s))
         self.dropped += [r.request_id for r in turn.dropped]
-        self.now += turn.switch_s
+        self.now += turn.switch_s * self.scale
         if not turn.plan.empty:
             self.now += turn.slot.timing.step_seconds(turn.plan.work(),
-                                                      turn.plan.num_sampled())
+                                                      turn.plan.num_sampled()) * self.scale
         sched = turn.slot.scheduler
         for req in sched.update(turn.plan):
             status = req.append_output(0)
@@ -170,6 +171,33 @@ def test_memory_is_never_overcommitted_under_a_random_mix() -> None:
     d.run()
     assert len(d.done) == 60
     assert all(s.used_blocks == 0 for s in m.slots)
+
+
+@pytest.mark.parametrize("mode", ["token", "request"])
+def test_a_time_scaled_engine_takes_the_same_decisions(mode: str) -> None:
+    """An engine run at ``time_scale`` k (kernels and switches k times slower, its clock
+    k times further on) decides exactly as at k = 1: the same models in the same turns, at
+    k times the times. Deadlines, the hold after a switch and the step's start are compared
+    with that clock, so they are scaled with it."""
+    def run(k: float) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
+        rng = random.Random(5)
+        m = mux([BIG, SMALL, SMALL, BIG], mode=mode, time_scale=k)
+        d = Driver(m, scale=k)
+        for i in range(40):
+            d.add(f"m{rng.randrange(4)}", f"r{i}", prompt=rng.randint(10, 3000),
+                  out=rng.randint(1, 150))
+            for _ in range(rng.randint(0, 20)):
+                d.step()
+        d.run()
+        return d.turns, d.first
+
+    base_turns, base_first = run(1.0)
+    turns, first = run(7.0)
+    assert [(n, sw) for n, _, sw in turns] == [(n, sw) for n, _, sw in base_turns]
+    assert all(abs(t - 7.0 * b) < 1e-6
+               for (_, t, _), (_, b, _) in zip(turns, base_turns, strict=True))
+    assert first.keys() == base_first.keys()
+    assert all(abs(first[r] - 7.0 * base_first[r]) < 1e-6 for r in first)
 
 
 def test_bad_configurations_are_refused() -> None:
