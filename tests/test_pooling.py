@@ -159,16 +159,22 @@ def test_kv_is_dropped_and_recomputed_when_the_next_model_needs_the_memory() -> 
     assert m.stats.kv_drops >= 1 and m.stats.weight_evictions >= 1
 
 
-def test_memory_is_never_overcommitted_under_a_random_mix() -> None:
-    rng = random.Random(3)
-    m = mux([BIG, SMALL, SMALL, BIG], mode="token")
-    d = Driver(m)
-    for i in range(60):
-        d.add(f"m{rng.randrange(4)}", f"r{i}", prompt=rng.randint(10, 4000),
-              out=rng.randint(1, 200))
-        for _ in range(rng.randint(0, 30)):
+def random_mix(d: Driver, rng: random.Random, n: int, prompt: int, out: int, steps: int
+               ) -> None:
+    """``n`` requests for random models of the four, random steps between them, then to
+    the end."""
+    for i in range(n):
+        d.add(f"m{rng.randrange(4)}", f"r{i}", prompt=rng.randint(10, prompt),
+              out=rng.randint(1, out))
+        for _ in range(rng.randint(0, steps)):
             d.step()
     d.run()
+
+
+def test_memory_is_never_overcommitted_under_a_random_mix() -> None:
+    m = mux([BIG, SMALL, SMALL, BIG], mode="token")
+    d = Driver(m)
+    random_mix(d, random.Random(3), 60, 4000, 200, 30)
     assert len(d.done) == 60
     assert all(s.used_blocks == 0 for s in m.slots)
 
@@ -180,15 +186,8 @@ def test_a_time_scaled_engine_takes_the_same_decisions(mode: str) -> None:
     k times the times. Deadlines, the hold after a switch and the step's start are compared
     with that clock, so they are scaled with it."""
     def run(k: float) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
-        rng = random.Random(5)
-        m = mux([BIG, SMALL, SMALL, BIG], mode=mode, time_scale=k)
-        d = Driver(m, scale=k)
-        for i in range(40):
-            d.add(f"m{rng.randrange(4)}", f"r{i}", prompt=rng.randint(10, 3000),
-                  out=rng.randint(1, 150))
-            for _ in range(rng.randint(0, 20)):
-                d.step()
-        d.run()
+        d = Driver(mux([BIG, SMALL, SMALL, BIG], mode=mode, time_scale=k), scale=k)
+        random_mix(d, random.Random(5), 40, 3000, 150, 20)
         return d.turns, d.first
 
     base_turns, base_first = run(1.0)
