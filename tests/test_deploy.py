@@ -195,6 +195,33 @@ def test_dashboard_queries_existing_metrics() -> None:
         assert name in exported or base in exported, name
 
 
+def test_metrics_are_scraped_with_the_admin_key_and_name_tenants() -> None:
+    """The shipped policies keep /metrics behind the admin key with tenants named, and each
+    ServiceMonitor scrapes a real Service's port with the very Secret the scraped Deployment
+    reads its admin key from."""
+    gie = [d for p in sorted((K8S / "gie").glob("*.yaml")) for d in yaml.safe_load_all(
+        p.read_text()) if d]
+    docs = rendered("aggregated") + tuple(gie)
+    services = named(docs, "Service")
+    for monitor in yaml.safe_load_all((K8S / "monitoring" / "servicemonitors.yaml").read_text()):
+        svc = services[monitor["metadata"]["name"]]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= \
+            svc["metadata"]["labels"].items()
+        (ep,) = monitor["spec"]["endpoints"]
+        assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]}
+        secret = ep["authorization"]["credentials"]
+        deployment = named(docs, "Deployment")[monitor["metadata"]["name"]]
+        env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0][
+            "env"]}
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and "policy.yaml" in d["data"]
+                  and d["metadata"]["labels"]["app.kubernetes.io/component"]
+                  == deployment["metadata"]["labels"]["app.kubernetes.io/component"])
+        settings = parse_policy(yaml.safe_load(cm["data"]["policy.yaml"]), "cm").settings
+        assert not settings.public_metrics and settings.metrics_tenant_label
+        assert settings.admin_key_env is not None
+        assert env[settings.admin_key_env]["valueFrom"]["secretKeyRef"] == secret
+
+
 def test_keda_scales_engines_on_the_desired_replicas_the_gateway_exports() -> None:
     deployments = {n: d for o in OVERLAYS for n, d in named(rendered(o), "Deployment").items()}
     exported = {m.name for m in GatewayMetrics().registry.collect()}
