@@ -17,8 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import RunningBackend
-from gateway_stack import RunningGateway, start_gateway, write_policy
-from test_gateway_e2e import sha
+from gateway_stack import RunningGateway, client, one_tenant, serving, write_policy
 
 from protocol.tokenizer import Tokenizer
 from roofline.profiles import MODELS
@@ -31,23 +30,17 @@ def pair(backend_factory: Callable[..., RunningBackend]) -> list[RunningBackend]
 
 @pytest.fixture
 def gw(pair: list[RunningBackend], tmp_path: Path) -> Iterator[RunningGateway]:
-    doc = {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
-                                      "spend": {"log": False}},
-           "models": {"e": {"endpoints": [{"url": f"{b.url}/v1"} for b in pair],
+    doc = one_tenant({"e": {"endpoints": [{"url": f"{b.url}/v1"} for b in pair],
                             "upstream_model": "llama-3-8b",
                             "price": {"input_per_1k": 0.1, "output_per_1k": 0.0}}},
-           "tenants": {"t": {"keys": [{"sha256": sha("key-t")}],
-                             "model_limits": {"e": {"tpm": 400, "rpm": 40}}}},
-           "routes": {"r": {"tenants": ["t"], "models": ["e"]}}}
-    g = start_gateway(write_policy(tmp_path / "p.yaml", doc))
-    yield g
-    g.close()
+                     {"model_limits": {"e": {"tpm": 400, "rpm": 40}}})
+    with serving(write_policy(tmp_path / "p.yaml", doc)) as g:
+        yield g
 
 
 @pytest.fixture
 def c(gw: RunningGateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-t", max_retries=0,
-                       timeout=30) as cl:
+    with client(gw) as cl:
         yield cl
 
 

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import RunningBackend
-from gateway_stack import RunningGateway, start_gateway, write_policy
-from test_gateway_e2e import sha
+from gateway_stack import RunningGateway, client, one_tenant, serving, write_policy
 
 PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
        "/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg==")
@@ -33,26 +32,20 @@ def gw(backend_factory: Callable[..., RunningBackend], tmp_path: Path
        ) -> Iterator[RunningGateway]:
     vision = backend_factory(image_tokens=IMAGE_TOKENS)
     text = backend_factory()
-    doc = {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
-                                      "spend": {"log": False}},
-           "models": {"vision": {"endpoints": [{"url": f"{vision.url}/v1"}],
+    doc = one_tenant({"vision": {"endpoints": [{"url": f"{vision.url}/v1"}],
                                  "upstream_model": "llama-3-8b", "default_max_tokens": 8,
                                  "images": {"tokens_per_image": IMAGE_TOKENS,
                                             "max_per_request": 2}},
                       "text": {"endpoints": [{"url": f"{text.url}/v1"}],
                                "upstream_model": "llama-3-8b", "default_max_tokens": 8}},
-           "tenants": {"t": {"keys": [{"sha256": sha("key-t")}],
-                             "limits": {"tpm": 100_000}}},
-           "routes": {"r": {"tenants": ["t"], "models": ["vision", "text"]}}}
-    g = start_gateway(write_policy(tmp_path / "p.yaml", doc))
-    yield g
-    g.close()
+                     {"limits": {"tpm": 100_000}})
+    with serving(write_policy(tmp_path / "p.yaml", doc)) as g:
+        yield g
 
 
 @pytest.fixture
 def c(gw: RunningGateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-t", max_retries=0,
-                       timeout=30) as cl:
+    with client(gw) as cl:
         yield cl
 
 

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import RunningBackend
-from gateway_stack import RunningGateway, start_gateway, write_policy
-from test_gateway_e2e import sha
+from gateway_stack import RunningGateway, client, one_tenant, serving, write_policy
 
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather",
                      "description": "The weather in a city.",
@@ -52,23 +51,17 @@ def spend_rows(gw: RunningGateway, want: Callable[[list[dict[str, Any]]], bool]
 def gw(backend_factory: Callable[..., RunningBackend], tmp_path: Path
        ) -> Iterator[RunningGateway]:
     b = backend_factory()
-    doc = {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
-                                      "spend": {"log": False}},
-           "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}],
+    doc = one_tenant({"m": {"endpoints": [{"url": f"{b.url}/v1"}],
                             "upstream_model": "llama-3-8b", "default_max_tokens": 16,
                             "price": {"input_per_1k": 1.0, "output_per_1k": 2.0}}},
-           "tenants": {"t": {"keys": [{"sha256": sha("key-t")}],
-                             "limits": {"tpm": 100_000}}},
-           "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
-    g = start_gateway(write_policy(tmp_path / "p.yaml", doc))
-    yield g
-    g.close()
+                     {"limits": {"tpm": 100_000}})
+    with serving(write_policy(tmp_path / "p.yaml", doc)) as g:
+        yield g
 
 
 @pytest.fixture
 def c(gw: RunningGateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-t", max_retries=0,
-                       timeout=30) as cl:
+    with client(gw) as cl:
         yield cl
 
 
@@ -150,17 +143,12 @@ def test_a_stream_that_breaks_ends_with_response_failed_and_settles_what_was_ser
     from backend.faults import FaultConfig
 
     b = backend_factory(faults=FaultConfig(drop_rate=1.0, drop_after_tokens=3))
-    doc = {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
-                                      "spend": {"log": False}, "retries": {"max_attempts": 1}},
-           "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}],
-                            "upstream_model": "llama-3-8b"}},
-           "tenants": {"t": {"keys": [{"sha256": sha("key-t")}]}},
-           "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
-    g = start_gateway(write_policy(tmp_path / "p.yaml", doc))
-    try:
-        with openai.OpenAI(base_url=f"{g.url}/v1", api_key="key-t", max_retries=0) as c:
-            events = list(c.responses.create(model="m", input="hi", max_output_tokens=20,
-                                             stream=True))
+    doc = one_tenant({"m": {"endpoints": [{"url": f"{b.url}/v1"}],
+                            "upstream_model": "llama-3-8b"}}, {})
+    doc["settings"]["retries"] = {"max_attempts": 1}
+    with serving(write_policy(tmp_path / "p.yaml", doc)) as g, client(g) as c:
+        events = list(c.responses.create(model="m", input="hi", max_output_tokens=20,
+                                         stream=True))
         assert events[-1].type == "response.failed", [e.type for e in events]
         failed = events[-1].response  # type: ignore[union-attr]
         assert failed.status == "failed" and failed.error is not None
@@ -168,5 +156,3 @@ def test_a_stream_that_breaks_ends_with_response_failed_and_settles_what_was_ser
         assert sum(e.type == "response.output_text.delta" for e in events) == 3
         rows = spend_rows(g, lambda rows: bool(rows))
         assert rows[0]["completion_tokens"] == 3  # what the client was sent, no more
-    finally:
-        g.close()
