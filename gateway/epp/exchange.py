@@ -45,7 +45,7 @@ from gateway.request.responses import EventSink
 from gateway.request.settle import hand_back
 from gateway.state import GatewayState
 from protocol.errors import APIError
-from protocol.responses import EventStream
+from protocol.response_events import EventStream
 from protocol.validate import Kind
 
 KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",

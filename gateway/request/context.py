@@ -16,7 +16,7 @@ from gateway.tracing import RequestTrace
 from protocol import logs
 from protocol.chat_template import ChatTemplateError
 from protocol.errors import bad
-from protocol.responses import Shape
+from protocol.response_events import Shape
 from protocol.validate import GenerationRequest, Kind
 
 if TYPE_CHECKING:

@@ -38,7 +38,8 @@ from gateway.request.settle import refund_later
 from gateway.state import GATEWAY, GatewayState
 from protocol import logs
 from protocol.errors import APIError, bad
-from protocol.responses import Shape, to_chat
+from protocol.response_events import Shape
+from protocol.responses import to_chat
 from protocol.validate import GenerationRequest, Kind, load_json, validate
 
 log = logging.getLogger("tokengate.gateway")

@@ -22,7 +22,7 @@ from gateway.request.relay import RelayResult, Sink, relay_stream
 from gateway.request.responses import EventSink
 from gateway.request.settle import hand_back
 from protocol.errors import APIError
-from protocol.responses import EventStream
+from protocol.response_events import EventStream
 
 _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be moved to another '
                      b'endpoint", "type": "server_error", "param": null, "code": '

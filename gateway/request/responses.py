@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from gateway.request.relay import Sink, event_payload
-from protocol.responses import EventStream, Shape, completion_to_response
+from protocol.response_events import EventStream, Shape, completion_to_response
 
 
 class EventSink:
