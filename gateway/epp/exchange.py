@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -34,10 +33,9 @@ from gateway.epp.pick import Picked, embeddings_picker, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.quota import ledger as quota
 from gateway.request import embeddings, pipeline, responses
-from gateway.request.attempt import Attempt
 from gateway.request.context import RequestContext
-from gateway.request.dispatch import open_request, upstream_span
-from gateway.request.failure import ERROR_BODY_LIMIT, Failure, judge_error_event, judge_failure
+from gateway.request.dispatch import open_request
+from gateway.request.failure import ERROR_BODY_LIMIT, judge_error_event, judge_failure, unreachable
 from gateway.request.relay import RelayResult, Sink, relay_stream
 from gateway.request.respond import aggregate
 from gateway.request.respond import headers as client_headers
@@ -216,7 +214,10 @@ class Exchange:
             self.result.status = 0
         if self.picked is None or self.ctx is None:
             return [messages.response_headers({})]
-        self._served_by(messages.served(req, hm))
+        served = messages.served(req, hm)
+        if served is not None and not self.picked.served_by(self.state, self.ctx, served):
+            log.warning("the proxy says %s served request %s, which the EPP did not name "
+                        "(it named %s)", served, self.ctx.request_id, self.picked.destinations)
         if self.result.status != 200:
             return [self._upstream_failed()] if h.end_of_stream else []  # judged on its body
         p, ctx = self.picked, self.ctx
@@ -234,32 +235,6 @@ class Exchange:
         return [messages.response_headers(
             {**self.answer_headers, "content-type": "text/event-stream",
              "cache-control": "no-cache"}, ("content-length",))]
-
-    def _served_by(self, served: str | None) -> None:
-        """The proxy fell back from the pick to ``served`` (one of the fallbacks the EPP
-        named): the pick could not be reached, and is judged so; the request is now the
-        served endpoint's -- its ticket, its in-flight count, its settlement."""
-        p, ctx = self.picked, self.ctx
-        assert p is not None and ctx is not None
-        if served is None or served == p.destination:
-            return
-        c = p.fallback_at(served)
-        if c is None:
-            log.warning("the proxy says %s served request %s, which the EPP did not name "
-                        "(it named %s)", served, ctx.request_id, p.destinations)
-            return
-        old = p.attempt
-        old.failed(Failure(APIError(502, "the upstream could not be reached",
-                                    type="server_error", code="upstream_unavailable"),
-                           "connect", False))
-        model = ctx.parsed.model
-        self.state.metrics.series("retries", model, "proxy_fallback").inc()
-        p.attempt = Attempt(self.state, ctx, old.pool, c.ep, old.ticket.tokens,
-                            c.uncached_tokens, upstream_span(ctx, p.router.model, c.ep.url,
-                                                             False, 2))
-        p.decision = dataclasses.replace(p.decision, endpoint=c)
-        p.destination = served
-        p.fallbacks = ()
 
     async def _aggregate(self, feed: LineFeed) -> bytes | None:
         assert self.ctx is not None and self.adm is not None and self.picked is not None
@@ -367,8 +342,7 @@ class Exchange:
         assert self.picked is not None and self.ctx is not None and self.adm is not None
         a, status = self.picked.attempt, self.result.status
         if status >= 500 and UPSTREAM_TIME not in self.upstream_headers:
-            f = Failure(APIError(502, "the upstream could not be reached", type="server_error",
-                                 code="upstream_unavailable"), "connect", False)
+            f = unreachable()
         else:
             f = judge_failure(status, self.upstream_headers.get("retry-after"),
                               bytes(self.response), a.ep, a.pool)

@@ -5,6 +5,7 @@ Envoy sends. What comes back is where to send, and the exact body and headers to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import math
@@ -20,6 +21,7 @@ from gateway.config.policy import Model
 from gateway.request.attempt import Attempt
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
+from gateway.request.failure import unreachable
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import Candidate, RequestInfo
 from gateway.routing.router import Decision, Router
@@ -53,9 +55,25 @@ class Picked:
         """The protocol's ``x-gateway-destination-endpoint``: ``ip:port[,ip:port...]``."""
         return ",".join((self.destination, *(hostport(c.ep.url) for c in self.fallbacks)))
 
-    def fallback_at(self, served: str) -> Candidate | None:
-        """The fallback that ``served`` (an ``ip:port``) names, if any."""
-        return next((c for c in self.fallbacks if hostport(c.ep.url) == served), None)
+    def served_by(self, state: GatewayState, ctx: RequestContext, served: str) -> bool:
+        """The proxy says ``served`` (an ``ip:port``) served the request. When that is one
+        of the fallbacks, the pick could not be reached and is judged so, and the request is
+        now the served endpoint's: its ticket, its in-flight count, its settlement. False
+        when ``served`` is neither the pick nor a fallback."""
+        if served == self.destination:
+            return True
+        c = next((c for c in self.fallbacks if hostport(c.ep.url) == served), None)
+        if c is None:
+            return False
+        old = self.attempt
+        old.failed(unreachable())
+        state.metrics.series("retries", ctx.parsed.model, "proxy_fallback").inc()
+        self.attempt = Attempt(state, ctx, old.pool, c.ep, old.ticket.tokens,
+                               c.uncached_tokens,
+                               upstream_span(ctx, self.router.model, c.ep.url, False, 2))
+        self.decision = dataclasses.replace(self.decision, endpoint=c)
+        self.destination, self.fallbacks = served, ()
+        return True
 
 
 _RESOLVED: dict[tuple[str, int], tuple[str, float]] = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.request.upstream import UpstreamError, UpstreamResponse
+from gateway.request.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from protocol.errors import APIError
 
@@ -41,6 +41,11 @@ class Failure(Exception):
         super().__init__(error.message)
         self.error, self.kind, self.backoff = error, kind, backoff
         self.endpoint_fault = endpoint_fault
+
+
+def unreachable() -> Failure:
+    """The endpoint could not be reached (a refused or failed connection)."""
+    return upstream_failure(UpstreamConnectError("the endpoint could not be reached"))
 
 
 def upstream_failure(exc: BaseException) -> Failure:
