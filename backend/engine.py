@@ -28,11 +28,8 @@ from backend.engine_config import EngineConfig, multiplexer
 from backend.events import KVEventPublisher
 from backend.kv_offload import KVTiers
 from backend.kv_tiers import TierWalk
-from backend.pooling import (
-    ModelSlot,
-    PoolingConfig,
-    Turn,
-)
+from backend.model_slot import ModelSlot
+from backend.pooling import PoolingConfig, Turn
 from backend.request import Request, Status
 from backend.scheduler import StepPlan
 from backend.stream import RequestStream

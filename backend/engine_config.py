@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.pooling import (
-    ModelSlot,
-    Multiplexer,
-    PoolingConfig,
-    capacity_bytes,
-    new_slot,
-    pool_blocks,
-)
+from backend.model_slot import ModelSlot, capacity_bytes, new_slot, pool_blocks
+from backend.pooling import Multiplexer, PoolingConfig
 from protocol.kv_hash import BlockHash, root_hash
 from roofline.profiles import HardwareProfile, ModelProfile
 

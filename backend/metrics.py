@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from backend.engine import Engine, StepObserver
-from backend.pooling import ModelSlot
+from backend.model_slot import ModelSlot
 from backend.request import Request, Status
 from backend.scheduler import StepPlan
 

@@ -18,15 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from backend.pooling import (
-    MODES,
-    Mode,
-    Multiplexer,
-    Turn,
-    capacity_bytes,
-    new_slot,
-    pool_blocks,
-)
+from backend.model_slot import capacity_bytes, new_slot, pool_blocks
+from backend.pooling import MODES, Mode, Multiplexer, Turn
 from backend.request import Request
 from gateway.routing.placement import InstanceView, pick, placement
 from protocol.kv_hash import root_hash

@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from backend.pooling import QUANTUM, Multiplexer, capacity_bytes, new_slot, pool_blocks
+from backend.model_slot import capacity_bytes, new_slot, pool_blocks
+from backend.pooling import QUANTUM, Multiplexer
 from backend.request import Request
 from protocol.kv_hash import root_hash
 from roofline.profiles import HARDWARE, MODELS, ModelProfile
