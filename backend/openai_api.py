@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from backend.choices import parallel
 from backend.config import peer_allowed
-from backend.request import RemotePrefill, Request, Status
+from backend.request import RemotePrefill, Request
+from backend.sse import Chunks, failed, finish_reason, token_pieces
 from backend.state import STATE, BackendState, base_of
-from backend.stream import Delta, RequestStream
+from backend.stream import RequestStream
 from backend.textgen import WordSource
 from protocol.bodies import read_body
 from protocol.errors import APIError, bad
@@ -133,48 +134,6 @@ def _kv_params(state: BackendState, req: Request, stream: RequestStream) -> dict
             "tp_size": state.model.tensor_parallel}
 
 
-def _finish_reason(status: Status | None) -> str | None:
-    if status is Status.FINISHED_STOPPED:
-        return "stop"
-    if status is Status.FINISHED_LENGTH:
-        return "length"
-    return None
-
-
-class _Chunks:
-    """Builds the SSE chunks of one response."""
-
-    def __init__(self, kind: Kind, rid: str, model: str) -> None:
-        self.kind = kind
-        chat = kind == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + rid
-        self.object = "chat.completion.chunk" if chat else "text_completion"
-        self.created = int(time.time())
-        self.model = model
-
-    def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        body = {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    def text(self, text: str, finish: str | None = None, role: bool = False,
-             index: int = 0) -> bytes:
-        if self.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role \
-                else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._frame([choice])
-
-    def final(self, usage: dict[str, Any] | None, **extra: Any) -> bytes:
-        """The choice-less last chunk carrying ``usage`` and/or ``kv_transfer_params``."""
-        if usage is not None:
-            extra["usage"] = usage
-        return self._frame([], **extra)
-
-
 def check_ready(state: BackendState) -> None:
     """503 while the engine has failed or the model is loading."""
     if state.engine.failed is not None:
@@ -183,14 +142,6 @@ def check_ready(state: BackendState) -> None:
     if not state.ready:
         raise APIError(503, "the model is still loading", type="service_unavailable",
                        code="model_loading", headers={"retry-after": "1"})
-
-
-async def _failed(resp: web.StreamResponse, error: str) -> web.StreamResponse:
-    """The engine failed mid-stream: its error event, then the end."""
-    err = APIError(500, error, type="server_error", code="engine_failed")
-    await resp.write(b"data: " + err.body() + b"\n\n")
-    await resp.write_eof()
-    return resp
 
 
 async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -206,7 +157,8 @@ async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                        code="model_not_found")
     ids = _with_images(state, g, await _prompt_ids(state, g))
     if g.n > 1:
-        return await _parallel(request, state, g, ids)
+        return await parallel(request, state, g,
+                              lambda: _new_request(state, g, ids, request))
     req, rng = _new_request(state, g, ids, request)
     stream = RequestStream(stop=g.stop)
     stall = state.faults.stall_s()
@@ -236,8 +188,8 @@ async def _complete(state: BackendState, g: GenerationRequest, req: Request,
     if d.error is not None:
         raise APIError(500, d.error, type="server_error", code="engine_failed")
     text = "".join(parts)
-    finish = _finish_reason(d.finish)
-    c = _Chunks(g.kind, req.request_id, g.model)
+    finish = finish_reason(d.finish)
+    c = Chunks(g.kind, req.request_id, g.model)
     if g.kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                   "logprobs": None, "finish_reason": finish}
@@ -254,29 +206,22 @@ async def _complete(state: BackendState, g: GenerationRequest, req: Request,
                         headers={"x-request-id": req.request_id})
 
 
-def _pieces(state: BackendState, d: Delta, stop: bool) -> list[str]:
-    """One text piece per token (one SSE chunk each), or the whole delta after a stop cut."""
-    if stop or len(d.token_ids) <= 1:
-        return [d.text] if (d.text or d.token_ids) else []
-    return [state.tokenizer.word_text(t) for t in d.token_ids]
-
-
 async def _stream(request: web.Request, state: BackendState, g: GenerationRequest,
                   req: Request, stream: RequestStream) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache",
                                        "x-request-id": req.request_id})
     await resp.prepare(request)
-    c = _Chunks(g.kind, req.request_id, g.model)
+    c = Chunks(g.kind, req.request_id, g.model)
     drop_after = state.faults.drop_after()
     sent = 0
     first = True
     while True:
         d = await stream.next()
         if d.error is not None:
-            return await _failed(resp, d.error)
-        finish = _finish_reason(d.finish)
-        pieces = _pieces(state, d, bool(g.stop))
+            return await failed(resp, d.error)
+        finish = finish_reason(d.finish)
+        pieces = token_pieces(state, d, bool(g.stop))
         for i, piece in enumerate(pieces):
             if drop_after is not None and sent >= drop_after:
                 _drop(request)
@@ -312,93 +257,6 @@ def _with_images(state: BackendState, g: GenerationRequest, ids: list[int]) -> l
                   "image_url_not_allowed")
     pad = state.tokenizer.output_words[0]
     return ids + [pad] * (images.count * state.config.image_tokens)
-
-
-async def _parallel(request: web.Request, state: BackendState, g: GenerationRequest,
-                    ids: list[int]) -> web.StreamResponse:
-    """``n`` choices: ``n`` requests in the engine sharing the prompt (its blocks cached after
-    the first), each with its own seed; answered as one response with a choice per index and
-    the prompt counted once in ``usage``, as vLLM does."""
-    reqs: list[Request] = []
-    streams: list[RequestStream] = []
-    for _ in range(g.n):  # each submitted before the next is named (its id must be new)
-        req, rng = _new_request(state, g, ids, request)
-        stream = RequestStream(stop=g.stop)
-        state.engine.submit(req, stream, WordSource(state.tokenizer.output_words, rng))
-        reqs.append(req)
-        streams.append(stream)
-    c = _Chunks(g.kind, reqs[0].request_id, g.model)
-    try:
-        if not g.stream:
-            outs = await asyncio.gather(*(_collect(s) for s in streams))
-            choices = []
-            for i, (text, finish) in enumerate(outs):
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish}
-                               if g.kind == "chat" else
-                               {"index": i, "text": text, "logprobs": None,
-                                "finish_reason": finish})
-            return web.Response(body=orjson.dumps({
-                "id": c.id, "object": "chat.completion" if g.kind == "chat"
-                else "text_completion", "created": c.created, "model": c.model,
-                "choices": choices, "usage": _usage_n(reqs)}), content_type="application/json")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
-
-        async def pump(i: int, s: RequestStream) -> None:
-            while True:
-                d = await s.next()
-                await queue.put((i, d))
-                if d.finish is not None or d.error is not None:
-                    return
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            left, first = len(streams), set(range(len(streams)))
-            while left:
-                i, d = await queue.get()
-                if d.error is not None:
-                    return await _failed(resp, d.error)
-                finish = _finish_reason(d.finish)
-                pieces = _pieces(state, d, bool(g.stop)) or ([""] if d.finish else [])
-                for j, piece in enumerate(pieces):
-                    last = d.finish is not None and j == len(pieces) - 1
-                    await resp.write(c.text(piece, finish if last else None,
-                                            role=i in first, index=i))
-                    first.discard(i)
-                left -= d.finish is not None
-        finally:
-            for t in tasks:
-                t.cancel()
-        if g.include_usage:
-            await resp.write(c.final(_usage_n(reqs)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-    finally:
-        for req, s in zip(reqs, streams, strict=True):
-            if s.finish is None:
-                state.engine.abort(req.request_id)
-
-
-async def _collect(stream: RequestStream) -> tuple[str, str | None]:
-    parts: list[str] = []
-    while True:
-        d = await stream.next()
-        if d.error is not None:
-            raise APIError(500, d.error, type="server_error", code="engine_failed")
-        parts.append(d.text)
-        if d.finish is not None:
-            return "".join(parts), _finish_reason(d.finish)
-
-
-def _usage_n(reqs: list[Request]) -> dict[str, Any]:
-    prompt = reqs[0].num_prompt_tokens
-    out = sum(r.num_output_tokens for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": max(reqs[0].num_cached_tokens, 0)}}
 
 
 def _drop(request: web.Request) -> None:
