@@ -132,6 +132,7 @@ def test_pods_are_followed_as_they_come_go_and_turn_unready(
     wait_for(lambda: url[IPS[0]] in urls(gw))
     api.delete_pod("vllm-1")
     wait_for(lambda: urls(gw) == {url[IPS[0]], url[IPS[2]]})
+    assert set(gw.state.view.pools["m"].api_keys) == urls(gw)  # nothing kept of the gone
     # the pool's one watch carried it all: listed once, then watched from the list's version
     # with bookmarks
     w = gw.state.discoverer.followers["m"].watcher

@@ -28,8 +28,9 @@ def attach(policy: Policy, pools: Mapping[str, EndpointPool], fleet: Fleet,
         static = [e for e in pool.endpoints if e.url in listed]
         extra = [fleet.endpoint(u, key, role, m.backend.hardware)
                  for u, role in found.get(name, ()) if u not in listed]
-        for e in extra:
-            pool.api_keys[e.url] = key
+        # the keys of pods that left go with them (pod IPs come and go for ever)
+        pool.api_keys = {u: k for u, k in pool.api_keys.items() if u in listed} | {
+            e.url: key for e in extra}
         pool.endpoints = static + extra
 
 
