@@ -71,7 +71,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.engine.tiers.start()
 
     async def load() -> None:
-        await asyncio.sleep(state.load_seconds)
+        # warm up while the weights load, as an engine does: the generator's vocabulary
+        # scan (~0.1 s) would otherwise stall the engine loop on the first request
+        await asyncio.gather(asyncio.sleep(state.load_seconds),
+                             asyncio.to_thread(lambda: state.tokenizer.output_words))
         state.ready = True
         log.info("%s ready on %s:%d (%d KV blocks, role %s)", state.config.name,
                  state.config.host, state.config.port, state.engine.pool.num_blocks, state.role)

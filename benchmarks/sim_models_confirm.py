@@ -86,6 +86,13 @@ def figures(reqs: list[ModelRequest]) -> dict[str, Any]:
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "completed": len(ttft)}
 
 
+def rows(reqs: list[ModelRequest]) -> list[list[Any]]:
+    """Each request: id, model, arrival, prompt and output tokens, TTFT and TPOT (ms)."""
+    return [[r.rid, r.model, round(r.t, 3), r.prompt_tokens, r.output_tokens,
+             None if r.ttft is None else round(r.ttft * 1e3, 2),
+             None if r.tpot is None else round(r.tpot * 1e3, 3)] for r in reqs]
+
+
 def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: bool = False,
          scale: float = 1.0) -> dict[str, Any]:
     """The stack through ``tokengate up``; ``direct``: sent to the backend, not the gateway."""
@@ -103,7 +110,8 @@ def real(reqs: list[ModelRequest], models: list[str], log_dir: Path, direct: boo
         live = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
                 for r in reqs]
         state = asyncio.run(drive(live, port if direct else gw_port, port, scale))
-        return {**figures(live), "switches": state["pooling"]["switches"],
+        return {**figures(live), "per_request": rows(live),
+                "switches": state["pooling"]["switches"],
                 "lag_max_s": state["loop"]["max_lag_s"], "resyncs": state["loop"]["resyncs"],
                 "steps": state["loop"]["steps"]}
     finally:
@@ -136,11 +144,14 @@ def main() -> None:
     runs = []
     for k in range(ns.rounds):
         reqs = longtail(ns.models, ns.rate, ns.duration, seed=100 + k)
-        models = sorted({r.model for r in reqs})
         sim = run_fleet(reqs, FleetConfig(1, "token", MODELS["llama-3-8b"],
                                           HARDWARE["h100-sxm"], per_instance=ns.models,
                                           seed=k))
-        simulated = {**figures(sim.requests), "switches": sim.instances[0].mux.stats.switches}
+        # the policy lists the models in the simulated instance's order (placement's, by
+        # token velocity): the backend preloads the first that fit, as the simulator does
+        models = sim.hosts[0]
+        simulated = {**figures(sim.requests), "per_request": rows(sim.requests),
+                     "switches": sim.instances[0].mux.stats.switches}
         measured = real(reqs, models, Path(tempfile.mkdtemp(prefix="tokengate-models-")),
                         ns.direct, ns.time_scale)
         ratio = {k2: measured[k2] / simulated[k2] for k2 in
@@ -148,7 +159,9 @@ def main() -> None:
                  if simulated[k2]}
         runs.append({"round": k, "requests": len(reqs), "real": measured,
                      "simulated": simulated, "real_over_sim": ratio})
-        print(json.dumps(runs[-1], indent=2), flush=True)
+        brief = {k2: ({k3: v3 for k3, v3 in v.items() if k3 != "per_request"}
+                      if isinstance(v, dict) else v) for k2, v in runs[-1].items()}
+        print(json.dumps(brief, indent=2), flush=True)
     write(ns.out, {"runs": runs, "models": ns.models, "rate": ns.rate,
                    "duration_s": ns.duration, "time_scale": ns.time_scale,
                    "direct": ns.direct})

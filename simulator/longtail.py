@@ -78,9 +78,13 @@ def longtail(models: int, rate: float, duration_s: float, *, zipf_s: float = 1.0
     out: list[ModelRequest] = []
     for name, share in zip(model_names(models), zipf_shares(models, zipf_s), strict=True):
         stretch = trace_rate / (rate * share)  # virtual seconds per trace second
-        start = rng.uniform(0.0, span)
-        i = next((k for k, r in enumerate(rows) if r.t >= start), 0)
-        base, wraps = rows[i].t, 0.0
+        # the window opens at a random instant, not at a request: a model's first arrival
+        # comes after a share of the trace's gap, not with every other model's at 0
+        start = rows[0].t + rng.uniform(0.0, span)
+        i = next((k for k, r in enumerate(rows) if r.t >= start), len(rows))
+        base, wraps = start, 0.0
+        if i == len(rows):
+            i, wraps = 0, span
         while True:
             r = rows[i]
             t = (r.t + wraps - base) * stretch

@@ -28,6 +28,9 @@ def test_the_long_tail_is_zipf_and_bursty_and_seeded() -> None:
     assert [(r.model, r.t) for r in reqs] == [(r.model, r.t) for r in longtail(16, 4.0, 600,
                                                                                  seed=3)]
     assert all(reqs[i].t <= reqs[i + 1].t for i in range(len(reqs) - 1))
+    # each model's window opens at a random instant: no burst of every model's first request
+    firsts = {m: min(r.t for r in reqs if r.model == m) for m in counts}
+    assert len(set(firsts.values())) == len(firsts) and min(firsts.values()) > 0
 
 
 def test_a_trace_names_a_model_per_row(tmp_path: Path) -> None:
