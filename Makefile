@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-fairness bench-fairness-live bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
 
 $(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,9 @@ bench-tiers: install
 
 bench-models: install
 	$(BIN)/python -m benchmarks.sim_models $(ARGS)
+
+bench-models-live: install
+	$(BIN)/python -m benchmarks.sim_models_confirm $(ARGS)
 
 bench-fairness: install
 	$(BIN)/python -m benchmarks.sim_fairness $(ARGS)
