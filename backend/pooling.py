@@ -180,6 +180,8 @@ class Multiplexer:
         turn = Turn(slot, StepPlan())
         if slot is not self.active or not slot.resident:
             turn.switch_s = self._switch_to(slot, turn.dropped, now)
+            if self.switch.prefetched:
+                turn.switch_s = 0.0
         else:
             if self.shared and self.free_bytes() < self._kv_floor(slot):
                 self._make_room(slot, self._kv_floor(slot), turn.dropped)

@@ -12,9 +12,11 @@ batch drains), ``token`` (switch between steps, by deadline) — the fewest GPUs
 size: goodput per GPU, switches and the time they took. A run stops as soon as more than 5 %
 of its requests missed the SLO (its attainment is then an upper bound, ``stopped_early``).
 
-``bound``: perfect foresight of arrivals, approximated as free switches (every model's weights
-prefetched before its requests arrive, so a switch costs nothing): the fewest GPUs with which
-``token`` scheduling holds the target when switching is free. Real switches only cost more.
+``bound``: perfect foresight of arrivals: every load is started ahead of the requests that need
+it and overlaps other models' steps, so it costs the GPU no time (``SwitchCost.prefetched``),
+while ``token`` scheduling decides exactly as it would (it still weighs each load, and a model
+switched in keeps the GPU as long): the fewest GPUs with which that holds the target. Real
+switches only cost more.
 
 Then, on the 32-model workload and the GPUs ``request`` needs there (so that ``request`` holds
 the base rate), the highest arrival rate each of ``request`` and ``token`` sustains at ≥ 95 %
@@ -26,7 +28,6 @@ Every run is reported (``report.json``, ``report.md``); nothing is kept or dropp
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -66,8 +67,7 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]]) -> dict[str, Any]:
                                "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                                "utilisation")} if at else {})}
     free = config("token")
-    free.hardware = dataclasses.replace(free.hardware, pcie_bandwidth=1e18)
-    free.switch = SwitchCost(optimised_overhead_s=0.0)
+    free.switch = SwitchCost(prefetched=True)
     best, trials = fewest_gpus(reqs, free, TARGET, row["token"]["gpus"] or n)
     for t in trials:
         log.append({"models": n, "mode": "bound", **t})

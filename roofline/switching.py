@@ -37,6 +37,10 @@ class SwitchCost:
     disk_bandwidth: float = 6e9  # bytes/s, per GPU
     optimised_overhead_s: float = 0.010
     reinit_overhead_s: float = 2.5
+    # perfect foresight (a benchmark's bound): every load was started ahead of the requests
+    # that need it, overlapped with other models' steps, so it costs the GPU no time; the
+    # scheduler still weighs each load as it would
+    prefetched: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

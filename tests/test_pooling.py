@@ -200,6 +200,30 @@ def test_a_time_scaled_engine_takes_the_same_decisions(mode: str) -> None:
     assert all(abs(first[r] - 7.0 * base_first[r]) < 1e-6 for r in first)
 
 
+def test_a_prefetched_load_takes_the_same_turn_and_no_gpu_time() -> None:
+    """The benchmark's bound (perfect foresight): a load started ahead costs the GPU nothing,
+    while the scheduler weighs it as before, so the first turn is the same model with the
+    same resident set, its first token comes a whole load earlier, and a mix still ends."""
+    def first_turn(switch: SwitchCost) -> tuple[Driver, Multiplexer]:
+        m = mux([BIG, BIG], switch=switch)
+        d = Driver(m)
+        d.add("m1", "a")
+        d.step()
+        return d, m
+
+    real, rm = first_turn(SwitchCost())
+    pre, pm = first_turn(SwitchCost(prefetched=True))
+    load = real.turns[0][2]
+    assert load > 0.5 and pre.turns[0] == ("m1", 0.0, 0.0)
+    assert pm.resident() == rm.resident() == ["m1"] and pm.stats.switches == 1
+    assert pre.first["a"] == pytest.approx(real.first["a"] - load)
+
+    d = Driver(mux([BIG, SMALL, SMALL, BIG], switch=SwitchCost(prefetched=True)))
+    random_mix(d, random.Random(9), 40, 3000, 150, 20)
+    assert len(d.done) == 40 and d.m.stats.switches > 0
+    assert all(sw == 0.0 for _, _, sw in d.turns)
+
+
 def test_bad_configurations_are_refused() -> None:
     with pytest.raises(ValueError, match="dedicated"):
         mux([SMALL, SMALL], mode="dedicated")
