@@ -4,7 +4,7 @@ the same endpoint (``backend.pooling: token``), against ``simulator.multimodel``
 same long-tail arrivals.
 
     python -m benchmarks.sim_models_confirm [--models 6] [--rate 0.5] [--duration 90]
-                                            [--rounds 2] [--time-scale S] [--direct]
+                                            [--rounds 2] [--time-scale 8] [--direct]
                                             [--out DIR]
 
 Six Llama-3-8B models do not fit on one H100 together (16 GB of weights each, 74.7 GB for
@@ -17,10 +17,11 @@ is measured from the scheduled send. Reported, every round: attainment (TTFT ≤
 request by request (``per_request``), the median real/simulated ratio of TTFT and TPOT and
 the share of requests within 15 %. Every request's figures are kept in ``report.json``.
 
-``--time-scale S`` runs the backend's kernels and switches S times slower and the arrivals S
-times further apart, and reports model time (measured / S): the fixed cost of the real path
-(the client's, the gateway's and the backend's event loops and HTTP, a few milliseconds a
-request on a small machine) then weighs S times less against the modelled GPU time, as in
+``--time-scale S`` (default 8: two rounds take about 25 minutes) runs the backend's kernels and
+switches S times slower and the arrivals S times further apart, and reports model time
+(measured / S): the fixed cost of the real path (the client's, the gateway's and the
+backend's event loops and HTTP: ~8 ms a request on a 2-core machine, against a median TTFT
+of ~35 ms) then weighs S times less against the modelled GPU time, as in
 ``benchmarks.sim_fairness_confirm``.
 """
 
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/models-confirm")
     ap.add_argument("--direct", action="store_true",
                     help="send to the backend directly (the gateway's share of a gap)")
-    ap.add_argument("--time-scale", type=float, default=1.0,
+    ap.add_argument("--time-scale", type=float, default=8.0,
                     help="kernels and arrivals this many times slower; figures in model time")
     ns = ap.parse_args()
     runs = []
