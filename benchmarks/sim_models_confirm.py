@@ -4,8 +4,8 @@ the same endpoint (``backend.pooling: token``), against ``simulator.multimodel``
 same long-tail arrivals.
 
     python -m benchmarks.sim_models_confirm [--models 6] [--rate 0.5] [--duration 90]
-                                            [--rounds 2] [--time-scale 8] [--direct]
-                                            [--out DIR]
+                                            [--rounds 2] [--first-round 0]
+                                            [--time-scale 8] [--direct] [--out DIR]
 
 Six Llama-3-8B models do not fit on one H100 together (16 GB of weights each, 74.7 GB for
 weights and KV): the backend switches weights in and out over PCIe as the simulator models
@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.5)
     ap.add_argument("--duration", type=float, default=90.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--first-round", type=int, default=0,
+                    help="round K uses arrivals seed 100 + K (to add rounds to a report)")
     ap.add_argument("--out", default="benchmarks/results/models-confirm")
     ap.add_argument("--direct", action="store_true",
                     help="send to the backend directly (the gateway's share of a gap)")
@@ -164,7 +166,7 @@ def main() -> None:
                     help="kernels and arrivals this many times slower; figures in model time")
     ns = ap.parse_args()
     runs = []
-    for k in range(ns.rounds):
+    for k in range(ns.first_round, ns.first_round + ns.rounds):
         reqs = longtail(ns.models, ns.rate, ns.duration, seed=100 + k)
         sim = run_fleet(reqs, FleetConfig(1, "token", MODELS["llama-3-8b"],
                                           HARDWARE["h100-sxm"], per_instance=ns.models,
