@@ -4,8 +4,10 @@ file, the path inside it and the reason."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class PolicyError(ValueError):
@@ -70,3 +72,8 @@ class Decoder:
         if not isinstance(raw, list):
             raise self.fail(path, "expected a list of strings")
         return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(raw))
+
+    def fields(self, m: Mapping[str, Any], path: str, keys: Iterable[str],
+               parse: Callable[[Any, str], T]) -> dict[str, T]:
+        """Each of ``keys`` that ``m`` holds, decoded by ``parse`` at ``path.key``."""
+        return {k: parse(m[k], f"{path}.{k}") for k in keys if k in m}

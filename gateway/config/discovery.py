@@ -38,9 +38,7 @@ def parse_discovery(d: Decoder, raw: Any, path: str) -> Discovery:
                      "or dns (a headless Service's name)")
     kind: Literal["inference_pool", "dns"] = "dns" if kinds[0] == "dns" else "inference_pool"
     kw: dict[str, Any] = {}
-    for k in ("namespace", "kubeconfig", "api_key_env", "role_label"):
-        if k in m:
-            kw[k] = d.string(m[k], f"{path}.{k}")
+    kw.update(d.fields(m, path, ("namespace", "kubeconfig", "api_key_env", "role_label"), d.string))
     if "port" in m:
         port = d.integer(m["port"], f"{path}.port")
         if port > 65535:

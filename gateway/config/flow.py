@@ -46,13 +46,9 @@ def parse_flow_control(d: Decoder, raw: Any, path: str) -> FlowControl:
     kw: dict[str, Any] = {}
     if "mode" in m:
         kw["mode"] = d.choice(m["mode"], f"{path}.mode", set(FLOW_MODES))
-    for k in ("max_queued", "queue_depth"):
-        if k in m:
-            kw[k] = d.integer(m[k], f"{path}.{k}")
-    for k in ("max_wait_ms", "flex_max_wait_ms", "input_weight", "output_weight",
-              "tpot_threshold_ms"):
-        if k in m:
-            kw[k] = d.number(m[k], f"{path}.{k}")
+    kw.update(d.fields(m, path, ("max_queued", "queue_depth"), d.integer))
+    kw.update(d.fields(m, path, ("max_wait_ms", "flex_max_wait_ms", "input_weight",
+                                 "output_weight", "tpot_threshold_ms"), d.number))
     if "engine_priority" in m:
         kw["engine_priority"] = d.boolean(m["engine_priority"], f"{path}.engine_priority")
     if "kv_threshold" in m:

@@ -139,19 +139,15 @@ def parse_model(d: Decoder, name: str, raw: Any, path: str) -> Model:
         pm = d.mapping(m["price"], f"{path}.price", schema.keys("price"))
         kw["price"] = Price(**{k: d.number(v, f"{path}.price.{k}", positive=False)
                                for k, v in pm.items()})
-    for k in ("tokenizer", "chat_template", "upstream_model"):
-        if k in m:
-            kw[k] = d.string(m[k], f"{path}.{k}")
-    for k in ("default_max_tokens", "max_context", "tokens_per_message", "tokens_per_name",
-              "reply_priming_tokens"):
-        if k in m:
-            kw[k] = d.integer(m[k], f"{path}.{k}")
+    kw.update(d.fields(m, path, ("tokenizer", "chat_template", "upstream_model"), d.string))
+    kw.update(d.fields(m, path, ("default_max_tokens", "max_context", "tokens_per_message",
+                                 "tokens_per_name", "reply_priming_tokens"), d.integer))
     if "fallback" in m:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
     if "images" in m:
         im = d.mapping(m["images"], f"{path}.images", schema.keys("images"))
-        ikw: dict[str, Any] = {k: d.integer(im[k], f"{path}.images.{k}")
-                               for k in ("tokens_per_image", "max_per_request") if k in im}
+        ikw: dict[str, Any] = d.fields(im, f"{path}.images",
+                                       ("tokens_per_image", "max_per_request"), d.integer)
         if "remote_urls" in im:
             ikw["remote_urls"] = d.boolean(im["remote_urls"], f"{path}.images.remote_urls")
         kw["images"] = Images(**ikw)

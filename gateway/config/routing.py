@@ -59,9 +59,8 @@ def parse_routing(d: Decoder, raw: Any, path: str) -> Routing:
         kw["picker"] = d.choice(m["picker"], f"{path}.picker", set(PICKERS))
     if "index" in m:
         kw["index"] = d.choice(m["index"], f"{path}.index", {"approximate", "precise"})
-    for k in ("block_size", "remote_prefill_min_tokens", "scrape_interval_ms"):
-        if k in m:
-            kw[k] = d.integer(m[k], f"{path}.{k}")
+    kw.update(d.fields(m, path, ("block_size", "remote_prefill_min_tokens",
+                                 "scrape_interval_ms"), d.integer))
     if "seed" in m:
         kw["seed"] = int(d.number(m["seed"], f"{path}.seed", positive=False))
     if "load_factor" in m:

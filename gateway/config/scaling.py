@@ -72,14 +72,11 @@ def parse_scaling(d: Decoder, raw: Any, path: str) -> Scaling:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise d.fail(f"{path}.min_replicas", f"expected an integer >= 0, got {v!r}")
         kw["min_replicas"] = v
-    for k in ("max_replicas", "max_held"):
-        if k in m:
-            kw[k] = d.integer(m[k], f"{path}.{k}")
-    for k in ("target_utilization", "target_concurrency", "idle_timeout_s",
-              "scale_down_delay_s", "convert_backlog_ratio", "revert_backlog_ratio",
-              "revert_after_s", "ttft_slo_ms"):
-        if k in m:
-            kw[k] = d.number(m[k], f"{path}.{k}")
+    kw.update(d.fields(m, path, ("max_replicas", "max_held"), d.integer))
+    kw.update(d.fields(m, path, ("target_utilization", "target_concurrency", "idle_timeout_s",
+                                 "scale_down_delay_s", "convert_backlog_ratio",
+                                 "revert_backlog_ratio", "revert_after_s", "ttft_slo_ms"),
+                       d.number))
     for k in ("convertible", "disaggregated"):
         if k in m:
             if not isinstance(m[k], bool):

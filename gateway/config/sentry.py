@@ -24,8 +24,6 @@ def parse_sentry(d: Decoder, raw: Any, path: str) -> SentryConfig:
     kw: dict[str, Any] = {}
     if "repeat_limit" in m:
         kw["repeat_limit"] = d.integer(m["repeat_limit"], f"{path}.repeat_limit")
-    for k in ("session_budget", "session_ttl_s", "repeat_window_s", "velocity_factor",
-              "velocity_window_s"):
-        if k in m:
-            kw[k] = d.number(m[k], f"{path}.{k}")
+    kw.update(d.fields(m, path, ("session_budget", "session_ttl_s", "repeat_window_s",
+                                 "velocity_factor", "velocity_window_s"), d.number))
     return SentryConfig(**kw)

@@ -68,10 +68,9 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
             raise d.fail("settings.redis_failure", "expected fail_open or fail_closed")
         kw["redis_failure"] = m["redis_failure"]
-    for k in ("replicas", "progressive_charge_tokens", "progressive_charge_ms",
-              "max_body_bytes", "max_messages", "epp_endpoints"):
-        if k in m:
-            kw[k] = d.integer(m[k], f"settings.{k}")
+    kw.update(d.fields(m, "settings", ("replicas", "progressive_charge_tokens",
+                                       "progressive_charge_ms", "max_body_bytes", "max_messages",
+                                       "epp_endpoints"), d.integer))
     if "quota_lease" in m:
         lease = d.number(m["quota_lease"], "settings.quota_lease", positive=False)
         if not 0.0 <= lease <= 0.5:
