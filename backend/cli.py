@@ -262,7 +262,7 @@ def run_kvpool(ns: argparse.Namespace) -> int:
         events = _kv_events(ns.kv_events_config)
         run_loop(serve(ns.host, ns.port, int(ns.capacity_gb * 1e9), events,
                        token=check_token(token), handle_signals=True))
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:  # a bad option, or an address already in use
         print(f"tokengate kvpool: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -278,7 +278,7 @@ def run(ns: argparse.Namespace) -> int:
         config = backend_config(ns)
         config.faults.validate()
         run_loop(serve(config, handle_signals=True))
-    except (ProfileError, ValueError) as exc:
+    except (OSError, ProfileError, ValueError) as exc:  # OSError: an address in use
         print(f"tokengate backend: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -75,14 +75,21 @@ def encode_event(e: KVEvent, block_size: int) -> dict[str, Any]:
 
 
 def _socket(ctx: zmq.asyncio.Context, kind: int, endpoint: str, bind: bool) -> zmq.asyncio.Socket:
+    """A socket bound or connected to ``endpoint``; closed again when that fails, which is
+    raised as ``OSError`` naming the endpoint."""
     sock = ctx.socket(kind)
-    if "[" in endpoint or "::" in endpoint:
-        sock.setsockopt(zmq.IPV6, 1)
-    sock.setsockopt(zmq.LINGER, 0)
-    if bind:
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
+    try:
+        if "[" in endpoint or "::" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(0)
+        verb = "bind" if bind else "connect"
+        raise OSError(f"kv events: cannot {verb} {endpoint}: {exc.strerror}") from None
     return sock
 
 
@@ -104,13 +111,24 @@ class KVEventPublisher:
         return self._seq
 
     def start(self, config: KVEventsConfig) -> None:
+        """Opens the sockets; when one cannot be opened, none stays open (``OSError``)."""
+        ctx = zmq.asyncio.Context()
+        try:
+            pub = _socket(ctx, zmq.PUB, config.endpoint, binds(config.endpoint))
+            pub.setsockopt(zmq.SNDHWM, config.hwm)
+            try:
+                router = (_socket(ctx, zmq.ROUTER, config.replay_endpoint, True)
+                          if config.replay_endpoint else None)
+            except OSError:
+                pub.close(0)
+                raise
+        except OSError:
+            ctx.term()
+            raise
         self.config = config
         self._buffer = deque(maxlen=config.buffer_steps)
-        self._ctx = zmq.asyncio.Context()
-        self._pub = _socket(self._ctx, zmq.PUB, config.endpoint, binds(config.endpoint))
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        if config.replay_endpoint:
-            router = _socket(self._ctx, zmq.ROUTER, config.replay_endpoint, True)
+        self._ctx, self._pub = ctx, pub
+        if router is not None:
             self._replay_task = asyncio.ensure_future(self._serve_replay(router))
 
     def publish(self, events: Iterable[KVEvent]) -> None:

@@ -214,12 +214,12 @@ async def serve(host: str, port: int, capacity_bytes: int,
             loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("KV pool on http://%s:%d, %.1f GB", host, port, capacity_bytes / 1e9)
-    if ready is not None:
-        ready.set()
     try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("KV pool on http://%s:%d, %.1f GB", host, port, capacity_bytes / 1e9)
+        if ready is not None:
+            ready.set()
         await stop.wait()
     finally:
         await runner.cleanup()

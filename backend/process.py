@@ -62,10 +62,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
+    if state.config.kv_events is not None:  # first: when it cannot bind, nothing is left open
+        state.engine.kv_events.start(state.config.kv_events)
     state.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
     state.engine.kv_puller = pd.KVPuller(state)
-    if state.config.kv_events is not None:
-        state.engine.kv_events.start(state.config.kv_events)
     loop_task = asyncio.ensure_future(state.engine.run())
     if state.engine.tiers is not None:
         state.engine.tiers.start()
@@ -135,19 +135,28 @@ async def serve(config: BackendConfig, *, ready: asyncio.Event | None = None,
     app = build_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
-    if config.port == 0:
-        config.port = sock.getsockname()[1]
-    site = web.SockSite(runner, sock, backlog=1024)
-    await site.start()
-    log.info("listening on http://%s:%d (loading %s for %.2fs)", config.host, config.port,
-             config.name, state.load_seconds)
-    if ready is not None:
-        ready.set()
     try:
+        sock = _listen(config.host, config.port)
+        if config.port == 0:
+            config.port = sock.getsockname()[1]
+        await web.SockSite(runner, sock, backlog=1024).start()
+        log.info("listening on http://%s:%d (loading %s for %.2fs)", config.host, config.port,
+                 config.name, state.load_seconds)
+        if ready is not None:
+            ready.set()
         await stop.wait()
         log.info("stopping")
     finally:
         await runner.cleanup()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``; a failure names the address (``OSError``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock

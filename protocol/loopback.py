@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 
 # Linux hands out ephemeral ports from 32768 up: a port chosen there can be taken by an
 # outgoing connection before its server binds it, or connect to itself while polled (TCP
@@ -21,13 +23,27 @@ def _bindable(port: int) -> bool:
     return True
 
 
+# The ports handed out lately: one chosen but not yet bound looks free, so without this two
+# calls in a row (a publisher's port and its replay port) could return the same one.
+RECENT = 2048
+_handed: deque[int] = deque(maxlen=RECENT)
+_lock = threading.Lock()
+
+
 def free_port(*, bus: bool = False) -> int:
     """A port nothing listens on right now, below the ephemeral range (the caller binds it
-    soon after); with ``bus``, its +10000 cluster-bus port is free too."""
-    for _ in range(1000):
-        port = random.randrange(LOW, HIGH)
-        if _bindable(port) and (not bus or _bindable(port + 10000)):
-            return port
+    soon after), and none of the last ``RECENT`` this process was given; with ``bus``, its
+    +10000 cluster-bus port is free too."""
+    with _lock:
+        for _ in range(1000):
+            port = random.randrange(LOW, HIGH)
+            if port in _handed or (bus and port + 10000 in _handed):
+                continue
+            if _bindable(port) and (not bus or _bindable(port + 10000)):
+                _handed.append(port)
+                if bus:
+                    _handed.append(port + 10000)
+                return port
     raise RuntimeError(f"no free port in {LOW}-{HIGH}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -11,11 +12,12 @@ import httpx
 import msgpack
 import openai
 import zmq
-from conftest import RunningBackend
+from conftest import RunningBackend, start_backend
 from test_backend_api import assert_idle, get_json, post
 
 from backend.events import KVEventsConfig
 from protocol.loopback import free_port
+from protocol.tokenizer import Tokenizer
 
 Factory = Callable[..., RunningBackend]
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # 300 tokens
@@ -224,3 +226,24 @@ def test_kv_events_speak_vllms_zmq_format(backend_factory: Factory) -> None:
     finally:
         sub.close(0)
         ctx.term()
+
+
+def test_a_kv_events_address_in_use_fails_the_start_and_leaves_nothing_open(
+        tokenizer: Tokenizer) -> None:
+    """The replay port is taken: the backend does not start, says which address, and the
+    publisher's socket it had bound is closed again (the port can be bound at once)."""
+    pub, replay = free_port(), free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", replay))
+        taken.listen(1)
+        config = KVEventsConfig(f"tcp://*:{pub}", f"tcp://127.0.0.1:{replay}", "kv")
+        try:
+            start_backend(tokenizer, kv_events=config)
+        except RuntimeError as exc:
+            err = exc.__cause__
+        else:
+            raise AssertionError("the backend started on a replay port in use")
+    assert isinstance(err, OSError)
+    assert f"cannot bind tcp://127.0.0.1:{replay}" in str(err)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", pub))  # the PUB socket on tcp://*:pub was closed

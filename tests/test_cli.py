@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +55,19 @@ def test_bad_flags_exit_with_a_message() -> None:
     r = subprocess.run([sys.executable, "-m", "tokengate", "backend", "--output-len", "x:1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bad length spec" in r.stderr
+
+
+def test_a_port_in_use_exits_with_a_message_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "tokengate", "backend", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"tokengate backend: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "Traceback" not in r.stderr
 
 
 def children_of(pid: int) -> list[int]:

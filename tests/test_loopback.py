@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from protocol.loopback import HIGH, free_port
+from protocol.loopback import HIGH, RECENT, free_port
 from protocol.loopback import _bindable as bindable
 
 
@@ -26,3 +26,10 @@ def test_a_port_in_use_is_not_offered() -> None:
         s.listen(1)
         taken = s.getsockname()[1]
         assert not bindable(taken)
+
+
+def test_a_port_is_not_handed_out_twice_before_it_is_bound() -> None:
+    """Ports chosen in a row (a publisher's and its replay port) differ even though neither
+    is bound yet: random draws from the range would repeat within a few hundred."""
+    ports = [free_port() for _ in range(RECENT // 2)] + [free_port(bus=True) for _ in range(10)]
+    assert len(set(ports)) == len(ports)

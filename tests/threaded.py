@@ -37,8 +37,9 @@ def start_server_thread(serve: Serve, what: str) -> ServerThread:
 
         async def main() -> None:
             task = asyncio.ensure_future(serve(ready, stop))
-            await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
+            listening = asyncio.ensure_future(ready.wait())
+            await asyncio.wait([task, listening], return_when=asyncio.FIRST_COMPLETED)
+            listening.cancel()  # still pending when serve failed before listening
             started.set()
             await task
 
