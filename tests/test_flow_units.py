@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,3 +191,26 @@ def test_idle_flows_below_the_floor_are_forgotten() -> None:
         q.remove(x)
         q.charge("steady", 10, 0)  # steady keeps being served: the floor rises
     assert len(q.counters) < 300 and "steady" in q.counters
+
+
+def test_the_admin_view_lists_the_most_served_flows_of_a_tenant_or_all() -> None:
+    from gateway.flow import view
+    from gateway.flow.control import FlowGates
+    from gateway.metrics import GatewayMetrics
+
+    gates = FlowGates(GatewayMetrics(), "fair")
+    q = gates.get("m", FlowControl(), lambda: ()).gate.queue
+    for i in range(60):
+        q.counters[f"acme/s{i}"] = float(i)
+    q.counters["acme"] = 100.0
+    q.counters["acmex"] = 1000.0  # another tenant, whose name starts with acme
+
+    def flows(**kw: Any) -> list[str]:
+        m = view.snapshot(gates, None, **kw)["models"]["m"]
+        return [f["flow"] for f in m["flows"]]
+
+    assert flows()[:3] == ["acmex", "acme", "acme/s59"] and len(flows()) == view.LIMIT
+    assert view.snapshot(gates, None)["models"]["m"]["flows_total"] == 62
+    assert flows(of="acme", limit=5) == ["acme", "acme/s59", "acme/s58", "acme/s57", "acme/s56"]
+    assert len(flows(of="acme", limit=1000)) == 61
+    assert flows(of="acme/s3") == ["acme/s3"] and flows(of="nobody") == []

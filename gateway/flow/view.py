@@ -1,6 +1,7 @@
 """What ``/admin/flow`` shows: per model, the mode, what waits (per band and per flow), the
-slots free now, each flow's fair-share counter (the most served first, at most ``limit``), and
-whether the counters are shared through Redis right now."""
+slots free now, each flow's fair-share counter (the most served first, at most ``limit``; only
+``of``'s flows when given: a tenant's, or one flow), and whether the counters are shared through
+Redis right now."""
 
 from __future__ import annotations
 
@@ -10,15 +11,23 @@ from typing import Any
 from gateway.flow.control import FlowGates
 from gateway.flow.share import CounterShare
 
+LIMIT = 50
 
-def snapshot(gates: FlowGates, share: CounterShare | None, limit: int = 50) -> dict[str, Any]:
+
+def belongs(flow: str, of: str) -> bool:
+    """``flow`` is ``of`` or one of its sub-flows (a tenant's ``tenant/x-fairness-id``)."""
+    return flow == of or flow.startswith(of + "/")
+
+
+def snapshot(gates: FlowGates, share: CounterShare | None, limit: int = LIMIT,
+             of: str | None = None) -> dict[str, Any]:
     now = time.monotonic()
     models: dict[str, Any] = {}
     for name, mg in sorted(gates.gates.items()):
         g = mg.gate
         q = g.queue
         waiting = q.waiting_by_flow()
-        flows = set(q.counters) | set(waiting)
+        flows = {f for f in set(q.counters) | set(waiting) if of is None or belongs(f, of)}
         top = sorted(flows, key=lambda f: (-q.counters.get(f, 0.0), f))[:limit]
         models[name] = {
             "mode": g.mode, "waiting": dict(q.waiting()), "queued": q.size,

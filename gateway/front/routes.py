@@ -231,10 +231,17 @@ async def admin_limiter(request: web.Request) -> web.Response:
 
 
 async def admin_flow(request: web.Request) -> web.Response:
-    """Flow control now: what waits, per band and flow, each flow's fair-share counter, and
+    """Flow control now: what waits, per band and flow, each flow's fair-share counter (the
+    ``limit`` most served, default 50; only ``flow``'s when given: a tenant or one flow), and
     whether the counters are shared with the other replicas (``gateway.flow.view``)."""
     state = _admin(request)
-    return web.json_response(flow_view.snapshot(state.flow, state.flow_share), dumps=_dumps)
+    raw = request.query.get("limit", str(flow_view.LIMIT))
+    if not (raw.isdigit() and 1 <= int(raw) <= 10_000):
+        raise APIError(400, "limit must be an integer from 1 to 10000", param="limit",
+                       code="invalid_value")
+    return web.json_response(flow_view.snapshot(state.flow, state.flow_share, int(raw),
+                                                request.query.get("flow") or None),
+                             dumps=_dumps)
 
 
 async def admin_spend(request: web.Request) -> web.Response:
