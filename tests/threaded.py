@@ -40,6 +40,9 @@ def start_server_thread(serve: Serve, what: str) -> ServerThread:
             listening = asyncio.ensure_future(ready.wait())
             await asyncio.wait([task, listening], return_when=asyncio.FIRST_COMPLETED)
             listening.cancel()  # still pending when serve failed before listening
+            if task.done():
+                await task  # serve failed (or returned) before listening: raise it first,
+                # so the caller, woken by ``started``, finds the error already recorded
             started.set()
             await task
 
