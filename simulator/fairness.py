@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from loadtests.traces import load_azure
 from predictor.online import OnlinePredictor, TrainConfig
 from protocol.kv_hash import root_hash
 from protocol.tokenizer import Tokenizer
+from simulator.engine import SimEngine
 from simulator.events import EventLoop
 from simulator.gateway import SimGateway
 from simulator.longtail import AZURE_CONV
@@ -85,6 +87,14 @@ def tenant_requests(tenants: list[Tenant], duration: float, seed: int, block_siz
     return reqs
 
 
+def batch_tokens(engines: Iterable[SimEngine], reqs: list[SimRequest]) -> int:
+    """``M`` of VTC's bound: the most tokens one running batch holds, the fleet's (its KV
+    cache in tokens, or ``max_num_seqs`` of the longest request, whichever is less)."""
+    longest = max(len(r.prompt_ids) + r.output_tokens for r in reqs)
+    return sum(min(e.pool.num_blocks * e.config.block_size, e.config.max_num_seqs * longest)
+               for e in engines)
+
+
 def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backends: int = 2,
                     seed: int = 0, slo: SLO | None = None,
                     flow: FlowControl | None = None) -> dict[str, Any]:
@@ -123,7 +133,7 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
                            "vtc_bound": vtc_bound(
                                cfg.input_weight, cfg.output_weight,
                                max(len(r.prompt_ids) for r in reqs),
-                               max(r.output_tokens for r in reqs))}
+                               batch_tokens(engines.values(), reqs))}
     for t in tenants:
         mine = [r for r in reqs if r.flow == t.name]
         ttfts = sorted(r.result.ttft for r in mine if r.result.ttft is not None

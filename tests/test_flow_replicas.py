@@ -229,3 +229,77 @@ def test_two_gateways_count_the_fleets_spend_once(
     finally:
         for gw in gws:
             gw.close()
+
+
+def test_a_tenant_returning_at_a_replica_that_forgot_it_is_lifted_not_added(
+        redis: RedisServer) -> None:
+    """Replica one forgets an idle tenant at or below its floor; on its return it is lifted
+    to the floor in the shared counter too (it was sent as an addition: 900 became 1,900)."""
+    async def main() -> None:
+        one, two = replica(), replica()
+        s1 = CounterShare(coordination_client(redis.url), one)
+        s2 = CounterShare(coordination_client(redis.url), two)
+        try:
+            queue(two).charge("a", 900, 0)
+            queue(two).charge("b", 1000, 0)
+            await s2.exchange()
+            queue(one).push(Waiter("b", "standard", 0.0, 1, 0))  # b waits at one
+            await s1.exchange()  # one adopts a: 900, b: 1000 and forgets idle a
+            assert "a" not in queue(one).counters
+            queue(one).push(Waiter("a", "standard", 0.0, 1, 0))  # a is back
+            await s1.exchange()
+            raw = await s1.redis.execute("HGETALL", KEY + "m")
+            stored = {raw[i].decode(): float(raw[i + 1]) for i in range(0, len(raw), 2)}
+            assert stored == {"a": 1000.0, "b": 1000.0}
+        finally:
+            await s1.redis.aclose()
+            await s2.redis.aclose()
+    asyncio.run(main())
+
+
+def test_two_replicas_deliver_weights_two_to_one(
+        redis: RedisServer, backend_factory: Callable[..., RunningBackend],
+        tmp_path: Path) -> None:
+    """Team a (weight 2) and team b (weight 1) both flood both replicas sharing Redis, on one
+    engine: a is served about twice b's tokens (with the lift sent as an addition, b fell to
+    a tenth of a's)."""
+    engine = backend_factory(time_scale=1.0, max_num_seqs=4)
+    doc = _policy(f"{engine.url}/v1")
+    doc["tenants"] = {t: {"keys": [{"sha256": sha(f"key-{t}")}], "weight": wt}
+                      for t, wt in (("a", 2), ("b", 1))}
+    doc["routes"] = {"r": {"tenants": ["a", "b"], "models": ["m"]}}
+    gws = [start_gateway(write_policy(tmp_path / f"{i}.yaml", doc), redis_url=redis.url)
+           for i in range(2)]
+    done: dict[str, list[float]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def flood(tenant: str, i: int) -> None:
+        gw = gws[i % 2]
+        with openai.OpenAI(base_url=f"{gw.url}/v1", api_key=f"key-{tenant}", max_retries=0,
+                           timeout=120) as c:
+            while not stop.is_set():
+                try:
+                    c.completions.create(model="m", prompt="lorem ipsum " * 40, max_tokens=32)
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                done[tenant].append(time.monotonic())
+
+    pool = ThreadPoolExecutor(16)
+    try:
+        for i in range(16):
+            pool.submit(flood, "ab"[i % 2], i // 2)
+        start = time.monotonic() + 3.0  # both backlogged, counters shared
+        time.sleep(11.0)
+        end = time.monotonic()
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+        for gw in gws:
+            gw.close()
+    assert not errors, errors[:3]
+    a = sum(start <= t <= end for t in done["a"])
+    b = sum(start <= t <= end for t in done["b"])
+    print("completions a:b", a, b)
+    assert b > 0 and 1.5 <= a / b <= 2.7, (a, b)

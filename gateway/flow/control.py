@@ -165,7 +165,7 @@ class FlowGates:
             g = self.gates[model] = ModelGate(model, Gate(cfg, endpoints, self.mode),
                                               self.metrics)
             if old is not None:  # a reload: the fair-share counters carry over
-                g.gate.queue.counters.update(old.gate.queue.counters)
+                g.gate.queue.inherit(old.gate.queue)
         return g
 
     def queues(self, cfg: FlowControl) -> bool:

@@ -1,34 +1,48 @@
 """Which waiting request goes next when the fleet is saturated: pure data and arithmetic, the
 same for ``serve``, the EPP and the simulator (no clock, no I/O).
 
-Requests wait in *flows* (a tenant, or finer when the request names one: ``x-fairness-id``,
-an agent session). The order:
+Requests wait in *flows*. A flow is a tenant, divided, when a request names one, into
+sub-flows (``tenant/ID``: ``x-fairness-id``, an agent session). Sub-flows divide their
+tenant's share; they never add to it: however many ids a tenant sends, it competes with the
+other tenants as one flow. The order:
 
 1. **priority band** first, strictly: critical, then reserved (standard requests within their
    tenant's reserved throughput), then standard, then flex;
-2. within a band, by the ``mode``:
+2. within a band, between tenants, by the ``mode``:
 
    * ``fcfs``: arrival order, flows ignored (what an engine's own queue does);
    * ``priority``: bands, then arrival order;
-   * ``round_robin``: bands, then one request per backlogged flow in turn (llm-d's default
+   * ``round_robin``: bands, then one request per backlogged tenant in turn (llm-d's default
      fairness policy within a band);
-   * ``fair``: bands, then the backlogged flow with the least *virtual service* (VTC, Sheng et
-     al., OSDI 2024): each flow's counter grows by ``(w_in·input + w_out·output) / weight``
-     for the tokens it is served (input when it is dispatched, output as reserved then, made
-     exact when it settles), and a flow that becomes backlogged is lifted to the least
-     counter among the backlogged (or to the counter of the flow that left last when none
-     is), so an idle flow cannot bank credit;
-3. within a flow, earliest deadline first (the request's TTFT SLO after its arrival; arrival
-   order among requests without one); among flows with equal counters, one just lifted goes
-   first (lifted to the least-served waiting flow's counter, it would otherwise wait behind
-   that flow's older requests).
+   * ``fair``: bands, then the backlogged tenant with the least *virtual service* (VTC, Sheng
+     et al., OSDI 2024): each tenant's counter grows by ``(w_in·input + w_out·output) /
+     weight`` for the tokens it is served (input when it is dispatched, output as reserved
+     then, made exact when it settles), and a tenant that becomes backlogged is *lifted* to
+     the least counter among the backlogged (or to the counter of the tenant that left last
+     when none is): its counter becomes ``max(own, floor)``, so idling banks no credit;
+3. within a tenant, the sub-flow with the least service within the tenant (the same counter,
+   kept per replica and lifted the same way), then earliest deadline first (the request's
+   TTFT SLO after its arrival; arrival order among requests without one); among tenants with
+   equal counters, one just lifted goes first (lifted to the least-served waiting tenant's
+   counter, it would otherwise wait behind that tenant's older requests).
 
-VTC's bound: between two flows that are backlogged over an interval, the difference in
-weighted service stays within ``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest
-request (Theorem 4.4 of the paper), here ``vtc_bound``.
+A tenant has at most ``max_subflows`` sub-flows waiting at once; requests naming further ids
+share one more sub-flow (``OVERFLOW``), and the counters of idle sub-flows are forgotten (a
+return is lifted to the floor, as if it had none), so what a tenant's ids cost is bounded
+whatever the client sends.
+
+Counters shared by replicas (``gateway.flow.share``) are the tenants' only. What a replica
+changed since its last exchange is a ``Delta``: charges and lifts composed exactly
+(``max(x + before, lift) + after``), so a lift is never *added* to what the other replicas
+counted.
+
+The bound (Theorem in §4 of the paper): between two tenants backlogged over an interval, the
+difference in weighted service stays within ``2·max(w_in·L_in, w_out·M)``, ``L_in`` the longest
+prompt and ``M`` the most tokens one running batch holds (``vtc_bound``). Replicas add what the
+others serve within one exchange interval (``gateway.flow.share``).
 
 Bounded: at ``max_queued`` requests, a new one sheds the worst waiting request, which may be
-itself: in the lowest band (flex first), the flow with the longest queue (then the most
+itself: in the lowest band (flex first), the tenant with the longest queue (then the most
 served), its latest deadline.
 """
 
@@ -36,7 +50,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,20 +60,57 @@ MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
 BANDS = ("critical", "reserved", "standard", "flex")
 _BAND_RANK = {b: i for i, b in enumerate(BANDS)}
 _seq = itertools.count()
-FORGET_EVERY = 256  # flows becoming backlogged between sweeps of idle flows' counters
+FORGET_EVERY = 256  # tenants becoming backlogged between sweeps of idle tenants' counters
+MAX_SUBFLOWS = 64  # sub-flows of one tenant waiting at once; further ids share OVERFLOW
+OVERFLOW = "~more"  # the sub-flow of a tenant's requests beyond MAX_SUBFLOWS ids
+
+
+def tenant_of(flow: str) -> str:
+    """The tenant a flow (``tenant`` or ``tenant/ID``) belongs to."""
+    return flow.partition("/")[0]
 
 
 def engine_priority(band: str, backlogged: bool) -> int:
     """The ``priority`` an engine running vLLM's priority policy gets (lower first): by band,
-    and within a band a request whose flow still has others waiting in the gateway (a flow
-    using more than its share) behind the requests of flows that have none. With nothing
-    waiting it is the band's alone, so the engine's order within a band stays arrival."""
+    and within a band a request whose tenant still has others waiting in the gateway (a
+    tenant using more than its share) behind the requests of tenants that have none. With
+    nothing waiting it is the band's alone, so the engine's order within a band stays
+    arrival."""
     return 2 * BANDS.index(band) + (1 if backlogged else 0)
 
 
-def vtc_bound(w_in: float, w_out: float, max_input: float, max_output: float) -> float:
-    """``2·U``, ``U = w_in·L_in + w_out·L_out`` for the longest request (Theorem 4.4)."""
-    return 2.0 * (w_in * max_input + w_out * max_output)
+def vtc_bound(w_in: float, w_out: float, max_input: float, max_batch_tokens: float) -> float:
+    """VTC's bound on the weighted service difference between two backlogged flows:
+    ``2·max(w_in·L_in, w_out·M)``, ``L_in`` the longest prompt, ``M`` the most tokens a
+    running batch holds."""
+    return 2.0 * max(w_in * max_input, w_out * max_batch_tokens)
+
+
+@dataclass(slots=True)
+class Delta:
+    """What a replica did to one shared counter since its last exchange, composed exactly:
+    the counter ``x`` becomes ``max(x + before, lift) + after`` (``lift`` -inf: none)."""
+
+    before: float = 0.0
+    lift: float = -math.inf
+    after: float = 0.0
+
+    def add(self, amount: float) -> None:
+        self.after += amount
+
+    def lift_to(self, floor: float) -> None:
+        # max(max(x + b, f) + a, g) = max(x + b + a, f + a, g)
+        self.before += self.after
+        self.lift = max(self.lift + self.after, floor)
+        self.after = 0.0
+
+    def then(self, newer: Delta) -> Delta:
+        """This change followed by ``newer``."""
+        return Delta(self.before + self.after + newer.before,
+                     max(self.lift + self.after + newer.before, newer.lift), newer.after)
+
+    def apply(self, x: float) -> float:
+        return max(x + self.before, self.lift) + self.after
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +127,8 @@ class Waiter:
     payload: Any = None
     seq: int = field(default_factory=lambda: next(_seq))
     queued: bool = False
+    tenant: str = ""  # set when queued: ``tenant_of(flow)``
+    sub: str = ""  # set when queued: its sub-flow (``flow``, or ``OVERFLOW``)
 
     def key(self) -> tuple[float, int]:
         return (self.deadline, self.seq)
@@ -86,23 +140,42 @@ class _Flow:
     live: int = 0  # waiters in the heap still queued (removed ones are skipped lazily)
 
 
+@dataclass(slots=True)
+class _Tenant:
+    """A tenant's waiting requests in one band, by sub-flow."""
+
+    subs: dict[str, _Flow] = field(default_factory=dict)
+    live: int = 0
+
+
+@dataclass(slots=True)
+class _Subs:
+    """A tenant's sub-flow counters (this replica's: service within the tenant)."""
+
+    counters: dict[str, float] = field(default_factory=dict)
+    last_left: float = 0.0
+    waiting: dict[str, int] = field(default_factory=dict)  # queued requests per sub-flow
+
+
 class FairQueue:
     def __init__(self, mode: Mode = "fair", *, max_queued: int = 1024, w_in: float = 1.0,
-                 w_out: float = 2.0) -> None:
+                 w_out: float = 2.0, max_subflows: int = MAX_SUBFLOWS) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown flow-control mode {mode!r}")
         self.mode = mode
         self.max_queued = max_queued
+        self.max_subflows = max_subflows
         self.w_in, self.w_out = w_in, w_out
-        self.counters: dict[str, float] = {}  # virtual service per flow (weighted, /weight)
+        self.counters: dict[str, float] = {}  # virtual service per tenant (weighted, /weight)
         # every change to the counters since ``take_deltas`` (charges and lifts): what a
-        # replica adds to the counters it shares with the others (``gateway.flow.share``)
-        self.deltas: dict[str, float] = {}
-        self._bands: dict[str, dict[str, _Flow]] = {b: {} for b in BANDS}
+        # replica sends to the counters it shares with the others (``gateway.flow.share``)
+        self.deltas: dict[str, Delta] = {}
+        self.subs: dict[str, _Subs] = {}  # per tenant: its sub-flows' counters
+        self._bands: dict[str, dict[str, _Tenant]] = {b: {} for b in BANDS}
         self._rr: dict[str, list[str]] = {b: [] for b in BANDS}  # round-robin order
-        self._last_left = 0.0  # counter of the flow that left the backlog last
-        # flows lifted when they became backlogged, not served since: among flows with equal
-        # counters they go first (a lifted flow ties with the one it was lifted to)
+        self._last_left = 0.0  # counter of the tenant that left the backlog last
+        # tenants lifted when they became backlogged, not served since: among tenants with
+        # equal counters they go first (a lifted tenant ties with the one it was lifted to)
         self._fresh: set[str] = set()
         self._pushes = 0
         self.size = 0
@@ -111,52 +184,82 @@ class FairQueue:
     def service(self, cost_in: float, cost_out: float, weight: float) -> float:
         return (self.w_in * cost_in + self.w_out * cost_out) / max(weight, 1e-9)
 
-    def charge(self, flow: str, cost_in: float, cost_out: float, weight: float = 1.0) -> None:
-        """``flow`` was served (or, negative, refunded) these tokens."""
-        self._add(flow, self.service(cost_in, cost_out, weight))
+    def charge(self, flow: str, cost_in: float, cost_out: float, weight: float = 1.0,
+               sub: str | None = None) -> None:
+        """``flow`` was served (or, negative, refunded) these tokens: its tenant's counter
+        grows by the weighted service, its sub-flow's (``sub``, where it waited; else
+        ``flow``) within the tenant by the service."""
+        tenant = tenant_of(flow)
+        amount = self.service(cost_in, cost_out, weight)
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + amount
+        self._delta(tenant).add(amount)
+        subs = self.subs.get(tenant)
+        if subs is not None:
+            sub = sub or flow
+            if sub in subs.counters:
+                subs.counters[sub] += amount * max(weight, 1e-9)
 
-    def _add(self, flow: str, amount: float) -> None:
-        self.counters[flow] = self.counters.get(flow, 0.0) + amount
-        self.deltas[flow] = self.deltas.get(flow, 0.0) + amount
+    def _delta(self, tenant: str) -> Delta:
+        d = self.deltas.get(tenant)
+        if d is None:
+            d = self.deltas[tenant] = Delta()
+        return d
 
-    def take_deltas(self) -> dict[str, float]:
+    def _lift(self, tenant: str, floor: float) -> None:
+        own = self.counters.get(tenant, 0.0)
+        if floor > own:
+            self.counters[tenant] = floor
+            self._fresh.add(tenant)
+        self._delta(tenant).lift_to(floor)
+
+    def take_deltas(self) -> dict[str, Delta]:
         """The changes since the last call (to send to the shared counters)."""
         out, self.deltas = self.deltas, {}
         return out
 
-    def give_back(self, deltas: dict[str, float]) -> None:
-        """Changes that could not be sent: keep them for the next try."""
-        for f, v in deltas.items():
-            self.deltas[f] = self.deltas.get(f, 0.0) + v
+    def give_back(self, deltas: dict[str, Delta]) -> None:
+        """Changes that could not be sent: kept, before whatever changed since."""
+        for f, d in deltas.items():
+            newer = self.deltas.get(f)
+            self.deltas[f] = d if newer is None else d.then(newer)
 
     def adopt(self, shared: dict[str, float]) -> None:
         """The counters all replicas together have reached (what was last sent included),
-        plus what this replica changed since: the counters it orders by from now on."""
+        with what this replica changed since: the counters it orders by from now on."""
         for f in set(shared) | set(self.counters):
-            self.counters[f] = shared.get(f, 0.0) + self.deltas.get(f, 0.0)
+            d = self.deltas.get(f)
+            base = shared.get(f, 0.0)
+            self.counters[f] = d.apply(base) if d is not None else base
         self._forget_idle()
 
+    def inherit(self, old: FairQueue) -> None:
+        """Take over ``old``'s counters and what it has not sent yet (a reload)."""
+        self.counters.update(old.counters)
+        self.give_back(old.take_deltas())
+        for t, subs in old.subs.items():
+            self.subs.setdefault(t, _Subs()).counters.update(subs.counters)
+        self._last_left = old._last_left
+
     def _floor(self) -> float:
-        """What a flow becoming backlogged is lifted to (at least)."""
-        waiting = [self.counters.get(f, 0.0) for f in self.backlogged()]
+        """What a tenant becoming backlogged is lifted to (at least)."""
+        waiting = [self.counters.get(t, 0.0) for t in self.backlogged()]
         return min(waiting) if waiting else self._last_left
 
     def _forget_idle(self) -> None:
-        """Drop the counters of idle flows at or below the floor: one would be lifted to
-        the floor on its return, as if it had none, so ordering is unchanged and the
-        counters stay as many as the flows above it (flow ids may come from clients)."""
+        """Drop the counters of idle tenants at or below the floor: one would be lifted to
+        the floor on its return, as if it had none, so ordering is unchanged."""
         floor, waiting = self._floor(), self.backlogged()
-        for f in [f for f, c in self.counters.items() if c <= floor and f not in waiting]:
-            del self.counters[f]
-            self._fresh.discard(f)
+        for t in [t for t, c in self.counters.items() if c <= floor and t not in waiting]:
+            del self.counters[t]
+            self._fresh.discard(t)
 
-    def bound(self, max_input: float, max_output: float) -> float:
-        """VTC's bound on the weighted service difference between backlogged flows."""
-        return vtc_bound(self.w_in, self.w_out, max_input, max_output)
+    def bound(self, max_input: float, max_batch_tokens: float) -> float:
+        """VTC's bound on the weighted service difference between backlogged tenants."""
+        return vtc_bound(self.w_in, self.w_out, max_input, max_batch_tokens)
 
     def backlogged(self) -> set[str]:
-        """Flows with a request waiting (a flow leaves ``_bands`` with its last one)."""
-        return {f for flows in self._bands.values() for f in flows}
+        """Tenants with a request waiting (a tenant leaves ``_bands`` with its last one)."""
+        return {t for tenants in self._bands.values() for t in tenants}
 
     # -- queueing ---------------------------------------------------------------------------
     def push(self, w: Waiter) -> Waiter | None:
@@ -170,25 +273,56 @@ class FairQueue:
                 return w
             self.remove(worst)
             shed = worst
-        if self.mode == "fair" and w.flow not in self.backlogged():
+        w.tenant = tenant_of(w.flow)
+        if self.mode == "fair" and w.tenant not in self.backlogged():
             if self._pushes % FORGET_EVERY == 0:
                 self._forget_idle()
             self._pushes += 1
-            floor = self._floor()
-            own = self.counters.get(w.flow, 0.0)
-            if floor > own:
-                self._add(w.flow, floor - own)
-                self._fresh.add(w.flow)
-        flows = self._bands[w.band]
-        q = flows.get(w.flow)
+            self._lift(w.tenant, self._floor())
+        w.sub = self._enter_sub(w.tenant, w.flow)
+        tenants = self._bands[w.band]
+        t = tenants.get(w.tenant)
+        if t is None:
+            t = tenants[w.tenant] = _Tenant()
+            self._rr[w.band].append(w.tenant)
+        q = t.subs.get(w.sub)
         if q is None:
-            q = flows[w.flow] = _Flow()
-            self._rr[w.band].append(w.flow)
+            q = t.subs[w.sub] = _Flow()
         heapq.heappush(q.heap, (*w.key(), w))
         q.live += 1
+        t.live += 1
         w.queued = True
         self.size += 1
         return shed
+
+    def _enter_sub(self, tenant: str, flow: str) -> str:
+        """The sub-flow ``flow`` waits in (lifted within its tenant when it becomes
+        backlogged), at most ``max_subflows`` of a tenant's at once."""
+        subs = self.subs.get(tenant)
+        if subs is None:
+            subs = self.subs[tenant] = _Subs()
+        sub = flow
+        if sub not in subs.waiting and len(subs.waiting) >= self.max_subflows:
+            sub = OVERFLOW
+        if sub not in subs.waiting:
+            if len(subs.counters) >= 4 * self.max_subflows:
+                self._forget_subs(subs)
+            floor = min((subs.counters.get(s, 0.0) for s in subs.waiting),
+                        default=subs.last_left)
+            subs.counters[sub] = max(subs.counters.get(sub, 0.0), floor)
+        subs.waiting[sub] = subs.waiting.get(sub, 0) + 1
+        return sub
+
+    def _forget_subs(self, subs: _Subs) -> None:
+        """Keep a tenant's sub-flow counters few: drop the idle ones at or below the floor,
+        then, still too many, the least served idle ones (a return is lifted to the floor)."""
+        floor = min((subs.counters.get(s, 0.0) for s in subs.waiting), default=subs.last_left)
+        idle = sorted((c, s) for s, c in subs.counters.items() if s not in subs.waiting)
+        extra = len(subs.counters) - 2 * self.max_subflows
+        for c, s in idle:
+            if c <= floor or extra > 0:
+                del subs.counters[s]
+                extra -= 1
 
     def remove(self, w: Waiter) -> None:
         """``w`` stops waiting (it gave up, timed out or was shed); no-op when not queued."""
@@ -196,26 +330,35 @@ class FairQueue:
             return
         w.queued = False
         self.size -= 1
-        q = self._bands[w.band][w.flow]
+        t = self._bands[w.band][w.tenant]
+        q = t.subs[w.sub]
         q.live -= 1
-        self._tidy(w.band, w.flow, q)
+        t.live -= 1
+        subs = self.subs[w.tenant]
+        n = subs.waiting[w.sub] - 1
+        if n:
+            subs.waiting[w.sub] = n
+        else:
+            del subs.waiting[w.sub]
+            subs.last_left = subs.counters.get(w.sub, 0.0)
+        self._tidy(w.band, w.tenant, w.sub, t, q)
 
     def peek(self) -> Waiter | None:
         """The request that would go next."""
         for band in BANDS:
-            flows = self._bands[band]
-            if not flows:
+            tenants = self._bands[band]
+            if not tenants:
                 continue
             if self.mode == "fcfs":
-                return min((self._head(q) for b in BANDS for q in self._bands[b].values()),
-                           key=lambda w: w.seq, default=None)
+                return min((h for b in BANDS for h in self._heads(b)), key=lambda w: w.seq,
+                           default=None)
             if self.mode == "priority":
-                return min((self._head(q) for q in flows.values()), key=lambda w: w.seq)
+                return min(self._heads(band), key=lambda w: w.seq)
             if self.mode == "round_robin":
-                return self._head(flows[self._rr[band][0]])
-            return min((self._head(q) for q in flows.values()),
-                       key=lambda w: (self.counters.get(w.flow, 0.0), w.flow not in self._fresh,
-                                      w.deadline, w.seq))
+                return self._tenant_head(tenants[self._rr[band][0]])
+            heads = (self._tenant_head(t) for t in tenants.values())
+            return min(heads, key=lambda w: (self.counters.get(w.tenant, 0.0),
+                                             w.tenant not in self._fresh, w.deadline, w.seq))
         return None
 
     def pop(self) -> Waiter | None:
@@ -226,7 +369,7 @@ class FairQueue:
         if self.mode == "round_robin":
             order = self._rr[w.band]
             order.append(order.pop(0))
-        self._fresh.discard(w.flow)
+        self._fresh.discard(w.tenant)
         self.remove(w)
         return w
 
@@ -237,17 +380,35 @@ class FairQueue:
             heapq.heappop(q.heap)
         return q.heap[0][2]
 
-    def _tidy(self, band: str, flow: str, q: _Flow) -> None:
+    def _heads(self, band: str) -> Iterator[Waiter]:
+        for t in self._bands[band].values():
+            for q in t.subs.values():
+                yield self._head(q)
+
+    def _tenant_head(self, t: _Tenant) -> Waiter:
+        """The tenant's next request: of its least-served sub-flow, the earliest deadline."""
+        if len(t.subs) == 1:
+            return self._head(next(iter(t.subs.values())))
+        heads = [self._head(q) for q in t.subs.values()]
+        sub = self.subs[heads[0].tenant].counters
+        return min(heads, key=lambda w: (sub.get(w.sub, 0.0), w.deadline, w.seq))
+
+    def _tidy(self, band: str, tenant: str, sub: str, t: _Tenant, q: _Flow) -> None:
         while q.heap and not q.heap[0][2].queued:
             heapq.heappop(q.heap)
         if len(q.heap) > 2 * q.live + 16:  # requests that left from inside the heap
             q.heap = [e for e in q.heap if e[2].queued]
             heapq.heapify(q.heap)
         if q.live == 0:
-            del self._bands[band][flow]
-            self._rr[band].remove(flow)
-            if not any(flow in flows for flows in self._bands.values()):
-                self._last_left = self.counters.get(flow, 0.0)
+            del t.subs[sub]
+        if t.live == 0:
+            del self._bands[band][tenant]
+            self._rr[band].remove(tenant)
+            if not any(tenant in tenants for tenants in self._bands.values()):
+                self._last_left = self.counters.get(tenant, 0.0)
+                subs = self.subs.get(tenant)
+                if subs is not None and not subs.waiting and len(subs.counters) <= 1:
+                    del self.subs[tenant]  # nothing to remember within it
 
     def _worse(self, a: Waiter, b: Waiter) -> bool:
         """Is ``a`` a worse candidate to keep than ``b``?"""
@@ -255,33 +416,39 @@ class FairQueue:
 
     def _shed_key(self, w: Waiter) -> tuple[int, int, float, float, int]:
         # the longest queue loses first (as fair queueing drops from the fattest flow: a
-        # light flow's counter may sit just above a flooder's), then the most served
-        q = self._bands[w.band].get(w.flow)
-        return (_BAND_RANK[w.band], q.live if q else 0, self.counters.get(w.flow, 0.0),
-                w.deadline, w.seq)
+        # light tenant's counter may sit just above a flooder's), then the most served
+        t = self._bands[w.band].get(w.tenant or tenant_of(w.flow))
+        return (_BAND_RANK[w.band], t.live if t else 0,
+                self.counters.get(w.tenant or tenant_of(w.flow), 0.0), w.deadline, w.seq)
 
     def _worst(self) -> Waiter | None:
         for band in reversed(BANDS):
-            flows = self._bands[band]
-            if flows:
-                return max((w for q in flows.values() for _, _, w in q.heap if w.queued),
-                           key=self._shed_key)
+            tenants = self._bands[band]
+            if tenants:
+                return max((w for t in tenants.values() for q in t.subs.values()
+                            for _, _, w in q.heap if w.queued), key=self._shed_key)
         return None
 
     def has_waiting(self, flow: str, band: str) -> bool:
-        """Does ``flow`` have requests waiting in ``band``?"""
-        q = self._bands[band].get(flow)
-        return q is not None and q.live > 0
+        """Does ``flow``'s tenant have requests waiting in ``band``?"""
+        t = self._bands[band].get(tenant_of(flow))
+        return t is not None and t.live > 0
 
     def waiting_by_flow(self) -> dict[str, int]:
-        """Requests waiting per flow (all bands)."""
+        """Requests waiting per sub-flow (all bands), named ``tenant`` or ``tenant/ID``
+        (``tenant/~more`` for the ids beyond ``max_subflows``)."""
         out: dict[str, int] = {}
-        for flows in self._bands.values():
-            for flow, q in flows.items():
-                if q.live:
-                    out[flow] = out.get(flow, 0) + q.live
+        for tenant, subs in self.subs.items():
+            for sub, n in subs.waiting.items():
+                name = f"{tenant}/{OVERFLOW}" if sub == OVERFLOW else sub
+                out[name] = out.get(name, 0) + n
         return out
+
+    def sub_counters(self) -> dict[str, float]:
+        """Each remembered sub-flow's service within its tenant (this replica's)."""
+        return {(f"{t}/{OVERFLOW}" if s == OVERFLOW else s): c
+                for t, subs in self.subs.items() for s, c in subs.counters.items() if s != t}
 
     def waiting(self) -> Mapping[str, int]:
         """Requests waiting per band."""
-        return {b: sum(q.live for q in flows.values()) for b, flows in self._bands.items()}
+        return {b: sum(t.live for t in tenants.values()) for b, tenants in self._bands.items()}

@@ -63,7 +63,7 @@ class Gate:
             return Offer(True)
         shed = self.queue.push(w)
         if (w.queued and self.queue.peek() is w
-                and (w.band == "reserved" or self.queue.backlogged() - {w.flow})
+                and (w.band == "reserved" or self.queue.backlogged() - {w.tenant})
                 and self.headroom(now) > 0):
             # the fair queue's head, ahead of other flows that wait (it has been served less)
             # or within its tenant's reserved throughput, may use the margin the saturation
@@ -113,12 +113,12 @@ class Gate:
         charge, made with its reserved output."""
         if not self.queues:
             return
-        self._charge(w.flow, prompt - w.cost_in, output - w.cost_out, w.weight)
+        self._charge(w, prompt - w.cost_in, output - w.cost_out)
 
     def _grant(self, w: Waiter) -> None:
         self.let_through += 1
-        self._charge(w.flow, w.cost_in, w.cost_out, w.weight)
+        self._charge(w, w.cost_in, w.cost_out)
 
-    def _charge(self, flow: str, cost_in: float, cost_out: float, weight: float) -> None:
+    def _charge(self, w: Waiter, cost_in: float, cost_out: float) -> None:
         if self.mode == "fair":
-            self.queue.charge(flow, cost_in, cost_out, weight)
+            self.queue.charge(w.flow, cost_in, cost_out, w.weight, w.sub)
