@@ -4,6 +4,7 @@ its window ends, and the next window is a fresh bucket."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -93,3 +94,51 @@ def test_a_spent_daily_budget_refuses_until_midnight(
         assert abs(day["resets_in_s"] - (midnight - now.timestamp())) < 5
     finally:
         gw.close()
+
+
+def _month_bucket(gw_url: str) -> dict[str, float]:
+    lim = httpx.get(f"{gw_url}/admin/limiter", headers={"Authorization": "Bearer admin"}
+                    ).json()
+    (month,) = [b for b in lim["buckets"] if b["kind"] == "budget_monthly"]
+    return month  # type: ignore[no-any-return]
+
+
+def test_a_reload_changes_the_cap_never_the_spend(
+        backend_factory: Callable[..., RunningBackend], tmp_path: Path) -> None:
+    """Two replicas sharing Redis: what a tenant spent stays what it spent when its monthly
+    budget is raised by hot reload (it was rescaled with the cap: $0.046 of $0.35 read as
+    $4.67 of $5), and a budget lowered below the spend refuses the next request at once."""
+    from redis_servers import RedisServer
+    b = backend_factory()
+    redis = RedisServer(tmp_path / "redis")
+    path = tmp_path / "p.yaml"
+    write_policy(path, _doc({"budget_monthly": 0.35}, f"{b.url}/v1"))
+    gws = [start_gateway(path, redis_url=redis.url) for _ in range(2)]
+    try:
+        auth = {"Authorization": "Bearer key-t"}
+        body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 8}
+        for gw in gws:
+            assert httpx.post(f"{gw.url}/v1/completions", json=body, headers=auth,
+                              timeout=30).status_code == 200
+        spent = _month_bucket(gws[0].url)["used"]
+        assert 0.01 < spent < 0.2
+        for cap in (5.0, spent / 2, 5.0):
+            write_policy(path, _doc({"budget_monthly": cap}, f"{b.url}/v1"))
+            for gw in gws:
+                deadline = time.monotonic() + 10
+                while _month_bucket(gw.url)["limit"] != cap and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                month = _month_bucket(gw.url)
+                assert month["limit"] == cap
+                if cap > spent:
+                    assert month["used"] == pytest.approx(spent, rel=1e-6)
+                    continue
+                # lowered below what was spent: nothing left, refused at once, everywhere
+                assert month["remaining"] == 0
+                r = httpx.post(f"{gw.url}/v1/completions", json=body, headers=auth,
+                               timeout=30)
+                assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded"
+    finally:
+        for gw in gws:
+            gw.close()
+        redis.stop()

@@ -1,7 +1,7 @@
 """Calendar budgets: dollars per day or per month that reset at midnight (or on the 1st) in the
 policy's time zone, beside the rolling ``budget``. Each window is its own bucket: the charge's
 scope names the window (``tenant:acme@2026-12-02``), its limit does not refill within it
-(``bucket.NO_REFILL_S``) and expires at the window's end, so a reservation made before midnight
+(``bucket.spend_cap``: the bucket holds the dollars spent, so a new cap never rescales them) and expires at the window's end, so a reservation made before midnight
 settles in the window it was made in, and the next window starts full."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
-from gateway.quota.limiter.bucket import NO_REFILL_S, Kind, Limit
+from gateway.quota.limiter.bucket import Kind, Limit, spend_cap
 
 
 def window(kind: Kind, now: float, tz: str) -> tuple[str, float]:
@@ -28,4 +28,4 @@ def window(kind: Kind, now: float, tz: str) -> tuple[str, float]:
 def limit(kind: Kind, dollars: float, now: float, tz: str) -> tuple[str, Limit]:
     """The scope suffix and bucket of a calendar budget of ``dollars`` at ``now``."""
     label, end = window(kind, now, tz)
-    return f"@{label}", Limit(kind, dollars, NO_REFILL_S, dollars, expires_at=end)
+    return f"@{label}", spend_cap(kind, dollars, end)

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 
 from gateway.config.policy import Limits, Model, Policy, Route
 from gateway.quota import calendar
-from gateway.quota.limiter.bucket import NO_REFILL_S, Limit
+from gateway.quota.limiter.bucket import Limit, spend_cap
 from gateway.quota.limiter.store import (
     SETTLE_MARGIN_S,
     BucketState,
@@ -56,9 +56,8 @@ def charges(policy: Policy, tenant: str, route: Route, model: Model, prompt_toke
            for c in _scope_charges(scope, limits, costs, now, policy.settings.time_zone)]
     cap = policy.settings.sentry.session_budget
     if cap and session is not None:  # the sentry's hard cap: exact, as every budget
-        out.append(Charge(f"session:{session}", Limit(
-            "session_budget", cap, NO_REFILL_S, cap,
-            expires_at=now + policy.settings.sentry.session_ttl_s), dollars))
+        out.append(Charge(f"session:{session}", spend_cap(
+            "session_budget", cap, now + policy.settings.sentry.session_ttl_s), dollars))
     return out
 
 

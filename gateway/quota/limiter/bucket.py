@@ -19,9 +19,11 @@ Kind = Literal["requests", "tokens", "tokens_day", "budget", "budget_daily", "bu
                "session_budget"]
 KINDS: tuple[Kind, ...] = ("requests", "tokens", "tokens_day", "budget", "budget_daily",
                            "budget_monthly", "session_budget")
-# A calendar budget is a bucket that does not refill within its window (its period is this
-# long) and whose scope names the window (``gateway.quota.calendar``): the next window is a
-# new, full bucket.
+# A calendar budget (or a session's cap) is a bucket that does not refill within its window
+# and whose scope names the window (``gateway.quota.calendar``): the next window is a new,
+# full bucket. Each unit (dollar) costs the same ``NO_REFILL_S`` of TAT whatever the cap, so
+# the state holds what was spent, not a fraction of the cap: a cap raised or lowered by a
+# reload changes the cap, never the spend (a cap lowered below the spend refuses at once).
 NO_REFILL_S = 1e13
 
 
@@ -47,6 +49,11 @@ class Limit:
     @property
     def tolerance(self) -> float:
         return self.burst * self.interval
+
+
+def spend_cap(kind: Kind, cap: float, expires_at: float | None = None) -> Limit:
+    """A cap of ``cap`` units that does not refill (``NO_REFILL_S`` seconds of TAT a unit)."""
+    return Limit(kind, cap, cap * NO_REFILL_S, cap, expires_at=expires_at)
 
 
 @dataclass(frozen=True, slots=True)
