@@ -88,6 +88,7 @@ class GatewayState:
     scalers: dict[str, PoolScaler] = field(default_factory=dict)  # pools with scaling:
     live: LiveStreams = field(default_factory=LiveStreams)  # streams that may be migrated
     draining: bool = False
+    drain_deadline: float | None = None  # time.monotonic() by which shutdown must be done
     tracer: Tracer = field(default_factory=lambda: Tracer(None))
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     rng: random.Random = field(default_factory=random.Random)  # retry backoff jitter

@@ -89,7 +89,11 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                    "`tokengate.spend`."),
          "postgres_url": spec("postgresql:// URL", NONE, "Also insert each record into the "
                             "table `tokengate_spend` there (created and migrated at start; "
-                            "batched, off the request path).")}),
+                            "batched, off the request path; one row per request id)."),
+         "spool_dir": spec("path", NONE, "Where records not written to PostgreSQL by "
+                           "shutdown are spooled, to be written at the next start (default "
+                           "`$TOKENGATE_SPOOL_DIR`, else `~/.local/state/tokengate/"
+                           "spend-spool`). On Kubernetes, a persistent volume.")}),
     "flow_control": Section(
         "settings.flow_control",
         "When every endpoint of a model is saturated, requests wait in the gateway, one queue "

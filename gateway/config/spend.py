@@ -14,6 +14,7 @@ from gateway.config.decode import Decoder
 class Spend:
     log: bool = True  # one JSON line per request on the logger tokengate.spend
     postgres_url: str | None = None  # also written to this database, batched
+    spool_dir: str | None = None  # records not written by shutdown wait here for the next start
 
 
 def parse_spend(d: Decoder, raw: Any, path: str) -> Spend:
@@ -26,4 +27,6 @@ def parse_spend(d: Decoder, raw: Any, path: str) -> Spend:
         if urlsplit(url).scheme not in ("postgres", "postgresql"):
             raise d.fail(f"{path}.postgres_url", "expected a postgresql:// URL")
         kw["postgres_url"] = url
+    if "spool_dir" in m:
+        kw["spool_dir"] = d.string(m["spool_dir"], f"{path}.spool_dir")
     return Spend(**kw)

@@ -144,6 +144,7 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
     try:
         await stop.wait()
         state.draining = True
+        state.drain_deadline = time.monotonic() + cfg.drain_timeout_s
         await drain(cfg.drain_timeout_s, lambda: in_flight(state) > 0)
         log.info("drained (%d still in flight); stopping", in_flight(state))
     finally:

@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -313,7 +314,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     sink = None
     pg = state.view.policy.settings.spend.postgres_url
     if pg:
-        sink = PostgresSink(pg)
+        spool = state.view.policy.settings.spend.spool_dir
+        sink = PostgresSink(pg, spool_dir=Path(spool) if spool else None)
         state.spend.sinks.append(sink)
         tasks.append(asyncio.ensure_future(sink.run()))
     for name, scaler in state.scalers.items():
@@ -324,6 +326,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         publish=sync.publish if sync else None,
         may_train=(lambda: sync.leader) if sync else (lambda: True))))
     yield
+    if sink is not None:  # within what is left of the drain; the rest is spooled
+        left = (state.drain_deadline - time.monotonic()) if state.drain_deadline else 5.0
+        await sink.close(max(0.2, min(left, 5.0)))
     for task in tasks:
         task.cancel()
     for task in tasks:
@@ -342,14 +347,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(Exception):
             await state.spend.flush()
         await state.spend.redis.aclose()
-    if sink is not None:
-        await sink.close()
     for scaler in state.scalers.values():
         await scaler.close()
     await state.fleet.close()
     state.predictor.close()
     if state.background:
         await asyncio.wait(state.background, timeout=5)
+    if sink is not None and sink.buffer:  # recorded by settlements that ended since
+        sink.spool()
     await state.upstream.close()
     await state.store.close()
     state.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,8 +1,9 @@
 """Calendar budgets: dollars per day or per month that reset at midnight (or on the 1st) in the
 policy's time zone, beside the rolling ``budget``. Each window is its own bucket: the charge's
 scope names the window (``tenant:acme@2026-12-02``), its limit does not refill within it
-(``bucket.spend_cap``: the bucket holds the dollars spent, so a new cap never rescales them) and expires at the window's end, so a reservation made before midnight
-settles in the window it was made in, and the next window starts full."""
+(``bucket.spend_cap``: the bucket holds the dollars spent, so a new cap never rescales them)
+and expires at the window's end, so a reservation made before midnight settles in the window
+it was made in, and the next window starts full."""
 
 from __future__ import annotations
 

@@ -283,9 +283,11 @@ def rate_limit_error(d: Decision) -> APIError:
 
 
 async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
-                 prompt_tokens: int | None, failed_before_first_token: bool) -> None:
+                 prompt_tokens: int | None, failed_before_first_token: bool,
+                 tier: str = "payg") -> None:
     """Bring the reservation to actual use, once (the ``final`` step), after any progressive
-    charge still in flight (so its deltas are counted exactly once)."""
+    charge still in flight (so its deltas are counted exactly once). Budgets are charged the
+    dollars the request costs in its ``tier`` (what its spend record says it cost)."""
     st = adm.settlement
     if st is None or st.final:
         return
@@ -299,7 +301,7 @@ async def settle(store: RateStore, adm: Admission, *, output_tokens: int | None,
         p = prompt_tokens if prompt_tokens is not None else adm.prompt_tokens
         o = output_tokens or 0
         tokens = float(p + o)
-        dollars = adm.model.price.cost(p, o)
+        dollars = adm.model.price.cost_at(tier, p, o)
         totals = {"tokens": tokens, "tokens_day": tokens, "budget": dollars,
                   "budget_daily": dollars, "budget_monthly": dollars,
                   "session_budget": dollars}

@@ -46,6 +46,7 @@ class RequestContext:
     trace: RequestTrace | None = None  # None unless the policy turns tracing on
     admissions: list[Admission] = field(default_factory=list)  # every reservation made
     outcome: str | None = None  # how the request ended, once counted (``finish``)
+    recorded: bool = False  # its spend record was written (``spent``: once)
     flow: str = ""  # its flow under flow control: the tenant, or tenant/x-fairness-id
     key_name: str = ""  # the name of the API key it came with (spend records)
     tier: str = "payg"  # its capacity tier: reserved, payg or flex (``quota.classify``)
@@ -69,13 +70,17 @@ class RequestContext:
     def spent(self, model: Model, prompt: int, completion: int, cached: int, outcome: str,
               endpoint: str | None = None) -> None:
         """The request's spend record (``gateway.spend``): one per request, from settlement
-        when something was served, else from the error that ended it."""
+        when something was served, else from the error that ended it; only the first
+        call writes it."""
+        if self.recorded:
+            return
+        self.recorded = True
         _, _, session = self.flow.partition("/")
         now, dollars = time.time(), model.price.cost_at(self.tier, prompt, completion)
         self.state.spend.record(SpendRecord(
             now, self.request_id, self.tenant, self.key_name, model.name, self.priority,
             prompt, completion, cached, dollars, outcome, endpoint, session or None,
-            self.tier))
+            self.tier, self.route.name))
         self.state.sentry.spent(self.tenant, self.session, dollars, now)
 
     @property

@@ -195,6 +195,12 @@ async def run(request: web.Request, start: Begin, serve: Serve) -> web.StreamRes
         ctx.spent(ctx.view.policy.models[ctx.parsed.model], 0, 0, 0, str(exc.status))
         end_trace(ctx, exc)
         raise
+    except BaseException as exc:
+        if ctx.outcome is None:  # no answer was handed back: left (or failed) before it
+            outcome = "client_gone" if isinstance(exc, asyncio.CancelledError) else "500"
+            ctx.finish(ctx.parsed.model, outcome)
+            ctx.spent(ctx.view.policy.models[ctx.parsed.model], 0, 0, 0, outcome)
+        raise
     finally:
         end_trace(ctx, None)
 

@@ -210,7 +210,8 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
             await quota.refund(state.store, adm)
         else:
             await quota.settle(state.store, adm, output_tokens=used.completion,
-                               prompt_tokens=used.prompt, failed_before_first_token=False)
+                               prompt_tokens=used.prompt, failed_before_first_token=False,
+                               tier=ctx.tier)
     except StoreUnavailable:
         log.warning("settlement of %s deferred: the rate store is unreachable", ctx.request_id)
     details = (r.usage or {}).get("prompt_tokens_details")

@@ -22,6 +22,7 @@ class SpendRecord:
     endpoint: str | None = None
     session: str | None = None  # x-fairness-id, when the request named one
     tier: str = "payg"  # reserved, payg or flex: what its tokens were priced at
+    route: str | None = None  # the policy route it came by
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
