@@ -189,3 +189,43 @@ def test_engine_priority_puts_a_light_flow_ahead_of_a_backlogged_one_in_the_engi
     heavy = {p for n, p in seen if n > 100}
     assert light == {4}, seen
     assert 5 in heavy and heavy <= {4, 5}, seen
+
+
+def test_a_request_abandoned_while_it_waits_is_recorded_and_counted_once(
+        engine: RunningBackend, gateways: Callable[[dict[str, Any]], RunningGateway]) -> None:
+    """The light tenant's requests wait in the gateway's queue behind a saturated engine and
+    their clients hang up before a token: each leaves exactly one spend record and one count
+    (``client_gone``), and its reservation is returned."""
+    doc = policy(f"{engine.url}/v1", "priority")
+    doc["tenants"]["light"]["priority"] = "flex"  # it waits while the flood has the engine
+    doc["tenants"]["light"]["limits"] = {"tpm": 1_000_000}
+    gw = gateways(doc)
+    records: list[Any] = []
+    gw.state.spend.sinks.append(type("Sink", (), {"put": lambda _s, r: records.append(r)})())
+    stop = threading.Event()
+    pool = flood(gw, stop, 12)
+    try:
+        time.sleep(1.0)
+        gone = []
+        for i in range(3):
+            rid = f"gone-{i}-{time.monotonic_ns()}"
+            gone.append(rid)
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{gw.url}/v1/completions", timeout=0.3,
+                           headers={"Authorization": "Bearer key-light", "x-request-id": rid},
+                           json={"model": "m", "prompt": "hello", "max_tokens": 4})
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and \
+                sum(r.request_id in gone for r in records) < len(gone):
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+    mine = [r for r in records if r.request_id in gone]
+    assert sorted(r.request_id for r in mine) == sorted(gone)  # one each
+    assert {(r.outcome, r.dollars, r.completion_tokens) for r in mine} == {("client_gone", 0, 0)}
+    text = httpx.get(f"{gw.url}/metrics").text
+    counted = [x for x in text.splitlines() if x.startswith("tokengate_requests_total{")
+               and 'tenant="light"' in x]
+    assert len(counted) == 1 and 'status="client_gone"' in counted[0], counted
+    assert float(counted[0].split()[-1]) == len(gone)
