@@ -34,6 +34,7 @@ from gateway.routing.endpoints import EndpointState
 from gateway.routing.prefix_hints import PrefixShare
 from gateway.spend.ledger import GROUPS, group
 from gateway.spend.postgres import PostgresSink
+from gateway.spend.rebuild import BudgetRebuild
 from gateway.spend.windows import MINUTES_KEPT_S, WINDOW_GROUPS, parse_window
 from gateway.state import GATEWAY, GatewayState
 from predictor.online import summary
@@ -311,13 +312,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.ensure_future(counters.run()))
         state.spend.redis = coordination_client(state.redis_url)
         tasks.append(asyncio.ensure_future(state.spend.run()))
-    sink = None
+    sink = rebuild = None
     pg = state.view.policy.settings.spend.postgres_url
     if pg:
         spool = state.view.policy.settings.spend.spool_dir
         sink = PostgresSink(pg, spool_dir=Path(spool) if spool else None)
         state.spend.sinks.append(sink)
         tasks.append(asyncio.ensure_future(sink.run()))
+        # calendar budgets lifted to what the ledger says was spent (a Redis restart)
+        rebuild = BudgetRebuild(pg, lambda: state.view.policy, state.store,
+                                coordination_client(state.redis_url)
+                                if state.redis_url else None)
+        tasks.append(asyncio.ensure_future(rebuild.run()))
     for name, scaler in state.scalers.items():
         scaler.on_drain = state.live.migrate_from
         tasks.append(asyncio.ensure_future(scaler.run(
@@ -355,6 +361,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait(state.background, timeout=5)
     if sink is not None and sink.buffer:  # recorded by settlements that ended since
         sink.spool()
+    if rebuild is not None and rebuild.redis is not None:
+        await rebuild.redis.aclose()
     await state.upstream.close()
     await state.store.close()
     state.executor.shutdown(wait=False, cancel_futures=True)

@@ -26,6 +26,15 @@ def window(kind: Kind, now: float, tz: str) -> tuple[str, float]:
     return start.strftime("%Y-%m"), nxt.timestamp()
 
 
+def start(kind: Kind, now: float, tz: str) -> float:
+    """When the window ``now`` falls in began (epoch seconds)."""
+    local = datetime.fromtimestamp(now, ZoneInfo(tz))
+    first = local.replace(hour=0, minute=0, second=0, microsecond=0)
+    if kind != "budget_daily":
+        first = first.replace(day=1)
+    return first.timestamp()
+
+
 def limit(kind: Kind, dollars: float, now: float, tz: str) -> tuple[str, Limit]:
     """The scope suffix and bucket of a calendar budget of ``dollars`` at ``now``."""
     label, end = window(kind, now, tz)

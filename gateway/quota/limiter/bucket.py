@@ -80,6 +80,12 @@ def adjust(tat: float, now: float, delta: float, limit: Limit) -> float:
     return max(new_tat, now) if delta < 0 else new_tat
 
 
+def lift(tat: float, now: float, used: float, limit: Limit) -> float:
+    """The state of a bucket that has at least ``used`` units in use now (a ledger's count):
+    raised to it when below, unchanged when already there."""
+    return max(tat, now + used * limit.interval)
+
+
 def remaining(tat: float, now: float, limit: Limit) -> float:
     """Units that could be admitted now."""
     return max(0.0, (limit.tolerance - (max(tat, now) - now)) / limit.interval)

@@ -250,6 +250,10 @@ class LeasedStore:
         """The shared buckets (what this replica leased is spent there already)."""
         return await self.shared.peek(charges)
 
+    async def lift(self, charges: Sequence[Charge]) -> int:
+        """The shared buckets (what this replica leased is in use there already)."""
+        return await self.shared.lift(charges)
+
     # -- giving back -------------------------------------------------------------------------
     def _start_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():

@@ -69,6 +69,16 @@ class MemoryStore:
         now = self._clock()
         return [self._state(c, now) for c in charges]
 
+    async def lift(self, charges: Sequence[Charge]) -> int:
+        now, raised = self._clock(), 0
+        for c in charges:
+            tat = self._tat.get(c.key, 0.0)
+            new = bucket.lift(tat, now, c.cost, c.limit)
+            if new > tat:
+                self._tat[c.key] = new
+                raised += 1
+        return raised
+
     def _state(self, c: Charge, now: float) -> BucketState:
         tat = self._tat.get(c.key, 0.0)
         return BucketState(c.scope, c.limit, bucket.remaining(tat, now, c.limit),

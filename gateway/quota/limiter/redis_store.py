@@ -99,6 +99,7 @@ class RedisStore:
         self._adjust_src = _script("adjust.lua")
         self._void_src = _script("void.lua")
         self._peek_src = _script("peek.lua")
+        self._lift_src = _script("lift.lua")
         self._sha: dict[str, str] = {}
         self.owed: dict[tuple[str, str], Owed] = {}  # (reservation, step or scope) -> call
         self._paying: asyncio.Task[None] | None = None
@@ -304,6 +305,18 @@ class RedisStore:
                 out[c.key] = BucketState(c.scope, c.limit, bucket.remaining(tat, now, c.limit),
                                          bucket.reset_after(tat, now))
         return [out[c.key] for c in charges]
+
+    async def lift(self, charges: Sequence[Charge]) -> int:
+        """One script call per scope, at Redis server time."""
+        by_scope: dict[str, list[Charge]] = defaultdict(list)
+        for c in charges:
+            by_scope[c.scope].append(c)
+        raised = 0
+        for scope, cs in by_scope.items():
+            args = [a for c in cs for a in (c.limit.kind, repr(c.limit.interval), repr(c.cost),
+                                             str(_ttl_ms(c)))]
+            raised += int(await self._eval(self._lift_src, [_key(scope)], args))
+        return raised
 
     async def close(self) -> None:
         if self._paying is not None and not self._paying.done():

@@ -103,5 +103,9 @@ class ResilientStore:
                 self._mark_down(exc)
         return await self.local.peek(self._share(charges))
 
+    async def lift(self, charges: Sequence[Charge]) -> int:
+        """The shared buckets only (raises ``StoreUnavailable`` while they are away)."""
+        return await self.primary.lift(charges)
+
     async def close(self) -> None:
         await self.primary.close()

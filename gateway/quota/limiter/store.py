@@ -94,6 +94,11 @@ class RateStore(Protocol):
         """The buckets' state now, charging nothing (``/admin/limiter``)."""
         ...
 
+    async def lift(self, charges: Sequence[Charge]) -> int:
+        """Bring each bucket to at least ``cost`` units in use (what a ledger says was spent
+        in it), never lower one; returns how many were raised."""
+        ...
+
     async def close(self) -> None: ...
 
 
