@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from redis_servers import RedisCluster, RedisServer
 
-from gateway.quota.limiter.bucket import Limit
+from gateway.quota.limiter.bucket import Limit, spend_cap
 from gateway.quota.limiter.memory import MemoryStore
 from gateway.quota.limiter.redis_store import RedisStore
 from gateway.quota.limiter.store import Charge, RateStore, Settlement
@@ -105,6 +105,23 @@ async def test_peek_reads_the_buckets_and_charges_nothing(store: RateStore) -> N
         assert fresh.remaining == 50 and fresh.reset_s == 0
 
 
+async def test_lift_raises_a_bucket_to_what_a_ledger_says_never_lowers_it(
+        store: RateStore) -> None:
+    """A spend cap's bucket is lifted to what was spent (a rebuild after a restart): a lift
+    below what is in use changes nothing, a second lift to the same changes nothing, and a
+    new cap (a reload) reads the same spend."""
+    cap, s = spend_cap("budget_monthly", 10.0), scope("tenant:lift")
+    c = Charge(s, cap, 2.0)
+    assert (await store.reserve([c], scope("lift"))).allowed  # $2 in use
+    assert await store.lift([Charge(s, cap, 1.5)]) == 0
+    assert await store.lift([Charge(s, cap, 3.25)]) == 1
+    assert await store.lift([Charge(s, cap, 3.25)]) == 0
+    (st,) = await store.peek([c])
+    assert st.used == pytest.approx(3.25)
+    (raised,) = await store.peek([Charge(s, spend_cap("budget_monthly", 50.0), 0.0)])
+    assert raised.used == pytest.approx(3.25) and raised.remaining == pytest.approx(46.75)
+
+
 async def test_settlement_refunds_unused_and_charges_overrun_once(store: RateStore) -> None:
     s = scope("tenant:s")
     lim = tokens(1000)
@@ -174,7 +191,7 @@ def test_lua_scripts_ship_as_package_data() -> None:
 
     lua = Path(gateway.quota.limiter.__file__).parent / "lua"
     assert {p.name for p in lua.glob("*.lua")} == {"reserve.lua", "adjust.lua", "void.lua",
-                                                "peek.lua"}
+                                                "peek.lua", "lift.lua"}
 
 
 def test_redis_store_under_uvloop(redis_server: RedisServer) -> None:

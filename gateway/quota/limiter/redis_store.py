@@ -79,6 +79,9 @@ def _script(name: str) -> str:
     return (files("gateway.quota.limiter") / "lua" / name).read_text()
 
 
+MAX_TTL_MS = 400 * 86400 * 1000
+
+
 def _key(scope: str) -> str:
     return f"tg:{{{scope}}}"
 
@@ -87,7 +90,8 @@ def _ttl_ms(c: Charge) -> int:
     if c.limit.expires_at is not None:  # a calendar window: kept a day past its end, for
         # the settlements of requests admitted in it
         return int((max(c.limit.expires_at - time.time(), 0.0) + 86400.0) * 1000)
-    return int((c.limit.tolerance + c.limit.period_s) * 1000) + 1000
+    # (a bucket that never refills lives as long as Redis allows, a little over a year)
+    return min(int((c.limit.tolerance + c.limit.period_s) * 1000) + 1000, MAX_TTL_MS)
 
 
 class RedisStore:
