@@ -179,8 +179,8 @@ SECTIONS: dict[str, Section] = {
         {"input_per_1k": spec("number ≥ 0", 0.0, "Dollars per 1,000 prompt tokens."),
          "output_per_1k": spec("number ≥ 0", 0.0, "Dollars per 1,000 completion tokens."),
          "reserved": spec("number ≥ 0", 1.0, "What tokens served within a tenant's reserved "
-                        "throughput cost, as a fraction of the prices above (spend records; "
-                        "budgets are reserved at the list price)."),
+                        "throughput cost, as a fraction of the prices above (spend records and "
+                        "budgets; budgets are reserved at the list price, settled at this)."),
          "flex": spec("number ≥ 0", 0.5, "What flex requests' tokens cost, as a fraction of "
                     "the prices above.")}),
     "limits": _LIMITS,
