@@ -99,6 +99,7 @@ def main() -> None:
                      "vtc_bound": r["vtc_bound"], "flows": r["service_gap_flows"],
                      **row(r)})
         print(json.dumps(runs[-1]), flush=True)
+        runs += isolation(ns.duration, seed, modes)
         # a reserved tenant idle for the first half returns into the flood
         r_tenant = Tenant("R", LIGHT, band="reserved", start=ns.duration / 2)
         r_alone = noisy_neighbour([r_tenant], "fcfs", ns.duration, seed=seed)
@@ -117,12 +118,45 @@ def main() -> None:
     print(markdown(runs))
 
 
+def isolation(duration: float, seed: int,
+              modes: dict[str, tuple[str, FlowControl | None]]) -> list[dict[str, Any]]:
+    """The isolation target: two tenants share the pool; B, the victim, sends half its fair
+    share (a quarter of the pool's capacity in requests/s, measured by a flood of A alone);
+    A sends exactly its fair share, then ten times it. B's TTFT under the flood is compared
+    with its TTFT when A keeps to its share (same engines, same B requests)."""
+    cap = noisy_neighbour([Tenant("A", NORMAL * 10)], "fair", duration, seed=seed,
+                          flow=MODES["fair"][1])
+    capacity = cap["tenants"]["A"]["served_per_s"]
+    share = capacity / 2
+    out = []
+    for label, (mode, cfg) in modes.items():
+        t0 = time.perf_counter()
+        at = noisy_neighbour([Tenant("A", share), Tenant("B", share / 2)], mode, duration,
+                             seed=seed, flow=cfg)
+        flood = noisy_neighbour([Tenant("A", share * 10), Tenant("B", share / 2)], mode,
+                                duration, seed=seed, flow=cfg)
+        base = at["tenants"]["B"]
+        r = {"seed": seed, "mode": f"isolation:{label}", "capacity_rps": capacity,
+             "share_rps": share, **row(flood),
+             "victim_at_fair_share_ttft_p50_ms": base["ttft_p50_ms"],
+             "victim_at_fair_share_ttft_p90_ms": base["ttft_p90_ms"],
+             "victim_at_fair_share_ttft_p99_ms": base["ttft_p99_ms"],
+             "victim_at_fair_share_goodput": base["goodput"],
+             "utilisation_at_fair_share": at["utilisation"],
+             "wall_s": time.perf_counter() - t0}
+        r["p90_ratio"] = r["victim_ttft_p90_ms"] / max(base["ttft_p90_ms"], 1e-9)
+        r["p99_ratio"] = r["victim_ttft_p99_ms"] / max(base["ttft_p99_ms"], 1e-9)
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    return out
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
     lines = ["| seed | mode | B TTFT p50 ms | B TTFT p90 ms | B TTFT p99 ms | B goodput | "
              "B refused | A tokens/s | utilisation | B mean ms: gateway wait / engine queue / "
              "prefill |", "|" + "---|" * 10]
     for r in runs:
-        if r["mode"].startswith("fair:"):
+        if r["mode"].startswith(("fair:", "isolation:")):
             continue
         lines.append(f"| {r['seed']} | {r['mode']} | {r['victim_ttft_p50_ms']:.0f} | "
                      f"{r['victim_ttft_p90_ms']:.0f} | {r['victim_ttft_p99_ms']:.0f} | "
@@ -130,6 +164,20 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                      f"{r['flooder_tokens_per_s']:.0f} | {r['utilisation']:.3f} | "
                      f"{_ms(r['victim_gateway_wait_ms'])} / {_ms(r['victim_engine_queue_ms'])} / "
                      f"{_ms(r['victim_prefill_ms'])} |")
+    iso = [r for r in runs if r["mode"].startswith("isolation:")]
+    if iso:
+        lines += ["", "Isolation: B at half its fair share; A at its share, then 10x it "
+                  "(B TTFT ms, p90 / p99)", "",
+                  "| seed | mode | capacity req/s | A at share | A at 10x share | ratio p90 / "
+                  "p99 | B goodput at 10x | utilisation at share / 10x |", "|" + "---|" * 8]
+        for r in iso:
+            lines.append(
+                f"| {r['seed']} | {r['mode'].split(':')[1]} | {r['capacity_rps']:.2f} | "
+                f"{r['victim_at_fair_share_ttft_p90_ms']:.0f} / "
+                f"{r['victim_at_fair_share_ttft_p99_ms']:.0f} | {r['victim_ttft_p90_ms']:.0f} / "
+                f"{r['victim_ttft_p99_ms']:.0f} | {r['p90_ratio']:.2f} / {r['p99_ratio']:.2f} | "
+                f"{r['victim_goodput']:.3f} | {r['utilisation_at_fair_share']:.3f} / "
+                f"{r['utilisation']:.3f} |")
     for r in runs:
         if r["mode"] == "fair:two-flooders":
             lines.append(f"\nseed {r['seed']}, two flooders {r['flows']}: largest weighted "

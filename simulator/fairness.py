@@ -146,6 +146,7 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             "ttft_p99_ms": _pct(ttfts, 0.99), "goodput": good / len(mine) if mine else 0.0,
             "tokens_per_s": sum(r.result.output_tokens for r in mine
                                 if r.result.error is None) / end,
+            "served_per_s": sum(1 for r in mine if r.result.error is None) / end,
             "first_gateway_wait_ms": _first_wait(mine), **anatomy(mine)}
     return out
 

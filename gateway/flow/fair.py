@@ -369,9 +369,13 @@ class FairQueue:
         if self.mode == "round_robin":
             order = self._rr[w.band]
             order.append(order.pop(0))
+        self.take(w)
+        return w
+
+    def take(self, w: Waiter) -> None:
+        """Take ``w`` off the queue to be dispatched (out of turn, or as the head)."""
         self._fresh.discard(w.tenant)
         self.remove(w)
-        return w
 
     # -- internals ----------------------------------------------------------------------------
     @staticmethod
@@ -433,6 +437,19 @@ class FairQueue:
         """Does ``flow``'s tenant have requests waiting in ``band``?"""
         t = self._bands[band].get(tenant_of(flow))
         return t is not None and t.live > 0
+
+    def head_of(self, tenant: str) -> Waiter | None:
+        """``tenant``'s next request (its highest band)."""
+        for band in BANDS:
+            t = self._bands[band].get(tenant)
+            if t is not None:
+                return self._tenant_head(t)
+        return None
+
+    def waiting_of(self, tenant: str) -> int:
+        """Requests ``tenant`` has waiting (all bands)."""
+        subs = self.subs.get(tenant)
+        return sum(subs.waiting.values()) if subs is not None else 0
 
     def waiting_by_flow(self) -> dict[str, int]:
         """Requests waiting per sub-flow (all bands), named ``tenant`` or ``tenant/ID``

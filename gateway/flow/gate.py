@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import FairQueue, Mode, Waiter, engine_priority
+from gateway.flow.fair import BANDS, FairQueue, Mode, Waiter, engine_priority
 from gateway.flow.saturation import Thresholds, free_slots
 from gateway.routing.endpoints import EndpointState
+
+BURST = 8  # requests a light tenant may be served ahead of the fair queue's head (headroom)
 
 
 @dataclass(slots=True)
@@ -62,17 +64,40 @@ class Gate:
             self._grant(w)
             return Offer(True)
         shed = self.queue.push(w)
-        if (w.queued and self.queue.peek() is w
-                and (w.band == "reserved" or self.queue.backlogged() - {w.tenant})
-                and self.headroom(now) > 0):
-            # the fair queue's head, ahead of other flows that wait (it has been served less)
-            # or within its tenant's reserved throughput, may use the margin the saturation
+        if w.queued and self._light(w) and self.headroom(now) > 0:
+            # a request of a tenant within its share may use the margin the saturation
             # thresholds keep below the engines' limits: it does not wait for the busiest
-            # flow's requests to finish (reserved capacity is reclaimed at once)
-            self.queue.pop()
+            # tenant's requests to finish (reserved capacity is reclaimed at once)
+            self.queue.take(w)
             self._grant(w)
             return Offer(True, shed)
         return Offer(False, shed)
+
+    def _light(self, w: Waiter) -> bool:
+        """May ``w`` use the headroom? Within its tenant's reserved throughput; or, nothing
+        of a higher band waiting, when it is the fair queue's head ahead of other tenants
+        (served less), or its tenant has fewer than half as many requests waiting as another
+        tenant that waits (the one over its share is the one whose queue grows: a burst of a
+        light tenant does not wait behind a flood because VTC gives it no credit) and has
+        been served no more than ``BURST`` requests like this one beyond the head's tenant (so
+        between two flooders the shorter queue cannot run ahead: the bound grows by
+        ``BURST``·U at most)."""
+        if w.band == "reserved":
+            return True
+        head = self.queue.peek()
+        if head is None or BANDS.index(head.band) < BANDS.index(w.band):
+            return False
+        others = self.queue.backlogged() - {w.tenant}
+        if not others:
+            return False
+        if head is w:
+            return True
+        q = self.queue
+        if q.mode == "fair" and q.counters.get(w.tenant, 0.0) - q.counters.get(head.tenant, 0.0) \
+                > BURST * q.service(w.cost_in, w.cost_out, w.weight):
+            return False  # served well ahead of the head already: its turn comes in order
+        mine = q.waiting_of(w.tenant)
+        return any(q.waiting_of(t) > 2 * mine for t in others)
 
     def saturated(self, now: float) -> bool:
         """Would a request offered now wait (others wait already, or no slot is free)?"""
@@ -92,7 +117,22 @@ class Gate:
                 break
             self._grant(w)
             out.append(w)
+        while self.queue.size and self.mode in ("fair", "round_robin"):
+            w = self._lightest()  # the headroom: for tenants within their share
+            if w is None or not self._light(w) or self.headroom(now) <= 0:
+                break
+            self.queue.take(w)
+            self._grant(w)
+            out.append(w)
         return out
+
+    def _lightest(self) -> Waiter | None:
+        """The next request of the waiting tenant with the fewest requests waiting."""
+        tenants = self.queue.backlogged()
+        if len(tenants) < 2:
+            return None
+        t = min(tenants, key=lambda t: (self.queue.waiting_of(t), t))
+        return self.queue.head_of(t)
 
     def sent(self) -> None:
         """A request let through has been sent to an endpoint (or will not be)."""
