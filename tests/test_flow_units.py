@@ -160,6 +160,49 @@ def test_a_light_flow_uses_the_headroom_a_busy_one_waits() -> None:
     assert gate.offer(light, 0.0).go and waiting.queued  # light goes ahead, at once
 
 
+def test_a_light_tenants_burst_uses_the_headroom_behind_a_flood() -> None:
+    """A flood of many queued requests; a light tenant's burst of three arrives: though its
+    counter passes the flood's after the first (VTC gives no credit), each goes through the
+    headroom, not behind the flood's queue; one request the flood sends meanwhile does not."""
+    eps = _pool(2)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
+    pool = EndpointPool(Model("m", ()), eps)
+    for _ in range(2):
+        assert gate.offer(w("flood"), 0.0).go
+    for e in eps:
+        pool.acquire(e, 10, 10)
+        gate.sent()
+    for _ in range(20):
+        assert not gate.offer(w("flood"), 0.0).go
+    burst = [w("light", cin=500) for _ in range(3)]
+    went = [gate.offer(x, 0.0).go for x in burst[:2]]
+    assert went == [True, True] and gate.headroom(0.0) == 0  # one per endpoint
+    assert not gate.offer(burst[2], 0.0).go  # no headroom left: it waits (near the head)
+    assert gate.queue.counters["light"] > gate.queue.counters["flood"]
+    e0 = pool.acquire(eps[0], 10, 10)
+    gate.sent()
+    gate.sent()
+    EndpointPool.first_token(e0)  # room for one more beyond saturation again
+    assert gate.pump(0.0) == [burst[2]]  # the light one, not the flood's head
+
+
+def test_two_floods_take_the_headroom_in_fair_order_only() -> None:
+    """Between two flooders the shorter queue is not 'light': it may use the headroom only
+    as the fair queue's head, so it cannot run ahead of the other."""
+    eps = _pool(1)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
+    assert gate.offer(w("a"), 0.0).go
+    gate.sent()
+    for _ in range(30):
+        gate.offer(w("a"), 0.0)
+    for _ in range(10):
+        gate.offer(w("d"), 0.0)
+    gate.queue.charge("d", 100_000, 0)  # d is far ahead in service
+    x = w("d")
+    assert not gate.offer(x, 0.0).go and x.queued  # shorter queue, but served well ahead
+    assert all(y.flow == "a" for y in gate.pump(0.0))
+
+
 def test_fcfs_never_holds() -> None:
     eps = _pool(1)
     gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps, mode="fcfs")
