@@ -80,6 +80,24 @@ def test_unknown_schemes_and_bad_databases_are_refused() -> None:
             FastRedis(url)
 
 
+async def test_commands_asked_together_share_one_connection_and_write(tmp_path: Path
+                                                                        ) -> None:
+    """A request's quota and tier reservations are asked in one loop iteration: they leave in
+    one write on one connection (one round trip); commands asked later spread over the
+    connections as before."""
+    server = RedisServer(tmp_path / "join")
+    r = FastRedis(server.url, connections=2)
+    try:
+        await asyncio.gather(r.execute("PING"), r.execute("PING"))  # both connections open
+        together = await asyncio.gather(*(r.execute("CLIENT", "ID") for _ in range(4)))
+        assert len(set(together)) == 1
+        apart = {await r.execute("CLIENT", "ID") for _ in range(4)}
+        assert len(apart) == 2
+    finally:
+        await r.aclose()
+        server.stop()
+
+
 async def test_an_acl_user_authenticates_with_its_username(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "acl")
     try:

@@ -201,6 +201,7 @@ class FastRedis:
         self._conns: list[_Conn | None] = [None] * connections
         self._locks = [asyncio.Lock() for _ in range(connections)]
         self._next = itertools.cycle(range(connections))
+        self._joinable: _Conn | None = None  # the connection with a write due this iteration
 
     async def _conn(self, i: int) -> _Conn:
         c = self._conns[i]
@@ -225,11 +226,17 @@ class FastRedis:
             return proto
 
     async def execute(self, *args: Any, defer: bool = False) -> Any:
-        i = next(self._next)
-        conn = self._conns[i]
-        if conn is None or conn.closed:
-            conn = await self._conn(i)
+        conn = self._joinable
+        if conn is None or not conn._soon or conn.closed:
+            # commands issued in one loop iteration share a write (and Redis's reply): a
+            # request's quota and tier reservations, asked together, cost one round trip
+            i = next(self._next)
+            conn = self._conns[i]
+            if conn is None or conn.closed:
+                conn = await self._conn(i)
         fut = conn.send(args, defer)
+        if conn._soon:
+            self._joinable = conn
         # A timer instead of asyncio.wait_for: no extra task per call on the hot path.
         timer = asyncio.get_running_loop().call_later(self.timeout_s, _expire, fut, conn)
         try:
