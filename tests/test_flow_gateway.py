@@ -5,6 +5,7 @@ a full queue sheds with a 429 in OpenAI's shape; ``x-fairness-id`` is validated.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
@@ -16,9 +17,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from aiohttp import web
 from conftest import RunningBackend
 from gateway_stack import RunningGateway, start_gateway, write_policy
 from test_gateway_e2e import sha
+from threaded import start_server_thread
+
+from loadtests.echo_upstream import build
+from protocol.loopback import free_port
 
 Factory = Callable[..., RunningBackend]
 FLOOD = "lorem ipsum dolor sit amet " * 60
@@ -229,3 +235,32 @@ def test_a_request_abandoned_while_it_waits_is_recorded_and_counted_once(
                and 'tenant="light"' in x]
     assert len(counted) == 1 and 'status="client_gone"' in counted[0], counted
     assert float(counted[0].split()[-1]) == len(gone)
+
+
+def test_an_engine_without_metrics_is_served_under_fair_flow_control(
+        gateways: Callable[[dict[str, Any]], RunningGateway]) -> None:
+    """An OpenAI-compatible server without ``/metrics`` (404) is reachable, not down: the gate
+    counts its room by what the gateway sent it, and a request goes at once (it used to wait
+    forever in the gateway's queue while routing, under ``fcfs``, would have sent it)."""
+    port = free_port()
+
+    async def serve(ready: asyncio.Event, stop: asyncio.Event) -> None:
+        runner = web.AppRunner(build(4))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        ready.set()
+        await stop.wait()
+        await runner.cleanup()
+
+    server = start_server_thread(serve, "echo-upstream")
+    try:
+        gw = gateways(policy(f"http://127.0.0.1:{port}/v1", "fair"))
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-light", max_retries=0,
+                          timeout=20)
+        time.sleep(1.0)  # several scrapes answered 404
+        for _ in range(3):
+            r = c.chat.completions.create(model="m", max_tokens=4,
+                                          messages=[{"role": "user", "content": "hi"}])
+            assert r.choices[0].message.content
+    finally:
+        server.close()

@@ -149,6 +149,22 @@ def test_the_gate_holds_only_when_every_endpoint_is_saturated() -> None:
     assert gate.free(0.0) == 1 and gate.headroom(0.0) == 2
 
 
+def test_the_gate_counts_the_endpoints_routing_would_try() -> None:
+    """Healthy endpoints not draining; when none is healthy, every one not draining (routing
+    tries them rather than refusing: the gate must not hold what routing would send)."""
+    eps = _pool(3)
+    gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)
+    eps[2].health.draining = True
+    assert gate.free(0.0) == 2
+    eps[0].health.down_until = 10.0
+    assert gate.free(0.0) == 1  # only the healthy one
+    eps[1].health.down_until = 10.0
+    assert gate.free(0.0) == 2  # none healthy: both not draining, as routing would try them
+    assert gate.free(10.0) == 2  # back up
+    eps[0].health.draining = eps[1].health.draining = True
+    assert gate.free(0.0) == 0 and not gate.offer(w("a"), 0.0).go
+
+
 def test_a_light_flow_uses_the_headroom_a_busy_one_waits() -> None:
     eps = _pool(1)
     gate = Gate(FlowControl(mode="fair", queue_depth=1), lambda: eps)

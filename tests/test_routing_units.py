@@ -494,6 +494,36 @@ def test_scrape_failures_trip_and_recovery_restores(backend_factory: Any) -> Non
     asyncio.run(go())
 
 
+def test_an_engine_without_metrics_is_reachable_not_down() -> None:
+    """A real server whose ``/metrics`` is a 404 (an OpenAI-compatible engine without
+    Prometheus) answered: the scrape reads nothing but does not trip it, and one that was out
+    for failed connections is back."""
+    from aiohttp import web
+
+    from loadtests.echo_upstream import build
+    from protocol.loopback import free_port
+
+    fleet = Fleet(trip_after=1)
+    port = free_port()
+    ep = fleet.endpoint(f"http://127.0.0.1:{port}/v1", None, "both", None)
+
+    async def go() -> None:
+        runner = web.AppRunner(build(2))
+        try:
+            assert not await fleet.scrape(ep)  # nothing listens yet: a transport failure
+            assert ep.health.down_until > 0.0
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            for _ in range(3):
+                assert not await fleet.scrape(ep)  # no metrics to read
+                assert ep.health.down_until == 0.0 and ep.health.consecutive_failures == 0
+        finally:
+            await fleet.close()
+            await runner.cleanup()
+
+    asyncio.run(go())
+
+
 def test_pool_shape_flags_rewrite_the_demo_pool() -> None:
     raw: dict[str, Any] = {"models": {"demo-large": {"endpoints": [{"url": "http://x/v1"}]},
                                       "demo-small": {"endpoints": [{"url": "http://y/v1"}],

@@ -40,5 +40,9 @@ def room(ep: EndpointState, t: Thresholds, now: float) -> int:
 def free_slots(endpoints: Iterable[EndpointState], t: Thresholds, let_through: int,
                now: float) -> int:
     """Requests the pool can take now: its endpoints' room, less ``let_through`` (granted a
-    turn, not yet sent)."""
-    return sum(room(e, t, now) for e in endpoints if e.healthy(now)) - let_through
+    turn, not yet sent). The endpoints counted are those routing would try: the healthy ones
+    not draining or, when none is healthy, every one not draining (routing tries them rather
+    than refusing, so the gate does not hold requests that routing would send)."""
+    live = [e for e in endpoints if not e.health.draining]
+    healthy = [e for e in live if e.healthy(now)]
+    return sum(room(e, t, now) for e in healthy or live) - let_through

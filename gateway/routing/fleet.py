@@ -86,6 +86,7 @@ class Fleet:
         self.kv_events = KVEventFollowers()
         self._session: aiohttp.ClientSession | None = None
         self.scrapes = 0
+        self._without_metrics: set[str] = set()
         self.probe_trips = 0
         self._probing: set[str] = set()
 
@@ -160,6 +161,9 @@ class Fleet:
         headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
         try:
             async with self._http().get(base_url(e.url) + "/metrics", headers=headers) as r:
+                if r.status in (404, 405):
+                    self._no_metrics(e)
+                    return False
                 if r.status != 200:
                     raise aiohttp.ClientError(f"/metrics answered {r.status}")
                 text = await r.text()
@@ -209,6 +213,16 @@ class Fleet:
             e.health.reset_health()  # it was out for transport failures: reachable again
         self.scrapes += 1
         return True
+
+    def _no_metrics(self, e: EndpointState) -> None:
+        """The engine answered but has no ``/metrics`` (an OpenAI-compatible server without
+        Prometheus): it is reachable; its saturation is the gateway's own counts alone."""
+        if e.url not in self._without_metrics:
+            self._without_metrics.add(e.url)
+            log.warning("endpoint %s has no /metrics: routing and flow control see only "
+                        "what this replica sent it", e.url)
+        if e.health.down_until and e.health.consecutive_failures and not e.health.answer_failures:
+            e.health.reset_health()
 
     async def _read_models(self, e: EndpointState, headers: dict[str, str]) -> None:
         """The context length the engine serves (``max_model_len`` in vLLM's /v1/models)."""
