@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-stall bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
 
 $(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,9 @@ bench-fairness-live: install
 
 bench-fairness-ids: install redis-server
 	$(BIN)/python -m benchmarks.fairness_ids $(ARGS)
+
+bench-stall: install
+	$(BIN)/python -m benchmarks.stall $(ARGS)
 
 # The endpoint-picker conformance suite against any EPP (EPP=host:port, its pool configured
 # as POOL, default 127.0.0.1:18101,127.0.0.1:18102,127.0.0.1:18103, whose model servers the

@@ -22,6 +22,7 @@ from gateway.flow.control import FlowGates
 from gateway.flow.share import CounterShare
 from gateway.metrics import GatewayMetrics
 from gateway.quota.limiter.store import RateStore
+from gateway.request.counting import CountingSlots
 from gateway.request.migrate import LiveStreams
 from gateway.request.tokenize import TokenCounter
 from gateway.request.upstream import UpstreamClient
@@ -58,6 +59,11 @@ class PolicyView:
     admin_digest: str | None
 
 
+def tokenize_pool() -> ThreadPoolExecutor:
+    """The worker pool that tokenizes requests with much text: one thread per core."""
+    return ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="tokenize")
+
+
 class Tokenizers:
     """Tokenizers by name, loaded once per process and shared by every policy version."""
 
@@ -77,8 +83,7 @@ class GatewayState:
     store: RateStore
     metrics: GatewayMetrics
     tokenizers: Tokenizers
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenize"))
+    executor: ThreadPoolExecutor = field(default_factory=lambda: tokenize_pool())
     fleet: Fleet = field(default_factory=Fleet)
     predictor: OnlinePredictor = field(default_factory=OnlinePredictor)
     upstream: UpstreamClient = field(default_factory=UpstreamClient)
@@ -97,6 +102,7 @@ class GatewayState:
     flow_share: CounterShare | None = None  # the fair-share counters shared through Redis
     spend: SpendLedger = field(init=False)  # what every request cost
     sentry: Sentry = field(init=False)  # stops runaway agent sessions
+    counting: CountingSlots = field(init=False)  # a tenant's share of the tokenize pool
     # endpoints discovery found, by model (``gateway.discovery``), and what finds them
     found: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     discoverer: Discoverer = field(init=False)
@@ -104,6 +110,7 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.flow = FlowGates(self.metrics, self.flow_mode)
         self.sentry = Sentry(self.metrics)
+        self.counting = CountingSlots(self.executor._max_workers)
         self.discoverer = Discoverer(self)
         self.spend = SpendLedger(
             self.metrics, time_zone=lambda: self.view.policy.settings.time_zone,

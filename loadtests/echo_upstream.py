@@ -2,8 +2,9 @@
 
     python -m loadtests.echo_upstream --port 9000
 
-Chat and completions, streaming (``--chunks`` content chunks, then usage and ``[DONE]``) and
-not; usage counts the words it sends. TCP_NODELAY is on (aiohttp's default).
+Chat, completions and embeddings (four numbers per input), streaming (``--chunks`` content
+chunks, then usage and ``[DONE]``) and not; usage counts the words it sends. TCP_NODELAY is
+on (aiohttp's default).
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def build(chunks: int) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def embeddings(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        inputs = body.get("input")
+        items = inputs if isinstance(inputs, list) and not (
+            inputs and isinstance(inputs[0], int)) else [inputs]
+        n = sum(len(x) if isinstance(x, list) else 1 for x in items)
+        return web.Response(body=orjson.dumps({
+            "object": "list", "model": body.get("model", "echo"),
+            "data": [{"object": "embedding", "index": i, "embedding": [0.5, -0.5, 0.25, 0.0]}
+                     for i in range(len(items))],
+            "usage": {"prompt_tokens": n, "total_tokens": n}}),
+            content_type="application/json")
+
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -60,9 +74,10 @@ def build(chunks: int) -> web.Application:
         return web.json_response({"object": "list", "data": [
             {"id": "m", "object": "model", "created": 0, "owned_by": "echo"}]})
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_post("/v1/completions", handle)
+    app.router.add_post("/v1/embeddings", embeddings)
     # what routers probe before they send traffic (sglang-router and vllm-router: /health)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

@@ -39,6 +39,7 @@ class _Codec(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
+    def max_token_chars(self) -> int: ...
 
 
 class _Tiktoken:
@@ -62,6 +63,10 @@ class _Tiktoken:
             return bytes(self._enc.decode_single_token_bytes(token_id))
         except KeyError:
             return b""
+
+    def max_token_chars(self) -> int:
+        # no normalizer: a token stands for at most its bytes, so at most that many characters
+        return max(len(b) for b in self._enc.token_byte_values())
 
 
 class _HFTokenizer:
@@ -93,6 +98,13 @@ class _HFTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return str(self._tok.decode([token_id], skip_special_tokens=False)).encode()
 
+    def max_token_chars(self) -> int:
+        # A vocabulary entry is at least as long as the text it stands for (byte-level BPE
+        # writes a byte as one character, SentencePiece a space as one). A normalizer may
+        # shrink text before it is split (NFC composes, some strip): 4x margin.
+        longest = max(len(k) for k in self._tok.get_vocab(with_added_tokens=True))
+        return longest * (4 if self._tok.normalizer is not None else 1)
+
 
 class Tokenizer:
     """Encodes prompts, renders chat templates as ids, and decodes output words."""
@@ -114,6 +126,7 @@ class Tokenizer:
         n = self._codec.n_vocab
         self.start_id, self.end_id, self.sep_id = n, n + 1, n + 2
         self._words: list[int] | None = None
+        self._max_chars: int | None = None
         self._texts: dict[int, str] = {}
 
     @property
@@ -158,6 +171,15 @@ class Tokenizer:
         if os.path.isfile(jinja):
             template = Path(jinja).read_text(encoding="utf-8")
         self.chat_template = template if isinstance(template, str) and template else None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: ``len(text) //
+        max_token_chars`` is a lower bound on its tokens, known without tokenizing it."""
+        if self._max_chars is None:
+            self._max_chars = max(1, self._codec.max_token_chars(),
+                                  *(len(t) for t in self.added))
+        return self._max_chars
 
     def encode(self, text: str) -> list[int]:
         return self._codec.encode(text)

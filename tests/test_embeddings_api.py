@@ -116,3 +116,32 @@ def test_too_many_dimensions_come_back_from_the_engine_as_a_400(c: openai.OpenAI
     with pytest.raises(openai.BadRequestError) as exc:
         c.embeddings.create(model="e", input="x", dimensions=10**6)
     assert isinstance(exc.value.body, dict) and exc.value.body["param"] == "dimensions"
+
+
+def test_an_input_no_quota_could_take_is_refused_before_it_is_counted(
+        c: openai.OpenAI) -> None:
+    """400 input tokens a minute; 600 KB of text is at least 600,000 // 128 tokens whatever it
+    says (cl100k's longest token is 128 bytes): refused with that bound, not its count (it
+    was never tokenized), and the next small request is served."""
+    text = "abc " * 150_000
+    with pytest.raises(openai.RateLimitError) as exc:
+        c.embeddings.create(model="e", input=["hello", text])
+    msg = exc.value.body["message"] if isinstance(exc.value.body, dict) else ""
+    assert f"requested {len(text) // 128}." in msg, msg
+    assert c.embeddings.create(model="e", input="the cat sat").usage.prompt_tokens == 3
+
+
+def test_an_input_past_the_context_is_refused_before_it_is_counted(
+        pair: list[RunningBackend], tmp_path: Path) -> None:
+    doc = one_tenant({"e": {"endpoints": [{"url": f"{pair[0].url}/v1"}],
+                            "upstream_model": "llama-3-8b", "max_context": 1000}}, {})
+    with serving(write_policy(tmp_path / "p.yaml", doc)) as g, client(g) as cl:
+        with pytest.raises(openai.BadRequestError) as exc:
+            cl.embeddings.create(model="e", input=["ok", "word " * 40_000])
+        body = exc.value.body
+        assert isinstance(body, dict) and body["code"] == "context_length_exceeded"
+        assert f"at least {200_000 // 128} tokens" in body["message"]
+        with pytest.raises(openai.BadRequestError) as chat:
+            cl.chat.completions.create(model="e", messages=[
+                {"role": "user", "content": "word " * 40_000}])
+        assert isinstance(chat.value.body, dict) and "at least" in chat.value.body["message"]

@@ -14,7 +14,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from gateway.quota.limiter.store import RateStore
 from gateway.routing.fleet import Fleet
 from gateway.scaling.autoscaler import PoolScaler
 from gateway.scaling.launcher import LocalLauncher
-from gateway.state import GatewayState, Tokenizers, build_view, sync_tracer
+from gateway.state import GatewayState, Tokenizers, build_view, sync_tracer, tokenize_pool
 from predictor.online import OnlinePredictor
 
 log = logging.getLogger("tokengate.gateway")
@@ -66,7 +65,7 @@ def make_state(cfg: ServeConfig) -> tuple[GatewayState, PolicyWatcher]:
     else:
         store = MemoryStore()
     tokenizers = Tokenizers()
-    executor = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    executor = tokenize_pool()
     fleet = Fleet(interval_s=min(m.routing.scrape_interval_ms for m in
                                  policy.models.values()) / 1000.0)
     metrics = GatewayMetrics()

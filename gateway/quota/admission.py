@@ -25,7 +25,8 @@ async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quo
     Raises the 503 of an unreachable store; returns refusals (``decision.allowed`` False)."""
     try:
         adm = await quota.admit(state.store, ctx.view.policy, ctx.tenant, ctx.route, model,
-                                ctx.count_prompt, ctx.expected_output, ctx.session)
+                                ctx.count_prompt, ctx.expected_output, ctx.session,
+                                floor_prompt=ctx.floor_prompt)
     except StoreUnavailable:
         state.metrics.series("limiter", "all", "unavailable").inc()
         raise limiter_unavailable() from None

@@ -117,16 +117,19 @@ class ContextTooLong(Unfit):
     """The prompt, with the output asked for, does not fit the model's context (OpenAI's
     wording and code)."""
 
-    def __init__(self, limit: int, prompt: int, asked: int | None, kind: str) -> None:
+    def __init__(self, limit: int, prompt: int, asked: int | None, kind: str, *,
+                 at_least: bool = False) -> None:
         where = "messages" if kind == "chat" else "prompt"
+        least = "at least " if at_least else ""  # a bound known before tokenizing
         if asked is None:
             text = (f"This model's maximum context length is {limit} tokens. However, your "
-                    f"{where} resulted in {prompt} tokens. Please reduce the length of the "
-                    f"{where}.")
+                    f"{where} resulted in {least}{prompt} tokens. Please reduce the length of "
+                    f"the {where}.")
         else:
             text = (f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {prompt + asked} tokens ({prompt} in the {where}, {asked} in "
-                    f"the completion). Please reduce the length of the {where} or completion.")
+                    f"requested {least}{prompt + asked} tokens ({least}{prompt} in the {where}, "
+                    f"{asked} in the completion). Please reduce the length of the {where} or "
+                    "completion.")
         super().__init__(400, text, param=where, code="context_length_exceeded")
 
 
@@ -134,8 +137,12 @@ class ContextTooLong(Unfit):
 async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, model: Model,
                 count_prompt: Callable[[Model], Awaitable[int]],
                 expected_output: Callable[[Model], int],
-                session: str | None = None) -> Admission:
-    """Reserve on the model or, when its quota refuses, on the first fallback that admits."""
+                session: str | None = None,
+                floor_prompt: Callable[[Model], int] | None = None) -> Admission:
+    """Reserve on the model or, when its quota refuses, on the first fallback that admits.
+    ``floor_prompt``: a lower bound on the prompt's tokens, known without tokenizing it: a
+    model whose context or whose limits could never take that many is passed over before the
+    prompt is counted (``never_fits``)."""
     chain: list[Model] = [model]
     if route.failover:
         chain += [policy.models[n] for n in model.fallback if n in route.models]
@@ -143,6 +150,15 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
     last: Admission | None = None
     for candidate in chain:
         try:
+            if floor_prompt is not None:
+                lo = floor_prompt(candidate)
+                early = never_fits(charges(policy, tenant, route, candidate, lo, 0, session))
+                if early is not None:
+                    refused.append(early)
+                    last = last or Admission(candidate, lo, 0, early,
+                                             model.name if candidate is not model else None,
+                                             refused=refused)
+                    continue
             prompt = await count_prompt(candidate)
         except Unfit:
             if candidate is model:
@@ -167,6 +183,16 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
             continue  # too large for this model's burst: a fallback may still fit
     assert last is not None
     return last
+
+
+def never_fits(cs: list[Charge]) -> Decision | None:
+    """The refusal of a request that costs more than a bucket can ever hold (the store's own
+    verdict on it, ``retry_after`` infinite), or None."""
+    for c in cs:
+        if c.cost > c.limit.burst:
+            state = BucketState(c.scope, c.limit, c.limit.burst, 0.0, c.cost, math.inf)
+            return Decision(False, None, (), state)
+    return None
 
 
 async def classify(store: RateStore, policy: Policy, tenant: str, model: Model, priority: str,

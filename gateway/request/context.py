@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
 from gateway.quota.ledger import ContextTooLong, ImagesRefused
-from gateway.request.tokenize import ChatPrompt
+from gateway.request.tokenize import OFFLOAD_CHARS, ChatPrompt, message_text
 from gateway.spend.record import SpendRecord
 from gateway.state import GatewayState, PolicyView
 from gateway.tracing import RequestTrace
@@ -55,6 +55,7 @@ class RequestContext:
     no_spill: bool = False  # its spillover failed: it waits on its own model instead
     responses: Shape | None = None  # a Responses API request, served as this chat request
     inputs: tuple[int, ...] | None = None  # an embeddings request: each input's tokens
+    embed_inputs: tuple[str | tuple[int, ...], ...] | None = None  # its inputs, to count
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in
@@ -143,9 +144,64 @@ class RequestContext:
                 if e.engine.max_model_len]
         return min(lens) if lens else None
 
-    async def _count(self, m: Model) -> int:
+    def _text_chars(self, m: Model) -> tuple[int, int]:
+        """Characters of text the request surely has tokenized on ``m``, in all and in its
+        longest embeddings input: under a model's own template the messages other than the
+        assistant's (a template may drop an earlier turn's reasoning), else every message's
+        content and name; a prompt's text; embeddings inputs."""
         counter = self.view.counters[m.name]
         g = self.parsed
+        if self.embed_inputs is not None:
+            sizes = [len(x) for x in self.embed_inputs if isinstance(x, str)] or [0]
+            return sum(sizes), max(sizes)
+        if g.kind == "chat":
+            templated = counter.template is not None
+            n = sum(len(message_text(x)) + len(str(x.get("name") or ""))
+                    for x in g.messages if not (templated and x.get("role") == "assistant"))
+            return n, n
+        n = len(g.prompt_text or "")
+        return n, n
+
+    def floor_prompt(self, m: Model) -> int:
+        """A lower bound on the prompt's tokens on ``m``, known without tokenizing it (token
+        arrays exactly); a request whose bound already passes the model's context is refused
+        here, with OpenAI's ``context_length_exceeded`` (nothing is counted)."""
+        counter = self.view.counters[m.name]
+        g = self.parsed
+        if g.prompt_ids is not None and self.embed_inputs is None:
+            return len(g.prompt_ids)
+        total, longest = self._text_chars(m)
+        lo = counter.floor(total)
+        limit = self.max_context(m)
+        if limit is None:
+            return lo
+        if self.embed_inputs is not None:
+            one = counter.floor(longest)
+            if one >= limit:
+                raise bad(f"This model's maximum context length is {limit} tokens. However, "
+                          f"an input has at least {one} tokens.", "input",
+                          "context_length_exceeded")
+            return lo
+        asked = g.max_tokens
+        if lo >= limit or (asked is not None and lo + asked > limit):
+            raise ContextTooLong(limit, lo, asked, self.kind, at_least=True)
+        return lo
+
+    async def _count(self, m: Model) -> int:
+        total, _ = self._text_chars(m)
+        if total < OFFLOAD_CHARS:
+            return await self._tokenize(m, False)
+        async with self.state.counting.slot(self.tenant):  # one tenant cannot fill the pool
+            return await self._tokenize(m, True)
+
+    async def _tokenize(self, m: Model, offload: bool) -> int:
+        counter = self.view.counters[m.name]
+        g = self.parsed
+        if self.embed_inputs is not None:
+            if g.prompt_ids is None:  # counted once, with the first model's tokenizer
+                # what is reserved and routed on, and each input's tokens
+                g.prompt_ids, self.inputs = await counter.inputs(self.embed_inputs, offload)
+            return len(g.prompt_ids)
         if g.kind == "chat":
             prompt = self.chat_prompts.get(m.name)
             if prompt is None:
@@ -156,7 +212,7 @@ class RequestContext:
                 messages = b["messages"] if counter.template is not None else g.messages
                 prompt = await counter.chat_prompt(
                     messages, add_generation_prompt=gen, continue_final=g.continue_final,
-                    tools=tools, kwargs=kw if isinstance(kw, dict) else None)
+                    tools=tools, kwargs=kw if isinstance(kw, dict) else None, offload=offload)
                 self.chat_prompts[m.name] = prompt  # routing hashes the same ids
             return prompt.tokens
         if g.prompt_ids is not None:

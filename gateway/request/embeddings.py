@@ -60,11 +60,7 @@ def begin(state: GatewayState, tenant: str, headers: pipeline.Headers, raw: byte
     g = GenerationRequest("completion", e.model, max_tokens=0)
     ctx = pipeline.context(state, tenant, headers, raw, received, "completion", body, g,
                            operation="embeddings")
-    m = ctx.view.policy.models[e.model]
-    tok = ctx.view.counters[m.name].tokenizer
-    ids = [tok.encode(x) if isinstance(x, str) else list(x) for x in e.inputs]
-    g.prompt_ids = [t for x in ids for t in x]  # what is reserved and routed on
-    ctx.inputs = tuple(len(x) for x in ids)
+    ctx.embed_inputs = tuple(e.inputs)  # counted at admission (``RequestContext.count_prompt``)
     return ctx
 
 

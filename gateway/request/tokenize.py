@@ -19,8 +19,10 @@ Face ``tokenizer.json``, or a model directory) and its chat template:
 Either way ``chat_prompt`` answers a ``ChatPrompt``: the pieces (key and ids), how many of them
 do not depend on the generation prompt (``stable``: what the next turn of the conversation
 shares), and the prompt's tokens. The router hashes the prompt's KV blocks from the same ids
-(``gateway.routing.prefix``). Long uncached text is tokenized in a thread (the tokenizers
-release the GIL) so the event loop keeps serving. Caches are bounded by the tokens they hold.
+(``gateway.routing.prefix``). A request with more than ``OFFLOAD_CHARS`` characters of text is
+tokenized in the worker pool (the tokenizers release the GIL), so the event loop keeps serving:
+at the slowest rate measured (3.5 M characters/s, cl100k on random words) that many take about
+a millisecond. Caches are bounded by the tokens they hold.
 
 Cache keys are Python string hashes (with lengths), not digests of encoded bytes: a 100K-token
 conversation is ~400 KB of text per turn, and copying it to hash it cost more than everything
@@ -48,7 +50,7 @@ from protocol.chat_template import (
 )
 from protocol.tokenizer import Tokenizer
 
-_OFFLOAD_CHARS = 16_384
+OFFLOAD_CHARS = 4_096  # more text in a request than this is tokenized off the event loop
 MessageKey = tuple[int, int, int, int]
 
 
@@ -124,12 +126,22 @@ class TokenCounter:
                 if specials else None
 
     @property
+    def executor(self) -> ThreadPoolExecutor | None:
+        """The worker pool long work goes to (None: everything on the caller's thread)."""
+        return self._executor
+
+    @property
     def mode(self) -> str:
         return "openai" if self.template is None else (
             "model" if self.template.substitutable else "model-direct")
 
-    async def _encode(self, text: str) -> list[int]:
-        if len(text) < _OFFLOAD_CHARS or self._executor is None:
+    def floor(self, chars: int) -> int:
+        """A lower bound on the tokens of ``chars`` characters of text, known without
+        tokenizing it."""
+        return chars // self.tokenizer.max_token_chars
+
+    async def _encode(self, text: str, offload: bool = False) -> list[int]:
+        if self._executor is None or (not offload and len(text) < OFFLOAD_CHARS):
             return self.tokenizer.encode(text)
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self.tokenizer.encode, text)
@@ -143,8 +155,8 @@ class TokenCounter:
 
     # -- OpenAI's accounting ----------------------------------------------------------------
 
-    async def entry(self, m: Mapping[str, Any], key: MessageKey | None = None
-                    ) -> tuple[int, array[int]]:
+    async def entry(self, m: Mapping[str, Any], key: MessageKey | None = None,
+                    offload: bool = False) -> tuple[int, array[int]]:
         """(counted tokens, marker-template ids) of one message, OpenAI's accounting."""
         key = key or self.key(m)
         hit = self._cache.get(key)
@@ -153,8 +165,8 @@ class TokenCounter:
             return hit[1]  # type: ignore[no-any-return]
         self.misses += 1
         t = self.tokenizer
-        role = await self._encode(str(m["role"]))
-        content = await self._encode(message_text(m))
+        role = t.encode(str(m["role"]))
+        content = await self._encode(message_text(m), offload)
         ids = array("I", [t.start_id])
         ids.extend(role)
         ids.append(t.sep_id)
@@ -162,7 +174,7 @@ class TokenCounter:
         n = self.per_message + len(role) + len(content)
         name = m.get("name")
         if name:
-            enc = await self._encode(str(name))
+            enc = await self._encode(str(name), offload)
             n += self.per_name + len(enc)
             ids.extend([t.sep_id] * self.per_name)
             ids.extend(enc)
@@ -173,19 +185,19 @@ class TokenCounter:
 
     # -- the model's template -----------------------------------------------------------------
 
-    async def _piece(self, key: Any, text: str) -> array[int]:
+    async def _piece(self, key: Any, text: str, offload: bool) -> array[int]:
         hit = self._cache.get(key)
         if hit is not None:
             self.hits += 1
             return hit[1]  # type: ignore[no-any-return]
         self.misses += 1
-        ids = array("I", await self._encode(text))
+        ids = array("I", await self._encode(text, offload))
         self._cache.put(key, ids, len(ids) + 1)
         return ids
 
     async def _templated(self, messages: Sequence[Mapping[str, Any]], gen: bool,
                          cont: bool, tools: Sequence[Any] | None,
-                         kwargs: Mapping[str, Any] | None) -> ChatPrompt:
+                         kwargs: Mapping[str, Any] | None, offload: bool) -> ChatPrompt:
         tpl = self.template
         assert tpl is not None
         msgs = developer_roles([{**m, "content": message_text(m)} for m in messages],
@@ -219,11 +231,11 @@ class TokenCounter:
                 key = hash((part, *refs))
                 keys.append(key)
                 ids.append(await self._piece(key, substitute(part, contents) if refs
-                                             else part))
+                                             else part, offload))
             else:
                 key = hash(part) ^ len(part)
                 keys.append(key)
-                ids.append(await self._piece(("text", key), part))
+                ids.append(await self._piece(("text", key), part, offload))
             if pos <= shared:
                 stable = len(keys)
         return ChatPrompt(keys, ids, stable, sum(len(x) for x in ids))
@@ -233,16 +245,18 @@ class TokenCounter:
     async def chat_prompt(self, messages: Sequence[Mapping[str, Any]], *,
                           add_generation_prompt: bool = True, continue_final: bool = False,
                           tools: Sequence[Any] | None = None,
-                          kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+                          kwargs: Mapping[str, Any] | None = None,
+                          offload: bool = False) -> ChatPrompt:
+        """``offload``: tokenize every piece in the worker pool (a request with much text)."""
         if self.template is not None:
             return await self._templated(messages, add_generation_prompt, continue_final,
-                                         tools, kwargs)
+                                         tools, kwargs, offload)
         keys: list[int] = []
         ids: list[array[int]] = []
         total = self.priming
         for m in messages:
             k = self.key(m)
-            n, piece = await self.entry(m, k)
+            n, piece = await self.entry(m, k, offload)
             total += n
             keys.append(hash(k))
             ids.append(piece)
@@ -264,7 +278,20 @@ class TokenCounter:
     async def text_ids(self, prompt: str) -> list[int]:
         """A completion prompt's ids, as the engine encodes it."""
         t = self.tokenizer
-        if len(prompt) < _OFFLOAD_CHARS or self._executor is None:
+        if len(prompt) < OFFLOAD_CHARS or self._executor is None:
             return t.encode_prompt(prompt)
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, t.encode_prompt, prompt)
+
+    async def inputs(self, texts: Sequence[str | Sequence[int]], offload: bool
+                     ) -> tuple[list[int], tuple[int, ...]]:
+        """Embeddings inputs' ids, all in one list, and each input's count (token arrays as
+        they are), in one trip to the worker pool when ``offload``."""
+        def encode() -> tuple[list[int], tuple[int, ...]]:
+            enc = self.tokenizer.encode
+            each = [enc(x) if isinstance(x, str) else list(x) for x in texts]
+            return [t for x in each for t in x], tuple(len(x) for x in each)
+
+        if not offload or self._executor is None:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, encode)

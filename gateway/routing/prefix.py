@@ -26,6 +26,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,6 +57,39 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int,
     return [BlockHash(h) for h in hashes]
 
 
+@dataclass(slots=True)
+class HashJob:
+    """What is left to hash of a chat prompt (``PromptHasher.resume``)."""
+
+    pieces: Sequence[array[int]]
+    stable: int  # how many of ``pieces`` are stable (their state is remembered)
+    hashes: array[int]
+    tail: array[int]
+    block_size: int
+    root: int
+    salt: bytes
+    remember: int | None  # the key the stable state is cached under, if it is new
+    before: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.before = len(self.hashes)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.pieces)
+
+    def run(self) -> tuple[array[int], array[int]] | None:
+        """Hash the pieces; answers the state after the stable ones (to cache), if new."""
+        stable = None
+        for i, ids in enumerate(self.pieces):
+            if i == self.stable and self.remember is not None:
+                stable = (array("Q", self.hashes), array("I", self.tail))
+            extend_hashes(self.hashes, self.tail, ids, self.block_size, self.root, self.salt)
+        if self.stable == len(self.pieces) and self.remember is not None:
+            stable = (array("Q", self.hashes), array("I", self.tail))
+        return stable
+
+
 class PromptHasher:
     """Block hashes of prompts for one pool (one block size and hash root)."""
 
@@ -73,6 +107,13 @@ class PromptHasher:
         """(block hashes, prompt tokens) of a rendered chat prompt. The hash state after the
         prompt's stable pieces is cached under a key chained from the pieces' keys, so the next
         turn of the conversation hashes only what it added."""
+        job = self.resume(prompt, salt)
+        return self.finish(job, job.run()), prompt.tokens
+
+    def resume(self, prompt: ChatPrompt, salt: str | None = None) -> HashJob:
+        """The hashing ``prompt`` still needs, from the longest cached state of its stable
+        pieces (``HashJob.run`` is pure: it may run in a worker thread; ``finish`` then
+        caches its state, on the caller's thread)."""
         chain = [hash((self.root, salt))]
         for k in prompt.keys[:prompt.stable]:
             chain.append(hash((chain[-1], k)))
@@ -86,16 +127,16 @@ class PromptHasher:
                 hashes, tail = array("Q", st[0]), array("I", st[1])
                 start = k
                 break
-        salt_b = (salt or "").encode()
-        before = len(hashes)
-        for ids in prompt.ids[start:prompt.stable]:
-            extend_hashes(hashes, tail, ids, self.block_size, self.root, salt_b)
-        if start < prompt.stable:
-            self._remember(chain[prompt.stable], hashes, tail)
-        for ids in prompt.ids[prompt.stable:]:
-            extend_hashes(hashes, tail, ids, self.block_size, self.root, salt_b)
-        self.blocks_hashed += len(hashes) - before
-        return hashes, prompt.tokens
+        return HashJob(prompt.ids[start:], prompt.stable - start, hashes, tail,
+                       self.block_size, self.root, (salt or "").encode(),
+                       chain[prompt.stable] if start < prompt.stable else None)
+
+    def finish(self, job: HashJob, stable: tuple[array[int], array[int]] | None
+               ) -> array[int]:
+        if job.remember is not None and stable is not None:
+            self._remember(job.remember, *stable)
+        self.blocks_hashed += len(job.hashes) - job.before
+        return job.hashes
 
     def tokens(self, ids: Sequence[int], salt: str | None = None) -> list[int]:
         hashes = block_hashes(ids, self.block_size, self.root, salt)
@@ -180,6 +221,10 @@ class ApproxIndex:
         pays for its new blocks, not for its whole history, on every turn."""
         if not hashes:
             return
+        # no more than the endpoint holds: a prefix match starts at the first block, so the
+        # blocks of a prompt longer than the cache could only push out its own beginning
+        hashes = hashes[:self._cap.get(endpoint, self.default_capacity)]
+        matched = min(matched, len(hashes))
         seen = self._seen.setdefault(endpoint, {})
         self._tick += 1
         start = 0

@@ -1,0 +1,190 @@
+"""Can one tenant's huge request stall the gateway for everyone? One ``tokengate serve`` in
+front of an echo upstream. A light tenant sends small chats one after another and ``/health``
+is probed, first with nothing else going on (``quiet``), then (``heavy``) while a heavy tenant
+keeps ``--heavy`` huge requests in flight (3 MB embeddings inputs, chats of 180 messages of
+16,000 characters: each counted, then served) and a tenant whose quota is 3,000 tokens a minute
+sends a 3 MB embeddings input once a second (refused: how long that takes is reported).
+
+    python -m benchmarks.stall [--seconds 10] [--heavy 10] [--out DIR]
+
+Reports p50/p99/max of ``/health`` and of the light tenant's requests in both phases, the tiny
+tenant's refusal times and statuses, and the heavy tenant's statuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+import yaml
+
+from benchmarks.common import write
+from benchmarks.proxy import stop_all
+from loadtests.client import wait_for
+from protocol.loopback import free_port
+
+KEYS = {"light": "stall-light", "heavy": "stall-heavy", "tiny": "stall-tiny"}
+
+
+def policy(upstream: str) -> dict[str, Any]:
+    def tenant(name: str, tpm: float) -> dict[str, Any]:
+        return {"keys": [{"sha256": hashlib.sha256(KEYS[name].encode()).hexdigest()}],
+                "limits": {"tpm": tpm, "rpm": 1e6}}
+
+    return {"version": 1, "settings": {"spend": {"log": False}},
+            "models": {"m": {"endpoints": [{"url": upstream}], "max_context": 4_000_000}},
+            "tenants": {"light": tenant("light", 1e9), "heavy": tenant("heavy", 1e12),
+                        "tiny": tenant("tiny", 3_000)},
+            "routes": {"r": {"tenants": list(KEYS), "models": ["m"]}}}
+
+
+def text(n: int, rng: random.Random) -> str:
+    """``n`` characters of words and digits (what a pasted document looks like to BPE)."""
+    words = ["".join(rng.choices(string.ascii_lowercase + string.digits, k=rng.randint(2, 11)))
+             for _ in range(2000)]
+    out, size = [], 0
+    while size < n:
+        w = rng.choice(words)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n]
+
+
+def bodies(rng: random.Random) -> list[tuple[str, bytes]]:
+    big = text(3_000_000, rng)
+    chat = {"model": "m", "max_tokens": 4,
+            "messages": [{"role": "user", "content": big[i * 16_000:(i + 1) * 16_000]}
+                         for i in range(180)]}
+    return [("/v1/embeddings", orjson.dumps({"model": "m", "input": big})),
+            ("/v1/embeddings", orjson.dumps({"model": "m", "input": [
+                big[i * 15_000:(i + 1) * 15_000] for i in range(200)]})),
+            ("/v1/chat/completions", orjson.dumps(chat))]
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs or [0.0]) * 1e3
+    return {"n": len(xs), "p50_ms": float(np.percentile(a, 50)),
+            "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max())}
+
+
+async def phase(base: str, seconds: float, heavy: int, big: list[tuple[str, bytes]] | None
+                ) -> dict[str, Any]:
+    stop = asyncio.Event()
+    health: list[float] = []
+    light: list[float] = []
+    light_status: dict[str, int] = {}
+    tiny: list[float] = []
+    tiny_status: dict[str, int] = {}
+    heavy_status: dict[str, int] = {}
+    small = orjson.dumps({"model": "m", "max_tokens": 4,
+                          "messages": [{"role": "user", "content": "Say hello."}]})
+
+    def auth(who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {KEYS[who]}", "Content-Type": "application/json"}
+
+    async def timed(s: aiohttp.ClientSession, path: str, data: bytes | None, who: str | None
+                    ) -> tuple[float, int]:
+        t = time.perf_counter()
+        if data is None:
+            async with s.get(base + path) as r:
+                await r.read()
+        else:
+            async with s.post(base + path, data=data, headers=auth(who or "light")) as r:
+                await r.read()
+        return time.perf_counter() - t, r.status
+
+    async def probes(s: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            dt, _ = await timed(s, "/health", None, None)
+            health.append(dt)
+            await asyncio.sleep(0.02)
+
+    async def lights(s: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            dt, st = await timed(s, "/v1/chat/completions", small, "light")
+            light.append(dt)
+            light_status[str(st)] = light_status.get(str(st), 0) + 1
+            await asyncio.sleep(0.02)
+
+    async def heavies(s: aiohttp.ClientSession, i: int) -> None:
+        assert big is not None
+        while not stop.is_set():
+            path, data = big[i % len(big)]
+            _, st = await timed(s, path, data, "heavy")
+            heavy_status[str(st)] = heavy_status.get(str(st), 0) + 1
+
+    async def tinies(s: aiohttp.ClientSession) -> None:
+        assert big is not None
+        while not stop.is_set():
+            dt, st = await timed(s, big[0][0], big[0][1], "tiny")
+            tiny.append(dt)
+            tiny_status[str(st)] = tiny_status.get(str(st), 0) + 1
+            await asyncio.sleep(1.0)
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as s, \
+            aiohttp.ClientSession(timeout=timeout) as hs:
+        tasks = [asyncio.ensure_future(probes(s)), asyncio.ensure_future(lights(s))]
+        if big is not None:
+            tasks += [asyncio.ensure_future(heavies(hs, i)) for i in range(heavy)]
+            tasks.append(asyncio.ensure_future(tinies(s)))
+        await asyncio.sleep(seconds)
+        stop.set()
+        await asyncio.gather(*tasks)
+    out: dict[str, Any] = {"health": stats(health), "light": stats(light),
+                           "light_status": light_status}
+    if big is not None:
+        out |= {"tiny_refusal": stats(tiny), "tiny_status": tiny_status,
+                "heavy_status": heavy_status}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--heavy", type=int, default=10, help="huge requests kept in flight")
+    ap.add_argument("--out", default="benchmarks/results/stall")
+    ns = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tokengate-stall-"))
+    up, gw = free_port(), free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
+                               str(up)])]
+    (work / "policy.yaml").write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1")))
+    gateway = subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
+                                str(work / "policy.yaml"), "--port", str(gw), "--log-level",
+                                "error"])
+    procs.append(gateway)
+    base = f"http://127.0.0.1:{gw}"
+    big = bodies(random.Random(0))
+
+    async def run() -> dict[str, Any]:
+        await wait_for(base + "/health", timeout_s=60)
+        quiet = await phase(base, ns.seconds, 0, None)
+        print(json.dumps({"quiet": quiet}), flush=True)
+        heavy = await phase(base, ns.seconds, ns.heavy, big)
+        print(json.dumps({"heavy": heavy}), flush=True)
+        return {"seconds": ns.seconds, "heavy_in_flight": ns.heavy,
+                "heavy_bodies_bytes": [len(b) for _, b in big], "quiet": quiet, "heavy": heavy}
+
+    try:
+        out = asyncio.run(run())
+        write(ns.out, out)
+    finally:
+        stop_all(procs)
+
+
+if __name__ == "__main__":
+    main()
