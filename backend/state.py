@@ -70,6 +70,9 @@ class BackendState:
             if max_len[slot.name] < want:
                 log.warning("max_model_len of %s capped at %d: the KV cache holds only that "
                             "many tokens", slot.name, max_len[slot.name])
+        if config.pooling is None:  # one model: its slot is named by its profile, clients
+            # (and /v1/models) name it by --served-model-name
+            max_len.setdefault(config.name, max_len[engine.mux.slots[0].name])
         # startup loads the first model; the others are switched in (``backend.pooling``)
         load_s = model.weight_bytes / model.tensor_parallel / config.load_bandwidth_bps
         state = cls(config=config, model=model, hardware=hardware, tokenizer=tok, engine=engine,

@@ -166,8 +166,9 @@ def test_two_gateways_over_http_share_fair_shares_charge_once_and_outlive_redis(
         # One tenant's flows, and a bad limit in OpenAI's shape
         light = httpx.get(f"{two.url}/admin/flow", headers=ADMIN, params={"flow": "light"})
         assert [f["flow"] for f in light.json()["models"]["m"]["flows"]] == ["light"]
-        bad = httpx.get(f"{two.url}/admin/flow", headers=ADMIN, params={"limit": "0"})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+        for limit in ("0", "²", "1e3", "١٢"):  # "²" and Arabic digits pass str.isdigit
+            bad = httpx.get(f"{two.url}/admin/flow", headers=ADMIN, params={"limit": limit})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
         # Redis goes: the light tenant is still served through replica two, which goes on
         # with its own counters (fail_open quotas, per-replica fairness) and says so.
         redis.stop()

@@ -42,7 +42,8 @@ from predictor.sync import ModelSync
 from protocol.bodies import json_object
 from protocol.errors import APIError, errors
 
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_DIGITS = re.compile(r"[0-9]{1,6}\Z")
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
 
 WATCHER: web.AppKey[PolicyWatcher] = web.AppKey("tokengate_policy_watcher", PolicyWatcher)
 
@@ -238,7 +239,8 @@ async def admin_flow(request: web.Request) -> web.Response:
     whether the counters are shared with the other replicas (``gateway.flow.view``)."""
     state = _admin(request)
     raw = request.query.get("limit", str(flow_view.LIMIT))
-    if not (raw.isdigit() and 1 <= int(raw) <= 10_000):
+    # ASCII digits only: str.isdigit also takes "²" and other digits int() refuses
+    if not (_DIGITS.match(raw) and 1 <= int(raw) <= 10_000):
         raise APIError(400, "limit must be an integer from 1 to 10000", param="limit",
                        code="invalid_value")
     return web.json_response(flow_view.snapshot(state.flow, state.flow_share, int(raw),

@@ -108,7 +108,7 @@ def judge_failure(status: int, asked: str | None, body: bytes, ep: EndpointState
         # The upstream's message is read, never passed on (an upstream may echo a key or a
         # prompt back): the client gets the parameter it named and OpenAI's code. A numeric
         # "code" (vLLM repeats the status there) is no OpenAI code.
-        if code is not None and code.isdigit():
+        if code is not None and code.isascii() and code.isdigit():
             code = None
         if code is None and "context length" in message.lower():
             code = "context_length_exceeded"
