@@ -137,6 +137,15 @@ def _messages(raw: Any, images: Images) -> list[dict[str, Any]]:
             if not isinstance(calls, list):
                 raise bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls")
             content += "".join(orjson.dumps(c).decode() for c in calls)
+        for key in ("reasoning", "reasoning_content"):  # an earlier turn's reasoning, sent on
+            text = m.get(key)
+            if text is not None:
+                if not isinstance(text, str):
+                    raise bad(f"{p}.{key} must be a string", f"{p}.{key}")
+                content += text
+        legacy = m.get("function_call")
+        if legacy is not None:
+            content += orjson.dumps(legacy).decode()
         msg: dict[str, Any] = {"role": role, "content": content}
         name = m.get("name")
         if name is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from conftest import RunningBackend
 from gateway_stack import start_gateway, write_policy
@@ -115,3 +116,19 @@ def test_idle_sessions_are_forgotten() -> None:
     # every SWEEP_EVERY checks, sessions idle past the windows go: the last 600 s stay
     assert len(s.sessions) <= 600 + 1024
     assert "t/s2999" in s.sessions and "t/s0" not in s.sessions
+
+
+def test_the_same_request_spaced_or_reordered_is_still_a_repeat() -> None:
+    """The repeat detector compares requests as canonical JSON: trailing spaces, other key
+    orders or spacing (each a different byte string) do not make a looping agent new."""
+    cfg = SentryConfig(repeat_limit=2, repeat_window_s=600.0)
+    s = Sentry(GatewayMetrics())
+    same = [orjson.loads(b'{"model": "m", "messages": [{"role": "user", "content": "go"}]}  '),
+            orjson.loads(b'{"messages":[{"content":"go","role":"user"}],"model":"m"}')]
+    assert s.check(cfg, "t", "t/a", same[0], 1.0) is None
+    assert s.check(cfg, "t", "t/a", same[1], 2.0) is None
+    err = s.check(cfg, "t", "t/a", {"model": "m", "messages": [
+        {"role": "user", "content": "go"}]}, 3.0)
+    assert err is not None and err.code == "repeated_prompt"
+    assert s.check(cfg, "t", "t/a", {"model": "m", "messages": [
+        {"role": "user", "content": "go on"}]}, 4.0) is None

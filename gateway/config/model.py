@@ -102,6 +102,8 @@ class Model:
     spillover: str | None = None
     images: Images | None = None  # it takes image parts (None: they are refused)
     discovery: Discovery | None = None  # endpoints found at run time (gateway.discovery)
+    # work-multiplying request fields it accepts (``gateway.request.fields``)
+    allow_fields: tuple[str, ...] = ()
 
     @property
     def upstream_name(self) -> str:
@@ -144,6 +146,13 @@ def parse_model(d: Decoder, name: str, raw: Any, path: str) -> Model:
                                  "tokens_per_name", "reply_priming_tokens"), d.integer))
     if "fallback" in m:
         kw["fallback"] = d.strings(m["fallback"], f"{path}.fallback")
+    if "allow_fields" in m:
+        allowed = d.strings(m["allow_fields"], f"{path}.allow_fields")
+        odd = [f for f in allowed if f not in schema.WORK_FIELDS]
+        if odd:
+            raise d.fail(f"{path}.allow_fields", f"not a work-multiplying field: {odd[0]!r} "
+                         f"(expected some of {', '.join(schema.WORK_FIELDS)})")
+        kw["allow_fields"] = allowed
     if "images" in m:
         im = d.mapping(m["images"], f"{path}.images", schema.keys("images"))
         ikw: dict[str, Any] = d.fields(im, f"{path}.images",

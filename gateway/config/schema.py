@@ -14,6 +14,11 @@ from gateway.config.schema_keys import Key as Key
 from gateway.config.schema_keys import Section, spec
 from gateway.config.schema_settings import SETTINGS_SECTIONS
 
+# request fields that make an engine do more than the gateway counts (``models.*.allow_fields``;
+# why each does: ``gateway.request.fields``)
+WORK_FIELDS = ("best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
+               "chat_template", "documents", "mm_processor_kwargs")
+
 _LIMITS = Section(
     "…limits (on a tenant, a tenant's model, a model, a route)",
     "Token buckets on one scope. A request is reserved against every scope it touches "
@@ -68,6 +73,12 @@ SECTIONS: dict[str, Section] = {
          "fallback": spec("list of model names", [], "Cheaper models to serve from, in order, "
                         "when this one's quota or endpoints are exhausted (the answer says "
                         "so in `x-tokengate-failover`)."),
+         "allow_fields": spec("list of field names", [], "Request fields that multiply the "
+                            "engine's work beyond what the gateway counts, accepted for this "
+                            "model: any of " + ", ".join(f"`{f}`" for f in WORK_FIELDS)
+                            + ". Otherwise a request with one is a 400 naming it. `best_of` "
+                            "and `use_beam_search` reserve their width in output tokens; "
+                            "the others are settled with the engine's usage."),
          "images": spec("images", NONE, "The model takes images (below)."),
          "spillover": spec("model name", NONE, "Pay-as-you-go capacity: when this model's "
                          "pool is saturated, a request beyond its tenant's reservation (tier "

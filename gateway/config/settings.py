@@ -38,6 +38,8 @@ class Settings:
     progressive_charge_ms: int = 1000
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 4096
+    # a request field no API forwards: refused with a 400 naming it, or dropped
+    unknown_fields: Literal["reject", "drop"] = "reject"
     # How many endpoints the EPP names per request (GIE's fallback list): the pick, then the
     # next best the proxy walks on retry; 1 names the pick alone.
     epp_endpoints: int = 3
@@ -68,6 +70,10 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
         if m["redis_failure"] not in ("fail_open", "fail_closed"):
             raise d.fail("settings.redis_failure", "expected fail_open or fail_closed")
         kw["redis_failure"] = m["redis_failure"]
+    if "unknown_fields" in m:
+        if m["unknown_fields"] not in ("reject", "drop"):
+            raise d.fail("settings.unknown_fields", "expected reject or drop")
+        kw["unknown_fields"] = m["unknown_fields"]
     kw.update(d.fields(m, "settings", ("replicas", "progressive_charge_tokens",
                                        "progressive_charge_ms", "max_body_bytes", "max_messages",
                                        "epp_endpoints"), d.integer))

