@@ -238,3 +238,46 @@ async def _ledger(tenant: str) -> float:
         return float(v)
     finally:
         await conn.close()
+
+
+def test_the_database_url_comes_from_the_environment_and_its_password_is_never_shown(
+        backend_factory: Callable[..., RunningBackend], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``postgres_url_env``: records reach the database the variable names; a password in a
+    ``postgres_url`` is shown as ``***`` by ``/admin/policy``."""
+    b = backend_factory()
+    monkeypatch.setenv("TG_TEST_SPEND_PG", f"postgresql://{PG_HOST}:{PG_PORT}/test")
+
+    def policy(spend: dict[str, str]) -> Path:
+        return write_policy(tmp_path / f"p{len(spend)}.yaml", {
+            "version": 1,
+            "settings": {"admin_key_sha256": sha("admin"),
+                         "spend": {"spool_dir": str(tmp_path / "spool"), "log": False,
+                                   **spend}},
+            "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}],
+                             "upstream_model": "llama-3-8b", "default_max_tokens": 4}},
+            "tenants": {"t": {"keys": [{"sha256": sha("key-t")}]}},
+            "routes": {"r": {"tenants": ["t"], "models": ["m"]}}})
+
+    gw = start_gateway(policy({"postgres_url_env": "TG_TEST_SPEND_PG"}))
+    try:
+        r = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer key-t"},
+                       json={"model": "m", "prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        deadline = time.monotonic() + 10
+        while asyncio.run(rows([rid])) != {rid: 1} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert asyncio.run(rows([rid])) == {rid: 1}
+    finally:
+        gw.close()
+    secret = f"postgresql://tokengate:s3cr%40t-pw@{PG_HOST}:{PG_PORT}/test"
+    gw = start_gateway(policy({"postgres_url": secret}))
+    try:
+        shown = httpx.get(f"{gw.url}/admin/policy", timeout=10,
+                          headers={"Authorization": "Bearer admin"})
+        assert shown.status_code == 200 and "s3cr" not in shown.text
+        assert shown.json()["settings"]["spend"]["postgres_url"] == \
+            f"postgresql://tokengate:***@{PG_HOST}:{PG_PORT}/test"
+    finally:
+        gw.close()

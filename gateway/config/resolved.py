@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gateway.config.policy import Policy
+from gateway.config.spend import redact_url
 
 SET = "<set>"  # in place of a secret that is configured
 
@@ -15,6 +16,8 @@ SET = "<set>"  # in place of a secret that is configured
 def resolved(policy: Policy) -> dict[str, Any]:
     settings = asdict(policy.settings)
     settings["admin_key_sha256"] = SET if settings["admin_key_sha256"] else None
+    spend = settings["spend"]
+    spend["postgres_url"] = redact_url(spend["postgres_url"])
     models = {}
     for name, m in policy.models.items():
         d = asdict(m)

@@ -93,7 +93,12 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                    "`tokengate.spend`."),
          "postgres_url": spec("postgresql:// URL", NONE, "Also insert each record into the "
                             "table `tokengate_spend` there (created and migrated at start; "
-                            "batched, off the request path; one row per request id)."),
+                            "batched, off the request path; one row per request id). Its "
+                            "password is shown as `***` wherever the policy is shown; "
+                            "better, keep it out of the file: `postgres_url_env`."),
+         "postgres_url_env": spec("string", NONE, "An environment variable holding the "
+                                "`postgresql://` URL (instead of `postgres_url`; e.g. from a "
+                                "Kubernetes Secret)."),
          "spool_dir": spec("path", NONE, "Where records not written to PostgreSQL by "
                            "shutdown are spooled, to be written at the next start (default "
                            "`$TOKENGATE_SPOOL_DIR`, else `~/.local/state/tokengate/"

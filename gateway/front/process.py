@@ -139,6 +139,10 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
     await web.SockSite(runner, sock, backlog=2048).start()
     log.info("gateway listening on http://%s:%d (policy %s, store %s)", cfg.host, cfg.port,
              cfg.policy, type(state.store).__name__)
+    if state.view.policy.settings.public_metrics or state.view.admin_digest is None:
+        log.warning("/metrics is public (%s): anyone who reaches this port reads every "
+                    "tenant's usage", "settings.public_metrics" if
+                    state.view.policy.settings.public_metrics else "no admin key is configured")
     stop = announce(stop, watcher, handle_signals, ready)
     try:
         await stop.wait()

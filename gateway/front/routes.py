@@ -7,6 +7,7 @@ import contextlib
 import functools
 import hashlib
 import hmac
+import logging
 import os
 import re
 import time
@@ -42,6 +43,7 @@ from predictor.sync import ModelSync
 from protocol.bodies import json_object
 from protocol.errors import APIError, errors
 
+log = logging.getLogger("tokengate.gateway")
 _DIGITS = re.compile(r"[0-9]{1,6}\Z")
 _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
 
@@ -315,7 +317,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.spend.redis = coordination_client(state.redis_url)
         tasks.append(asyncio.ensure_future(state.spend.run()))
     sink = rebuild = None
-    pg = state.view.policy.settings.spend.postgres_url
+    spend_cfg = state.view.policy.settings.spend
+    pg = spend_cfg.database
+    if spend_cfg.postgres_url_env and not pg:
+        log.error("settings.spend.postgres_url_env names %s, which is not set: spend records "
+                  "are not written to PostgreSQL", spend_cfg.postgres_url_env)
     if pg:
         spool = state.view.policy.settings.spend.spool_dir
         sink = PostgresSink(pg, spool_dir=Path(spool) if spool else None)
