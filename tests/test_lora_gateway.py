@@ -83,3 +83,61 @@ def test_adapters_load_on_demand_with_affinity_and_lru(backend_factory: Factory,
         ask("sql")
     finally:
         gw.close()
+
+
+def test_a_failing_adapter_is_loaded_once_and_answered_from_memory(
+        backend_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """21 requests for an adapter whose load fails, 5 of them at once: one load call (the
+    concurrent ones share it), the rest answered the same 502 from the remembered failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv(RUNTIME_ENV, "True")
+    b = backend_factory(lora=LoraConfig(2, 16), max_loras=2)
+    gw = start_gateway(write_policy(tmp_path / "policy.yaml", policy(
+        [f"{b.url}/v1"], {"broken": str(tmp_path / "missing")})))
+    try:
+        def ask(_: int) -> int:
+            r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30,
+                           headers={"Authorization": "Bearer key-a"},
+                           json={"model": "broken", "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+            assert r.json()["error"]["code"] == "adapter_load_failed"
+            return r.status_code
+
+        with ThreadPoolExecutor(5) as pool:
+            assert list(pool.map(ask, range(5))) == [502] * 5
+        assert [ask(i) for i in range(16)] == [502] * 16
+        assert gw.state.fleet.adapters.failures == 1
+    finally:
+        gw.close()
+
+
+def test_an_adapter_in_use_is_never_unloaded(backend_factory: Factory, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_loaded 1 on one endpoint: while a stream of ``sql`` runs, ``poetry`` is loaded
+    beside it (sql is held); once the stream has ended, the next load unloads the least
+    recently used one nobody holds."""
+    monkeypatch.setenv(RUNTIME_ENV, "True")
+    b = backend_factory(lora=LoraConfig(3, 16), max_loras=3, time_scale=1.0)
+    paths = {"sql": adapter(tmp_path, "sql"), "poetry": adapter(tmp_path, "poetry"),
+             "haiku": adapter(tmp_path, "haiku")}
+    gw = start_gateway(write_policy(tmp_path / "policy.yaml", policy([f"{b.url}/v1"], paths)))
+    try:
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0)
+        stream = c.chat.completions.create(model="sql", max_tokens=60, stream=True,
+                                           messages=[{"role": "user", "content": "hi"}])
+        next(iter(stream))  # sql is loaded and its stream is running
+        loader = gw.state.fleet.adapters
+        assert loader.hold_count(f"{b.url}/v1", "sql") == 1
+        c.chat.completions.create(model="poetry", max_tokens=1,
+                                  messages=[{"role": "user", "content": "hi"}])
+        assert held(b) == {"sql", "poetry"}  # one over max_loaded: sql was in use
+        for _ in stream:
+            pass
+        stream.close()
+        assert loader.hold_count(f"{b.url}/v1", "sql") == 0
+        c.chat.completions.create(model="haiku", max_tokens=1,
+                                  messages=[{"role": "user", "content": "hi"}])
+        assert held(b) == {"haiku"}  # nobody holds the other two any more
+    finally:
+        gw.close()

@@ -4,6 +4,7 @@ step and hands it to the attempt, migration and settlement code."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,7 @@ class RequestContext:
     responses: Shape | None = None  # a Responses API request, served as this chat request
     inputs: tuple[int, ...] | None = None  # an embeddings request: each input's tokens
     embed_inputs: tuple[str | tuple[int, ...], ...] | None = None  # its inputs, to count
+    on_end: list[Callable[[], None]] = field(default_factory=list)  # run once it has ended
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in

@@ -192,7 +192,7 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         state.metrics.series("routing_decisions", m.name, router.strategy, ep.url,
                              "decode" if decision.prefill else "sole").inc()
         started_at = time.perf_counter()
-        await load_adapter(state, m, pool, ep)
+        await load_adapter(state, ctx, m, pool, ep)
         kv = await prefill(state, ctx, m, router, decision)
         a = Attempt(state, ctx, pool, ep, info.prompt_tokens + reserved,
                     0 if kv is not None else decision.endpoint.uncached_tokens,
@@ -210,20 +210,25 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
                                 code="upstream_unavailable"), m.name)
 
 
-async def load_adapter(state: GatewayState, m: Model, pool: EndpointPool,
-                       ep: EndpointState) -> None:
-    """A LoRA adapter is loaded on ``ep`` before the request goes there; a load the engine
+async def load_adapter(state: GatewayState, ctx: RequestContext, m: Model,
+                       pool: EndpointPool, ep: EndpointState) -> None:
+    """A LoRA adapter is loaded on ``ep`` before the request goes there (waiting at most the
+    route's first-token timeout), and held there until the request ends; a load the engine
     refuses fails the request (502 naming the adapter), not the endpoint."""
     if m.lora is None:
         return
     limits = [x.lora.max_loaded for x in state.view.policy.models.values()
               if x.lora is not None and x.lora.max_loaded is not None
               and any(e.url == ep.url for e in x.endpoints)]
+    loader = state.fleet.adapters
     try:
-        await state.fleet.adapters.ensure(m, ep, pool.auth_headers(ep),
-                                          min(limits) if limits else None)
+        held = await loader.ensure(m, ep, pool.auth_headers(ep),
+                                   min(limits) if limits else None,
+                                   ctx.route.timeouts.first_token_s)
     except APIError as exc:
         raise Failure(exc, "adapter", False, endpoint_fault=False) from None
+    if held:
+        ctx.on_end.append(lambda: loader.release(ep.url, m.upstream_name))
 
 
 async def traced_route(state: GatewayState, ctx: RequestContext, m: Model, prompt_tokens: int,

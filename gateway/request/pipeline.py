@@ -209,6 +209,8 @@ async def run(request: web.Request, start: Begin, serve: Serve) -> web.StreamRes
         raise
     finally:
         end_trace(ctx, None)
+        for done in ctx.on_end:  # what the request held (a LoRA adapter on its endpoint)
+            done()
 
 
 async def _serve(request: web.Request, state: GatewayState, ctx: RequestContext
