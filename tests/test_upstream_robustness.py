@@ -283,3 +283,39 @@ def test_a_non_utf8_request_id_is_replaced_not_a_500(
         assert sent is not None and sent.isascii() and len(sent) == 32
     r = chat(gw, stream=False)
     assert r.status_code == 200
+
+
+def test_a_hung_engine_costs_a_request_seconds_not_minutes(
+        upstreams: Callable[..., RawUpstream],
+        gateways: Callable[..., RunningGateway]) -> None:
+    """One engine accepts every connection and never answers (its /metrics neither). Its
+    scrapes fail and take it out within seconds; requests already waiting on it end then
+    and are retried on the good engine: each is answered in seconds (the first-token
+    timeout, 120 s by default, was the only bound)."""
+    from raw_upstream import WAIT
+
+    hung = upstreams(lambda req: [WAIT])
+    ok = upstreams(good)
+    gw = gateways([f"{hung.url}/v1", f"{ok.url}/v1"])
+    c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=60)
+    took = []
+    for i in range(4):  # round robin: some land on the hung engine first
+        t0 = time.monotonic()
+        r = c.chat.completions.create(model="m", max_tokens=2,
+                                      messages=[{"role": "user", "content": f"hi {i}"}])
+        took.append(time.monotonic() - t0)
+        assert r.choices[0].message.content == "t0t1"
+    assert max(took) < 30, took  # within the scrapes' trip, far from 120 s
+    assert any(q.head.startswith(b"POST") for q in hung.requests)
+    hung.release()
+
+
+def test_the_first_token_wait_follows_the_predicted_ttft() -> None:
+    from gateway.config.resilience import Timeouts, first_token_wait
+
+    t = Timeouts()
+    assert first_token_wait(t, None) == 120.0  # nothing predicted: the cap
+    assert first_token_wait(t, 0.05) == 10.0  # a short request: the floor
+    assert first_token_wait(t, 3.0) == 30.0  # ten times the prediction
+    assert first_token_wait(t, 20.0) == 120.0  # never past first_token_s
+    assert first_token_wait(Timeouts(first_token_s=5.0), 3.0) == 5.0

@@ -32,6 +32,22 @@ class Timeouts:
     first_token_s: float = 120.0
     between_tokens_s: float = 60.0
     total_s: float = 600.0
+    # an attempt waits for its first token at most this many times the TTFT routing predicted
+    # for it (never less than FIRST_TOKEN_FLOOR_S, never more than first_token_s)
+    first_token_factor: float = 10.0
+
+
+FIRST_TOKEN_FLOOR_S = 10.0
+
+
+def first_token_wait(t: Timeouts, predicted_ttft_s: float | None) -> float:
+    """How long an attempt waits for its first token: ``first_token_factor`` times its
+    predicted TTFT, within ``FIRST_TOKEN_FLOOR_S`` .. ``first_token_s`` (the cap alone when
+    nothing was predicted)."""
+    if predicted_ttft_s is None or not predicted_ttft_s > 0:
+        return t.first_token_s
+    return min(t.first_token_s, max(FIRST_TOKEN_FLOOR_S,
+                                     t.first_token_factor * predicted_ttft_s))
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,14 @@ TIMEOUTS = Section(
     "error event once streaming) and is settled with what was served.",
     {"connect_s": spec("number > 0", 5.0, "TCP (and TLS) connect to an endpoint."),
      "first_token_s": spec("number > 0", 120.0, "Request sent to first streamed event; a "
-                         "stream that stalls before it is retried on another endpoint."),
+                         "stream that stalls before it is retried on another endpoint. The "
+                         "most an attempt waits: see `first_token_factor`."),
+     "first_token_factor": spec("number > 0", 10.0, "An attempt waits for its first token "
+                              "at most this many times the TTFT routing predicted for it, "
+                              "but at least 10 s (and at most `first_token_s`): a hung "
+                              "engine costs a short request seconds, not minutes. An attempt "
+                              "also ends, and is retried elsewhere, as soon as its endpoint "
+                              "is taken out (its scrapes or probe failed)."),
      "between_tokens_s": spec("number > 0", 60.0, "The longest gap between two streamed "
                             "events."),
      "total_s": spec("number > 0", 600.0, "The whole request.")})

@@ -7,6 +7,7 @@ alike), and continuing a stream on another endpoint when its own is drained
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import orjson
 from opentelemetry.trace import Span
 
-from gateway.config.resilience import Timeouts
+from gateway.config.resilience import Timeouts, first_token_wait
 from gateway.quota import ledger as quota
 from gateway.request import migrate
 from gateway.request.context import RequestContext
@@ -44,6 +45,7 @@ from gateway.state import GatewayState
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
+OUT_POLL_S = 0.25  # how often a request waiting for its first token checks its endpoint
 
 
 class Attempt:
@@ -52,7 +54,8 @@ class Attempt:
     upstream span and judges the endpoint's health by how the attempt went; ``close`` (and
     each ending) happens once, whoever calls it."""
 
-    __slots__ = ("closed", "ep", "pool", "relaying", "span", "state", "ticket", "trace")
+    __slots__ = ("closed", "ep", "pool", "predicted_ttft_s", "relaying", "span", "state",
+                 "ticket", "trace")
 
     def __init__(self, state: GatewayState, ctx: RequestContext | None, pool: EndpointPool,
                  ep: EndpointState, tokens: int, prefill_tokens: int,
@@ -63,6 +66,7 @@ class Attempt:
         self.ticket: Ticket = pool.acquire(ep, tokens, prefill_tokens)
         self.relaying = False
         self.closed = False
+        self.predicted_ttft_s: float | None = None  # routing's prediction (first-token wait)
 
     def trace_headers(self) -> dict[str, str]:
         """``traceparent`` of the upstream span: the engine's own spans join the trace."""
@@ -181,7 +185,8 @@ async def send(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes
     asked for a stream: ``dispatch.upstream_body``.)"""
     ep = a.ep
     path = "/chat/completions" if ctx.kind == "chat" else "/completions"
-    async with asyncio.timeout(t.first_token_s):
+
+    async def first() -> Answer:
         up = await state.upstream.post(ep.url + path, body, request_headers(ctx, a),
                                        connect_timeout_s=t.connect_s, ca_file=ep.ca_file)
         if up.status != 200:
@@ -191,14 +196,39 @@ async def send(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes
                 raise UpstreamProtocolError("the upstream's answer to a stream is not "
                                             "text/event-stream")
             lines = up.lines()
-            first = await first_event(lines)
+            got = await first_event(lines)
         except ErrorEvent as exc:
             up.release()
             raise judge_error_event(exc.error, ep, a.pool) from None
         except BaseException:
             up.release()
             raise
-    return Answer(up, lines=_prepend(first, lines))
+        return Answer(up, lines=_prepend(got, lines))
+
+    async with asyncio.timeout(first_token_wait(t, a.predicted_ttft_s)):
+        return await until_taken_out(ep, first())
+
+
+async def until_taken_out(ep: EndpointState, work: Awaitable[T]) -> T:
+    """``work``, unless ``ep`` is taken out of rotation meanwhile (its scrapes or its probe
+    failed: a hung or dead engine): then ``work`` is cancelled and this raises TimeoutError,
+    a stall, retried on another endpoint."""
+    task = asyncio.ensure_future(work)
+    down = ep.health.down_until
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=OUT_POLL_S)
+            if done:
+                return task.result()
+            if ep.health.down_until != down and not ep.healthy(time.monotonic()):
+                log.warning("endpoint %s was taken out while a request waited for its first "
+                            "token: retrying elsewhere", ep.url)
+                raise TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class ErrorEvent(Exception):

@@ -197,6 +197,8 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         a = Attempt(state, ctx, pool, ep, info.prompt_tokens + reserved,
                     0 if kv is not None else decision.endpoint.uncached_tokens,
                     upstream_span(ctx, m, ep.url, kv is not None, n))
+        if math.isfinite(decision.predicted_ttft_ms):
+            a.predicted_ttft_s = decision.predicted_ttft_ms / 1e3
         sent_at = time.perf_counter()
         ans = await attempt_on(state, ctx, a, upstream_body(ctx, m, kv))
         router.commit(decision, info)  # only now are its blocks on that engine
