@@ -150,10 +150,31 @@ def test_the_endpoint_that_serves_is_the_one_the_epp_picked(
     bs = [backend_factory(served_model_name="llama-3-8b", time_scale=0.02) for _ in range(3)]
     d = policy_doc([f"{b.url}/v1" for b in bs], [f"{bs[0].url}/v1"])
     d["models"]["big"]["routing"] = {"strategy": "round_robin"}
+    d["settings"]["epp_trust_subset_header"] = True  # the header stands for the proxy's
     epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
     try:
         with client(epp.url) as c:
             served_where_picked(c, bs)
+    finally:
+        epp.close()
+
+
+def test_a_clients_subset_header_is_ignored_unless_trusted(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    """A client cannot pin itself to a pod with the subset header: by default only the
+    proxy's subset metadata narrows the pick, and the header reaches no engine."""
+    bs = [backend_factory(served_model_name="llama-3-8b", time_scale=0.02) for _ in range(3)]
+    d = policy_doc([f"{b.url}/v1" for b in bs], [f"{bs[0].url}/v1"])
+    d["models"]["big"]["routing"] = {"strategy": "round_robin"}
+    epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
+    try:
+        with client(epp.url) as c:
+            only = hostport(f"{bs[2].url}/v1")
+            served = {c.completions.with_raw_response.create(
+                model="big", prompt=f"q{i}", max_tokens=2,
+                extra_headers={"x-gateway-destination-endpoint-subset": only}).headers[SERVED]
+                for i in range(6)}
+            assert len(served) == 3  # round robin over all three, not pinned
     finally:
         epp.close()
 
@@ -180,6 +201,7 @@ def test_no_endpoint_is_a_503_and_a_dead_one_an_openai_error(
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     d = policy_doc([f"{live.url}/v1", dead], [f"{live.url}/v1"])
     d["models"]["big"]["routing"] = {"strategy": "round_robin"}
+    d["settings"]["epp_trust_subset_header"] = True  # the header stands for the proxy's
     epp = start_epp(write_policy(tmp_path / "policy.yaml", d))
     auth = {"Authorization": "Bearer key-a"}
     body = {"model": "big", "prompt": "x", "max_tokens": 1}

@@ -82,9 +82,10 @@ def test_the_subset_comes_from_metadata_or_the_header() -> None:
     ns.update({messages.SUBSET_HEADER: ["10.0.0.1:8000", "10.0.0.2:8000"]})
     assert messages.subset(req, headers()) == {"10.0.0.1:8000", "10.0.0.2:8000"}
     plain = pb.ProcessingRequest()
-    assert messages.subset(plain, headers(**{messages.SUBSET_HEADER: "a:1, b:2"})) == {
-        "a:1", "b:2"}
-    assert messages.subset(plain, headers()) is None
+    client = headers(**{messages.SUBSET_HEADER: "a:1, b:2"})
+    assert messages.subset(plain, client) is None  # a client's header: not by default
+    assert messages.subset(plain, client, trust_header=True) == {"a:1", "b:2"}
+    assert messages.subset(plain, headers(), trust_header=True) is None
 
 
 def test_an_objective_names_the_priority_unless_one_is_given() -> None:

@@ -54,6 +54,11 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                              "list): its pick first, then the next best, which the proxy "
                              "tries in order when one cannot be reached; 1 names the pick "
                              "alone."),
+         "epp_trust_subset_header": spec("boolean", False, "`tokengate epp` narrows its pick "
+                                       "to the `x-gateway-destination-endpoint-subset` "
+                                       "request header (else only to the proxy's subset "
+                                       "metadata): on only where the proxy, not the client, "
+                                       "sets that header."),
          "timeouts": spec("timeouts", "(below)", "Upstream timeouts for every route."),
          "retries": spec("retries", "(below)", "How failed attempts are retried."),
          "client": spec("client", "(below)", "How long clients may take."),

@@ -43,6 +43,9 @@ class Settings:
     # How many endpoints the EPP names per request (GIE's fallback list): the pick, then the
     # next best the proxy walks on retry; 1 names the pick alone.
     epp_endpoints: int = 3
+    # the EPP narrows to a client's x-gateway-destination-endpoint-subset header (else only
+    # to the proxy's subset metadata)
+    epp_trust_subset_header: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)  # defaults for every route
     retries: Retries = field(default_factory=Retries)
     client: ClientLimits = field(default_factory=ClientLimits)
@@ -92,7 +95,7 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
         kw["admin_key_sha256"] = digest
     if "admin_key_env" in m:
         kw["admin_key_env"] = d.string(m["admin_key_env"], "settings.admin_key_env")
-    for k in ("public_metrics", "metrics_tenant_label"):
+    for k in ("public_metrics", "metrics_tenant_label", "epp_trust_subset_header"):
         if k in m:
             if not isinstance(m[k], bool):
                 raise d.fail(f"settings.{k}", "expected true or false")

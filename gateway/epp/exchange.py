@@ -154,7 +154,8 @@ class Exchange:
         if method != "POST":
             raise APIError(405, "this URL takes POST",
                            type="invalid_request_error", code="method_not_allowed")
-        self.kind, self.allowed = kind, messages.subset(req, h)
+        self.kind, self.allowed = kind, messages.subset(
+            req, h, self.state.view.policy.settings.epp_trust_subset_header)
         self.responses, self.embeddings = path == RESPONSES, path == EMBEDDINGS
         self.tenant = pipeline.gate(self.state, h)
         if req.request_headers.end_of_stream:
@@ -199,7 +200,9 @@ class Exchange:
                 "x-request-id": ctx.request_id, messages.MAX_RETRIES: str(len(picked.fallbacks)),
                 **auth, **a.trace_headers()}  # the engine's spans join the trace
         self.state.metrics.overhead.observe(time.perf_counter() - self.received)
-        return [messages.request_headers(set_, () if auth else ("authorization",),
+        # a client's own destination headers never reach the engine or the proxy's routing
+        drop = (messages.SUBSET_HEADER, messages.SERVED)
+        return [messages.request_headers(set_, drop if auth else ("authorization", *drop),
                                          picked.destinations),
                 messages.body(picked.body, True, response=False)]
 

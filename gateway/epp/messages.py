@@ -114,17 +114,19 @@ def error(exc: APIError, extra: Mapping[str, str] | None = None) -> pb.Processin
                      f"tokengate_{exc.code or exc.status}")
 
 
-def subset(req: pb.ProcessingRequest, headers: Mapping[str, str]) -> set[str] | None:
+def subset(req: pb.ProcessingRequest, headers: Mapping[str, str], trust_header: bool = False
+           ) -> set[str] | None:
     """The ``ip:port`` candidates the proxy narrowed this request to, from the filter
-    metadata it sent (``envoy.lb.subset_hint``) or the subset header; None: any. A subset
-    key that is set but empty narrows to nothing (the protocol: a 503)."""
+    metadata it sent (``envoy.lb.subset_hint``), or the subset header when ``trust_header``
+    (a client sends headers: one could pin itself to a pod); None: any. A subset key that is
+    set but empty narrows to nothing (the protocol: a 503)."""
     ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
     if ns is not None and SUBSET_HEADER in ns.fields:
         v = ns.fields[SUBSET_HEADER]
         found = ([x.string_value for x in v.list_value.values] if v.HasField("list_value")
                  else v.string_value.split(","))
         return {x.strip() for x in found if x.strip()}
-    if headers.get(SUBSET_HEADER):
+    if trust_header and headers.get(SUBSET_HEADER):
         return {x.strip() for x in headers[SUBSET_HEADER].split(",") if x.strip()} or None
     return None
 
