@@ -7,6 +7,7 @@ ignored (routers add their own, e.g. SGLang's ``no_stop_trim``). Errors use Open
 
 from __future__ import annotations
 
+import binascii
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,7 +78,28 @@ def _opt_bool(body: Mapping[str, Any], key: str) -> bool:
     return v
 
 
-_IMAGE_DATA = re.compile(r"^data:image/(png|jpeg|jpg|gif|webp);base64,[A-Za-z0-9+/=\s]+$")
+_IMAGE_HEAD = re.compile(r"data:image/(png|jpeg|jpg|gif|webp);base64,")
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # decoded, per image (OpenAI's limit)
+_MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",),
+          "jpg": (b"\xff\xd8\xff",), "gif": (b"GIF87a", b"GIF89a"), "webp": (b"RIFF",)}
+
+
+def _data_image(url: str) -> bool:
+    """A base64 data URL of the image type it names: strict base64 (alphabet, padding, no
+    whitespace) all through, at most ``MAX_IMAGE_BYTES`` decoded, starting with that type's
+    magic bytes."""
+    head = _IMAGE_HEAD.match(url)
+    if head is None:
+        return False
+    data = url[head.end():]
+    if not data or len(data) % 4 or len(data) // 4 * 3 > MAX_IMAGE_BYTES + 2:
+        return False
+    try:
+        raw = binascii.a2b_base64(data, strict_mode=True)
+    except (binascii.Error, ValueError):
+        return False
+    kind = head.group(1)
+    return raw.startswith(_MAGIC[kind]) and (kind != "webp" or raw[8:12] == b"WEBP")
 
 
 @dataclass(slots=True)
@@ -113,9 +135,10 @@ def _image(raw: Any, p: str, images: Images) -> None:
         raise bad(f"{p}.image_url.url must be a string", f"{p}.image_url.url")
     if url.startswith(("http://", "https://")):
         images.remote = images.remote or p
-    elif not _IMAGE_DATA.match(url[:64] + url[-8:] if len(url) > 72 else url):
+    elif not _data_image(url):
         raise bad(f"{p}.image_url.url must be a base64 data URL of a png, jpeg, gif or webp "
-                  "image, or an http(s) URL", f"{p}.image_url.url")
+                  f"image (at most {MAX_IMAGE_BYTES // 2**20} MiB), or an http(s) URL",
+                  f"{p}.image_url.url")
     images.count += 1
     images.first = images.first or p
 

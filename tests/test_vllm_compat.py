@@ -171,9 +171,15 @@ def test_limits_and_engine_errors_in_openais_shape(vllm_fleet: VllmFleet,
     assert err.value.code not in (None, "400") and "logprobs" in err.value.message
     settled(gw)
     assert outstanding(gw) <= held + 1e-3  # the reservation was refunded
-    # A parameter vLLM does not know is ignored there, as it would be without the gateway.
+    # A parameter no API forwards is refused by the gateway, named (settings.unknown_fields:
+    # reject), before anything is sent; the same request without it is served.
+    with pytest.raises(openai.BadRequestError) as unknown:
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2,
+                             extra_body={"no_such_parameter": 1})
+    assert unknown.value.code == "unknown_parameter"
+    assert unknown.value.param == "no_such_parameter"
     ok = c.completions.create(model="tiny", prompt="hi", max_tokens=2,
-                              extra_body={"no_such_parameter": 1})
+                              extra_body={"ignore_eos": True})
     assert ok.usage is not None and ok.usage.completion_tokens == 2
 
 
