@@ -43,6 +43,10 @@ class GatewayMetrics:
             "tokengate_usage_rejected", "Usage an endpoint reported that settlement refused "
             "(out of bounds of the gateway's own count), by field.", ["endpoint", "field"],
             registry=r)
+        self.prefill_rejected = Counter(
+            "tokengate_prefill_rejected", "Prefills whose kv_transfer_params named a host "
+            "outside the model's pool (the request was decoded without them).", ["model"],
+            registry=r)
         self.abandoned = Counter(
             "tokengate_abandoned", "Requests whose client left before the answer ended, by "
             "how far the engine had got (queued: no token yet; generating).",

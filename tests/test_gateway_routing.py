@@ -267,3 +267,52 @@ def test_the_approximate_index_learns_only_from_requests_the_engine_accepted(
             b.state.tokenizer.encode("Served: " + LONG)) // 16
     finally:
         gw.close()
+
+
+def test_a_prefill_naming_a_host_outside_the_pool_is_not_passed_to_decode(
+        tmp_path: Path) -> None:
+    """A "prefill" pod answers kv_transfer_params that point the decode engine at another
+    host: they never reach decode (it computes the prompt itself), and it is counted."""
+    from raw_upstream import (
+        DONE,
+        STREAM_HEAD,
+        Answer,
+        RawUpstream,
+        Request,
+        delta,
+        json_response,
+        usage_event,
+    )
+
+    def prefill(req: Request) -> Answer:
+        if not req.head.startswith(b"POST"):
+            return [b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"]
+        return [json_response(200, {
+            "id": "p", "object": "text_completion", "model": "llama-3-8b",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301},
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.66.66.66",
+                                   "remote_port": 5600, "remote_engine_id": "e",
+                                   "remote_block_ids": [1, 2]}})]
+
+    def decode(req: Request) -> Answer:
+        if not req.head.startswith(b"POST"):
+            return [b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"]
+        return [STREAM_HEAD, delta(0, "text"), usage_event(300, 1), DONE]
+
+    p, d = RawUpstream(prefill).start(), RawUpstream(decode).start()
+    gw = gateway(tmp_path, doc([{"url": f"{p.url}/v1", "role": "prefill"},
+                                {"url": f"{d.url}/v1", "role": "decode"}],
+                               {"remote_prefill_min_tokens": 64}))
+    try:
+        r = client(gw).completions.create(model="big", prompt=LONG, max_tokens=1)
+        assert r.choices[0].text == "t0"
+        assert any(q.head.startswith(b"POST") for q in p.requests)  # it was asked
+        sent = [q.json for q in d.requests if q.head.startswith(b"POST")]
+        assert sent and "kv_transfer_params" not in sent[-1]
+        gm = httpx.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-key"}).text
+        assert 'tokengate_prefill_rejected_total{model="big"} 1.0' in gm
+    finally:
+        gw.close()
+        p.close()
+        d.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -77,9 +78,26 @@ async def remote_prefill(state: GatewayState, t: Timeouts, kind: str, request_id
     except BaseException:
         a.close()
         raise
+    if isinstance(params, dict) and not names_the_pool(params, pool):
+        # the decode engine would pull KV from wherever these say: only from this pool
+        log.warning("prefill on %s named %r as where its KV is, not an endpoint of %s: "
+                    "decoding alone", ep.url, params.get("remote_host"), m.name)
+        state.metrics.series("prefill_rejected", m.name).inc()
+        params = None
     if not isinstance(params, dict):
         a.failed(Failure(APIError(502, "the prefill failed", type="server_error",
                                   code="upstream_error"), "prefill", False))
         return None
     a.succeeded()
     return params
+
+
+def names_the_pool(params: dict[str, Any], pool: EndpointPool) -> bool:
+    """Do a prefill's ``kv_transfer_params`` name a host of ``pool`` (or no host at all)?"""
+    host = params.get("remote_host")
+    if host is None:
+        return True
+    if not isinstance(host, str):
+        return False
+    hosts = {(urlsplit(e.url).hostname or "").lower() for e in pool.endpoints}
+    return host.strip("[]").lower() in hosts
