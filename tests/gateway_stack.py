@@ -53,7 +53,7 @@ def one_tenant(models: dict[str, Any], tenant: dict[str, Any]) -> dict[str, Any]
     as its limits) on a route to all of them, the admin key ``admin-key``, no spend log."""
     return {"version": 1,
             "settings": {"admin_key_sha256": hashlib.sha256(b"admin-key").hexdigest(),
-                         "spend": {"log": False}},
+                         "spend": {"log": False}, "expose_endpoints": True},
             "models": models,
             "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(b"key-t").hexdigest()}],
                               **tenant}},

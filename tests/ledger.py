@@ -26,7 +26,7 @@ def sha(key: str) -> str:
 def policy(urls: list[str], *, model: dict[str, Any] | None = None,
            route: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
            rpm: float = 1_000_000.0) -> dict[str, Any]:
-    return {"version": 1, "settings": settings or {},
+    return {"version": 1, "settings": {"expose_endpoints": True, **(settings or {})},
             "models": {"m": {"endpoints": [{"url": u} for u in urls], "default_max_tokens": 16,
                              "upstream_model": "up", "routing": {"strategy": "round_robin"},
                              **(model or {})}},

@@ -30,7 +30,8 @@ def sha(key: str) -> str:
 def policy_doc(large: list[str], small: list[str], **over: Any) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "version": 1,
-        "settings": {"admin_key_sha256": sha("admin-key"), "progressive_charge_tokens": 8},
+        "settings": {"admin_key_sha256": sha("admin-key"), "progressive_charge_tokens": 8,
+                     "expose_endpoints": True},
         "models": {
             "big": {"endpoints": [{"url": u} for u in large], "fallback": ["small"],
                     "upstream_model": "llama-3-8b", "default_max_tokens": 64,

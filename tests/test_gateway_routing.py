@@ -32,7 +32,7 @@ def doc(endpoints: list[dict[str, Any]], routing: dict[str, Any] | None = None,
         models["big"]["fallback"] = ["small"]
         models["small"] = {"endpoints": [{"url": small}], "upstream_model": "llama-3.2-1b"}
     return {"version": 1,
-            "settings": {"admin_key_sha256": sha("admin-key")},
+            "settings": {"admin_key_sha256": sha("admin-key"), "expose_endpoints": True},
             "models": models,
             "tenants": {"a": {"keys": [{"sha256": sha("key-a")}], "limits": {"tpm": 1e6},
                               "max_priority": "critical"},

@@ -27,7 +27,8 @@ def policy(urls: list[str], paths: dict[str, str]) -> dict[str, Any]:
     models: dict[str, Any] = {"llama-3-8b": {"endpoints": eps}}
     for name, path in paths.items():
         models[name] = {"endpoints": eps, "lora": {"path": path, "max_loaded": 1}}
-    return {"version": 1, "settings": {"admin_key_sha256": sha("admin-key")},
+    return {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
+                                       "expose_endpoints": True},
             "models": models,
             "tenants": {"a": {"keys": [{"sha256": sha("key-a")}], "limits": {"tpm": 1e7}}},
             "routes": {"r": {"tenants": ["a"], "models": list(models)}}}

@@ -24,7 +24,8 @@ PROFILES = "models:\n  big-20b:\n    base: llama-3-8b\n    params: 2.0e10\n"
 def policy(urls: list[str]) -> dict[str, Any]:
     model = {"endpoints": [{"url": u} for u in urls], "backend": {"model": "llama-3-8b"},
              "routing": {"strategy": "predicted"}}
-    return {"version": 1, "settings": {"admin_key_sha256": sha("admin-key")},
+    return {"version": 1, "settings": {"admin_key_sha256": sha("admin-key"),
+                                       "expose_endpoints": True},
             "models": {"alpha": dict(model), "beta": dict(model)},
             "tenants": {"a": {"keys": [{"sha256": sha("key-a")}], "limits": {"tpm": 1e7}}},
             "routes": {"r": {"tenants": ["a"], "models": ["alpha", "beta"]}}}

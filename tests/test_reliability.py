@@ -32,7 +32,7 @@ AUTH = {"Authorization": "Bearer k"}
 
 
 def policy(urls: list[str], **settings: Any) -> dict[str, Any]:
-    return {"version": 1, "settings": settings,
+    return {"version": 1, "settings": {"expose_endpoints": True, **settings},
             "models": {"m": {"endpoints": [{"url": u} for u in urls], "default_max_tokens": 16,
                              "routing": {"strategy": "round_robin"}}},
             "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"tpd": TPD}}},

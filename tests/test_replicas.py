@@ -23,7 +23,7 @@ AUTH = {"Authorization": "Bearer k"}
 
 def policy(urls: list[str], **over: Any) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        "version": 1,
+        "version": 1, "settings": {"expose_endpoints": True},
         "models": {"m": {"endpoints": [{"url": u} for u in urls], "default_max_tokens": 2,
                          "routing": {"strategy": "prefix"}}},
         "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},

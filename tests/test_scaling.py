@@ -151,7 +151,7 @@ def launched_pool(scaling: dict[str, Any], routing: dict[str, Any] | None = None
                                                              "time_scale": 0.01}}}
     if routing:
         m["routing"] = routing
-    return {"version": 1, "models": {"m": m},
+    return {"version": 1, "settings": {"expose_endpoints": True}, "models": {"m": m},
             "tenants": {"t": {"keys": [{"sha256": sha("k")}]}},
             "routes": {"r": {"tenants": ["t"], "models": ["m"], "hold_timeout_ms": 60000}}}
 
@@ -234,7 +234,7 @@ def test_a_stream_moves_off_a_drained_endpoint_without_the_client_noticing(
     a = make(served_model_name="m", time_scale=2.0)  # ~15 ms a token
     b = make(served_model_name="m", time_scale=2.0)
     doc = {"version": 1,
-           "settings": {"admin_key_sha256": sha("adm")},
+           "settings": {"admin_key_sha256": sha("adm"), "expose_endpoints": True},
            "models": {"m": {"endpoints": [{"url": f"{a.url}/v1"}, {"url": f"{b.url}/v1"}],
                             "routing": {"strategy": "round_robin"},
                             "scaling": {"min_replicas": 2, "max_replicas": 2}}},

@@ -122,6 +122,27 @@ def test_nothing_sensitive_crosses_the_gateway(gw: RunningGateway,
         assert raw.headers["x-request-id"] == got["x-request-id"]
 
 
+def test_the_engines_address_is_told_only_to_the_admin(gw: RunningGateway,
+                                                       upstream: RecordingUpstream) -> None:
+    """No ``x-tokengate-endpoint`` for a tenant by default (settings.expose_endpoints); a
+    request that carries the admin key in ``x-tokengate-admin-key`` sees it, and that key
+    goes no further than the gateway."""
+    def ask(extra: dict[str, str]) -> httpx.Response:
+        return httpx.post(f"{gw.url}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": "Bearer k1", **extra},
+                          json={"model": "m", "max_tokens": 3,
+                                "messages": [{"role": "user", "content": "hi"}]})
+
+    plain = ask({})
+    assert plain.status_code == 200 and "x-tokengate-endpoint" not in plain.headers
+    assert "x-tokengate-endpoint" not in ask({"x-tokengate-admin-key": "wrong"}).headers
+    before = len(upstream.requests)
+    admin = ask({"x-tokengate-admin-key": "admin"})
+    assert admin.headers["x-tokengate-endpoint"] == upstream.url
+    seen = {k.lower() for k in upstream.requests[before].headers}
+    assert "x-tokengate-admin-key" not in seen
+
+
 def test_oversized_and_malformed_requests_are_refused_early(
         gw: RunningGateway, upstream: RecordingUpstream) -> None:
     before = len(upstream.requests)

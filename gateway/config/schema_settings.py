@@ -68,6 +68,11 @@ SETTINGS_SECTIONS: dict[str, Section] = {
          "admin_key_env": spec("string", NONE, "An environment variable holding the admin key. "
                              "With neither, `/admin/*` is off."),
          "public_metrics": spec("boolean", False, "Serve `/metrics` without the admin key."),
+         "expose_endpoints": spec("boolean", False, "Answers name the engine that served "
+                                "them (`x-tokengate-endpoint`, `x-tokengate-prefill-endpoint`) "
+                                "to every client. Off, only a request that also carries the "
+                                "admin key in `x-tokengate-admin-key` sees them: internal "
+                                "addresses are not told to tenants."),
          "metrics_tenant_label": spec("boolean", True, "Name tenants in metrics; false writes "
                                     "`*`, so no series names a customer."),
          "tracing": spec("tracing", NONE, "OpenTelemetry traces; off (and free) when absent."),

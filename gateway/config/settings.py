@@ -56,6 +56,9 @@ class Settings:
     # for every tenant, so the series name no customer.
     public_metrics: bool = False
     metrics_tenant_label: bool = True
+    # answers name the engine that served them (x-tokengate-endpoint) to every client; else
+    # only to a request that also carries the admin key (x-tokengate-admin-key)
+    expose_endpoints: bool = False
     tracing: Tracing | None = None
     flow_control: FlowControl = field(default_factory=FlowControl)
     time_zone: str = "UTC"  # where calendar budgets' days and months begin
@@ -95,7 +98,8 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
         kw["admin_key_sha256"] = digest
     if "admin_key_env" in m:
         kw["admin_key_env"] = d.string(m["admin_key_env"], "settings.admin_key_env")
-    for k in ("public_metrics", "metrics_tenant_label", "epp_trust_subset_header"):
+    for k in ("public_metrics", "metrics_tenant_label", "epp_trust_subset_header",
+              "expose_endpoints"):
         if k in m:
             if not isinstance(m[k], bool):
                 raise d.fail(f"settings.{k}", "expected true or false")

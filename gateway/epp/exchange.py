@@ -201,7 +201,7 @@ class Exchange:
                 **auth, **a.trace_headers()}  # the engine's spans join the trace
         self.state.metrics.overhead.observe(time.perf_counter() - self.received)
         # a client's own destination headers never reach the engine or the proxy's routing
-        drop = (messages.SUBSET_HEADER, messages.SERVED)
+        drop = (messages.SUBSET_HEADER, messages.SERVED, "x-tokengate-admin-key")
         return [messages.request_headers(set_, drop if auth else ("authorization", *drop),
                                          picked.destinations),
                 messages.body(picked.body, True, response=False)]

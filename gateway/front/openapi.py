@@ -38,7 +38,9 @@ _COMMON: dict[str, Any] = {
     "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**64 - 1},
     "user": {"type": "string"},
 }
-_DATA_URL = "^data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/]+=*$"
+# strict base64: whole quanta, the last one padded or not (``protocol.validate``)
+_DATA_URL = ("^data:image/(png|jpeg|jpg|gif|webp);base64,(?:[A-Za-z0-9+/]{4})*"
+             "(?:[A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$")
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string",
              "enum": ["system", "developer", "user", "assistant", "tool", "function"]},

@@ -59,6 +59,7 @@ class RequestContext:
     inputs: tuple[int, ...] | None = None  # an embeddings request: each input's tokens
     embed_inputs: tuple[str | tuple[int, ...], ...] | None = None  # its inputs, to count
     on_end: list[Callable[[], None]] = field(default_factory=list)  # run once it has ended
+    sees_endpoints: bool = False  # its answer may name the engines (``pipeline``)
 
     def finish(self, model: str, outcome: str) -> None:
         """How the request ended (an HTTP status, ``client_gone``, ``broken``), counted in

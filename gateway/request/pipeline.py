@@ -87,6 +87,20 @@ def flow_id(headers: Headers, tenant: str) -> str:
     return f"{tenant}/{fid}"
 
 
+def sees_endpoints(headers: Headers, state: GatewayState) -> bool:
+    """May this request's answer name the engines that served it? With
+    ``settings.expose_endpoints``, or when it carries the admin key in
+    ``x-tokengate-admin-key``."""
+    if state.view.policy.settings.expose_endpoints:
+        return True
+    key = headers.get("x-tokengate-admin-key")
+    digest = state.view.admin_digest
+    if not key or digest is None:
+        return False
+    got = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    return hmac.compare_digest(got, digest)
+
+
 def key_name(headers: Headers, policy: Policy) -> str:
     """The policy's name for the request's (authenticated) API key."""
     token = bearer(headers) or ""
@@ -155,6 +169,7 @@ def context(state: GatewayState, tenant: str, headers: Headers, raw: bytes, rece
     ctx.priority = slo.priority(headers, policy.tenants[tenant])
     ctx.flow = flow_id(headers, tenant)
     ctx.key_name = key_name(headers, policy)
+    ctx.sees_endpoints = sees_endpoints(headers, state)
     ctx.trace = state.tracer.request(operation or kind, g.model, headers, {
         "tokengate.tenant": ctx.tenant_label, "tokengate.route": route.name,
         "tokengate.request_id": ctx.request_id, "gen_ai.request.max_tokens": g.max_tokens,

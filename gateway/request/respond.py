@@ -32,13 +32,15 @@ _MIGRATION_FAILED = (b'data: {"error": {"message": "the stream could not be move
 def headers(ctx: RequestContext, adm: quota.Admission, sent: Routed, failover: str | None
             ) -> dict[str, str]:
     d = sent.decision
-    h = {"x-request-id": ctx.request_id, "x-tokengate-endpoint": d.endpoint.ep.url,
+    h = {"x-request-id": ctx.request_id,
          "x-tokengate-model": adm.model.name,
          "x-tokengate-prompt-tokens": str(adm.prompt_tokens),  # as the gateway counted them
          "x-tokengate-tier": ctx.tier,
          "x-tokengate-priority": ctx.priority}  # the band served (capped by the tenant's)
-    if d.prefill is not None and sent.prefill_used:
-        h["x-tokengate-prefill-endpoint"] = d.prefill.ep.url
+    if ctx.sees_endpoints:  # an internal address: not told to tenants unless configured
+        h["x-tokengate-endpoint"] = d.endpoint.ep.url
+        if d.prefill is not None and sent.prefill_used:
+            h["x-tokengate-prefill-endpoint"] = d.prefill.ep.url
     if math.isfinite(d.predicted_ttft_ms):
         h["x-tokengate-predicted-ttft-ms"] = f"{d.predicted_ttft_ms:.1f}"
     if math.isfinite(d.predicted_tpot_ms):
