@@ -46,7 +46,7 @@ SETTINGS_SECTIONS: dict[str, Section] = {
          "max_messages": spec("integer > 0", 4096, "Most messages in one chat request (400 "
                             "above)."),
          "unknown_fields": spec("reject | drop", "reject", "A request field none of the APIs "
-                              "forwards (the table in docs/api.md): `reject` answers a 400 "
+                              "forwards (the table in docs/openai-api.md): `reject` answers a 400 "
                               "naming it, `drop` removes it before the body goes upstream. "
                               "Either way nothing unexamined reaches an engine."),
          "epp_endpoints": spec("integer > 0", 3, "How many endpoints `tokengate epp` names "

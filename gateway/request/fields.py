@@ -30,15 +30,15 @@ SAMPLING = frozenset({
     "bad_words", "allowed_token_ids", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
     "structured_outputs", "truncate_prompt_tokens", "return_tokens_as_token_ids",
-    "cache_salt", "request_id", "response_format", "logprobs"})
+    "cache_salt", "request_id", "response_format", "logprobs", "add_special_tokens"})
 FORWARDED: Mapping[str, frozenset[str]] = {
     "chat": SAMPLING | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "functions", "function_call", "reasoning_effort", "modalities",
         "audio", "prediction", "web_search_options", "store", "metadata", "service_tier",
         "safety_identifier", "prompt_cache_key", "verbosity", "chat_template_kwargs",
-        "add_generation_prompt", "continue_final_message", "add_special_tokens"},
-    "completion": SAMPLING | {"prompt", "suffix", "echo", "add_special_tokens"},
+        "add_generation_prompt", "continue_final_message"},
+    "completion": SAMPLING | {"prompt", "suffix", "echo"},
     "embeddings": frozenset({"model", "input", "encoding_format", "dimensions", "user"}),
 }
 # Set by the gateway for the engine: a client's are dropped, never forwarded (a client's
