@@ -140,9 +140,11 @@ async def serve(cfg: ServeConfig, *, ready: asyncio.Event | None = None,
     log.info("gateway listening on http://%s:%d (policy %s, store %s)", cfg.host, cfg.port,
              cfg.policy, type(state.store).__name__)
     if state.view.policy.settings.public_metrics or state.view.admin_digest is None:
-        log.warning("/metrics is public (%s): anyone who reaches this port reads every "
-                    "tenant's usage", "settings.public_metrics" if
-                    state.view.policy.settings.public_metrics else "no admin key is configured")
+        loopback = cfg.host in ("localhost", "::1") or cfg.host.startswith("127.")
+        log.log(logging.INFO if loopback else logging.WARNING,
+                "/metrics is public (%s): anyone who reaches %s:%d reads every tenant's usage",
+                "settings.public_metrics" if state.view.policy.settings.public_metrics
+                else "no admin key is configured", cfg.host, cfg.port)
     stop = announce(stop, watcher, handle_signals, ready)
     try:
         await stop.wait()
