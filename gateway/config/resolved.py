@@ -16,8 +16,6 @@ SET = "<set>"  # in place of a secret that is configured
 def resolved(policy: Policy) -> dict[str, Any]:
     settings = asdict(policy.settings)
     settings["admin_key_sha256"] = SET if settings["admin_key_sha256"] else None
-    spend = settings["spend"]
-    spend["postgres_url"] = redact_url(spend["postgres_url"])
     models = {}
     for name, m in policy.models.items():
         d = asdict(m)
@@ -30,5 +28,22 @@ def resolved(policy: Policy) -> dict[str, Any]:
         d["keys"] = [k.name for k in t.keys]  # names only: digests identify keys
         d["max_priority"] = t.priority_ceiling
         tenants[name] = d
-    return {"source": policy.source, "settings": settings, "models": models,
-            "tenants": tenants, "routes": {n: asdict(r) for n, r in policy.routes.items()}}
+    shown: dict[str, Any] = _no_passwords({
+        "source": policy.source, "settings": settings, "models": models, "tenants": tenants,
+        "routes": {n: asdict(r) for n, r in policy.routes.items()}})
+    return shown
+
+
+def _no_passwords(v: Any) -> Any:
+    """Every URL in ``v`` with its password shown as ``***`` (a database, an OTLP endpoint
+    given with credentials)."""
+    if isinstance(v, dict):
+        return {k: _no_passwords(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_no_passwords(x) for x in v]
+    if isinstance(v, str) and "://" in v and "@" in v:
+        try:
+            return redact_url(v)
+        except ValueError:
+            return "<unreadable URL>"
+    return v
