@@ -5,7 +5,11 @@ Llama-3-8B on an H100, as the simulated pool) with ``--flow-control fcfs|fair``,
 simulation of the same requests.
 
     python -m benchmarks.sim_fairness_confirm [--duration 60] [--time-scale 5] [--seeds 1]
-                                       [--modes alone,fcfs,fair] [--out DIR]
+                                       [--modes alone,fcfs,fair] [--replicas 1] [--out DIR]
+
+``--replicas N`` runs N gateway processes sharing a Redis of their own (``tokengate up
+--replicas N --redis``: quotas and fair-share counters exchanged through it); each request
+goes to the next replica in turn, so every tenant's requests are spread over all of them.
 
 The backends run ``--time-scale`` times slower than the modelled GPU, and every arrival time
 and time threshold of the policy is stretched by the same factor, so that two cores carry the
@@ -88,6 +92,7 @@ class Sent:
 
 
 async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> None:
+    """``r`` to ``base`` at its scheduled time; what the client saw into ``r``."""
     await asyncio.sleep(max(0.0, t0 + r.t - time.perf_counter()))
     stream = r.tenant in STREAMED
     body = {"model": MODEL, "prompt": r.prompt, "max_tokens": r.max_tokens,
@@ -124,8 +129,7 @@ async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> No
         r.status = -1
 
 
-async def drive(reqs: list[Sent], gw_port: int, ports: list[int]) -> dict[str, Any]:
-    base = f"http://127.0.0.1:{gw_port}/v1"
+async def drive(reqs: list[Sent], bases: list[str], ports: list[int]) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=1800)) as http:
@@ -139,7 +143,8 @@ async def drive(reqs: list[Sent], gw_port: int, ports: list[int]) -> dict[str, A
             return busy, lag
         busy0, _ = await scrape()
         t0 = time.perf_counter() + 0.5
-        await asyncio.gather(*(send(http, base, r, t0) for r in reqs))
+        await asyncio.gather(*(send(http, bases[i % len(bases)], r, t0)
+                               for i, r in enumerate(reqs)))
         wall = time.perf_counter() - t0
         busy1, lag = await scrape()
     return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3}
@@ -178,8 +183,16 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
 
 
 def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
-         seed: int, log_dir: Path) -> dict[str, Any]:
+         seed: int, log_dir: Path, replicas: int = 1) -> dict[str, Any]:
     ports, gw_port = [free_port(), free_port()], free_port()
+    redis: subprocess.Popen[bytes] | None = None
+    more: list[str] = []
+    if replicas > 1:
+        rport = free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"],
+                                 stdout=subprocess.DEVNULL)
+        more = ["--replicas", str(replicas), "--redis", f"redis://127.0.0.1:{rport}/0"]
     names = [t.name for t in tenants]
     pol = log_dir / "policy.yaml"
     pol.write_text(yaml.safe_dump(policy(names, ports, scale, flow), sort_keys=False))
@@ -188,16 +201,33 @@ def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokengate", "up", "--policy", str(pol), "--port",
              str(gw_port), "--log-dir", str(log_dir), "--time-scale", str(scale),
-             "--flow-control", mode], stdout=log, stderr=subprocess.STDOUT,
+             "--flow-control", mode, *more], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
     try:
         asyncio.run(wait_stack(proc, gw_port, log_dir, "fairness"))
+        bases = [f"http://127.0.0.1:{gw_port}/v1", *replica_urls(log_dir, replicas)]
         reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens)
                 for r in tenant_requests(tenants, duration, seed)]
-        run = asyncio.run(drive(reqs, gw_port, ports))
-        return figures(reqs, run, scale, len(ports))
+        run = asyncio.run(drive(reqs, bases, ports))
+        return {**figures(reqs, run, scale, len(ports)), "replicas": len(bases)}
     finally:
         stop_stack(proc)
+        if redis is not None:
+            redis.terminate()
+            redis.wait(10)
+
+
+def replica_urls(log_dir: Path, replicas: int, timeout_s: float = 60.0) -> list[str]:
+    """The other replicas' base URLs, as ``tokengate up`` prints them."""
+    if replicas <= 1:
+        return []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in (log_dir / "up.log").read_text(errors="replace").splitlines():
+            if line.startswith("TOKENGATE_REPLICAS="):
+                return line.split("=", 1)[1].split(",")
+        time.sleep(0.2)
+    raise RuntimeError("tokengate up did not say where its replicas are")
 
 
 def main() -> None:
@@ -208,6 +238,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--modes", default="alone,fcfs,fair",
                     help="comma-separated: alone and any of " + ", ".join(MODES))
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="gateway processes sharing a Redis; requests spread over them")
     ap.add_argument("--out", default="benchmarks/results/fairness-live")
     ns = ap.parse_args()
     flood = [Tenant("A", NORMAL * 10), Tenant("B", LIGHT), Tenant("C", LIGHT)]
@@ -220,11 +252,13 @@ def main() -> None:
             sim = row(noisy_neighbour(tenants, mode, ns.duration, seed=seed, flow=cfg))
             sim_s = time.perf_counter() - t0
             real = live(tenants, cfg, ns.duration, ns.time_scale, seed,
-                        Path(tempfile.mkdtemp(prefix=f"tokengate-fairness-{label}-")))
+                        Path(tempfile.mkdtemp(prefix=f"tokengate-fairness-{label}-")),
+                        ns.replicas)
             runs.append({"seed": seed, "mode": label, "real": real,
                          "simulated": {**sim, "wall_s": sim_s}})
             print(json.dumps(runs[-1]), flush=True)
     write(ns.out, {"runs": runs, "duration_s": ns.duration, "time_scale": ns.time_scale,
+                   "replicas": ns.replicas,
                    "light_rps": LIGHT, "flood_rps": NORMAL * 10})
     print(markdown(runs))
 
