@@ -80,10 +80,16 @@ def adjust(tat: float, now: float, delta: float, limit: Limit) -> float:
     return max(new_tat, now) if delta < 0 else new_tat
 
 
+LIFT_SLACK_UNITS = 1e-6  # a lift short of this many units changes nothing
+
+
 def lift(tat: float, now: float, used: float, limit: Limit) -> float:
     """The state of a bucket that has at least ``used`` units in use now (a ledger's count):
-    raised to it when below, unchanged when already there."""
-    return max(tat, now + used * limit.interval)
+    raised to it when below by more than ``LIFT_SLACK_UNITS``, unchanged otherwise (so that
+    lifting twice to the same count changes nothing, however much time passed in between:
+    a spend cap refills by a unit in ``NO_REFILL_S``)."""
+    floor = now + used * limit.interval
+    return floor if floor - tat > LIFT_SLACK_UNITS * limit.interval else tat
 
 
 def remaining(tat: float, now: float, limit: Limit) -> float:

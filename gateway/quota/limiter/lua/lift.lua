@@ -7,8 +7,10 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local raised = 0
 for i = 1, #ARGV, 4 do
   local tat = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  local floor = now + tonumber(ARGV[i + 2]) * tonumber(ARGV[i + 1])
-  if floor > tat then
+  local interval = tonumber(ARGV[i + 1])
+  local floor = now + tonumber(ARGV[i + 2]) * interval
+  if floor - tat > 1e-6 * interval then  -- bucket.LIFT_SLACK_UNITS: a lift to the same count
+    -- changes nothing however much time passed (a spend cap refills a unit in 1e13 s)
     redis.call('HSET', KEYS[1], ARGV[i], string.format('%.6f', floor))
     raised = raised + 1
   end
