@@ -23,7 +23,7 @@ import xgboost as xgb
 
 from benchmarks import common
 from gateway.config.policy import parse_policy
-from gateway.request.tokenize import TokenCounter
+from gateway.counting.tokenize import TokenCounter
 from gateway.routing.endpoints import EndpointPool
 from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import RequestInfo

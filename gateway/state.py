@@ -14,6 +14,8 @@ from aiohttp import web
 
 from gateway.config.endpoint import Endpoint
 from gateway.config.policy import Model, Policy
+from gateway.counting.slots import CountingSlots
+from gateway.counting.tokenize import TokenCounter
 from gateway.discovery.found import Found
 from gateway.discovery.found import attach as attach_found
 from gateway.discovery.found import urls as found_urls
@@ -22,9 +24,7 @@ from gateway.flow.control import FlowGates
 from gateway.flow.share import CounterShare
 from gateway.metrics import GatewayMetrics
 from gateway.quota.limiter.store import RateStore
-from gateway.request.counting import CountingSlots
 from gateway.request.migrate import LiveStreams
-from gateway.request.tokenize import TokenCounter
 from gateway.request.upstream import UpstreamClient
 from gateway.routing.endpoints import EndpointPool
 from gateway.routing.fleet import Fleet

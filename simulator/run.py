@@ -32,8 +32,8 @@ from backend.engine_config import EngineConfig
 from backend.kvpool_store import PoolStore
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy, Route, load_policy
+from gateway.counting.tokenize import TokenCounter
 from gateway.examples import DEMO_POLICY
-from gateway.request.tokenize import TokenCounter
 from gateway.state import counter_for
 from loadtests import report, workloads
 from loadtests.metrics import SLO

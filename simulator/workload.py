@@ -9,8 +9,8 @@ token for token the load harness's, since their lengths are drawn between their 
 prompts' words are drawn more cheaply than the harness draws them (numpy): Mooncake blocks of
 the same id are identical and blocks of different ids differ, random prompts share nothing,
 which is all a cache can tell.
-Sessions render each turn with the model's own chat counting (``gateway.request.tokenize``), and the
-answer a turn generates is sent back in the next one.
+Sessions render each turn with the model's own chat counting (``gateway.counting.tokenize``),
+and the answer a turn generates is sent back in the next one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.request.tokenize import TokenCounter
+from gateway.counting.tokenize import TokenCounter
 from loadtests import workloads
 from loadtests.prompts import MOONCAKE_BLOCK, PromptMaker
 from loadtests.traces import load_azure

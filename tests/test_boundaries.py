@@ -8,7 +8,8 @@ nor ``simulator`` but the dispatcher and its own benchmarks, nor ``benchmarks`` 
 themselves; load tests and benchmarks that drive the gateway speak HTTP to it (only the
 component micro-benchmarks import gateway modules); and
 no two files import each other, directly or round a cycle -- every import counted, including
-those inside functions and under ``TYPE_CHECKING``."""
+those inside functions and under ``TYPE_CHECKING``; and routing, flow control, the limiter,
+counting and spend never import the request path that calls them."""
 
 from __future__ import annotations
 
@@ -99,6 +100,17 @@ def test_the_gateway_prices_with_the_roofline_and_knows_no_launcher() -> None:
     modules), and the demo stack that launches them is not theirs to import."""
     assert not _importing("gateway", {"protocol", "roofline", "predictor"})
     assert not _importing("predictor", {"protocol", "roofline"})
+
+
+def test_the_brain_and_the_limiter_do_not_know_the_request_path() -> None:
+    """Arrows one way on the request path: ``gateway.request`` (the sequencer and its steps)
+    calls routing, flow control, the limiter, counting and spend; none of those imports it
+    (counting lives in ``gateway.counting``, below them all)."""
+    below = ("gateway.routing", "gateway.quota", "gateway.flow", "gateway.counting",
+             "gateway.spend", "gateway.config")
+    bad = {m: sorted(i for i in deps if i.startswith("gateway.request"))
+           for m, deps in graph().items() if m.startswith(below)}
+    assert not {m: d for m, d in bad.items() if d}
 
 
 def test_the_simulator_takes_only_the_demo_pools_shape_from_the_stack() -> None:

@@ -9,11 +9,11 @@ import random
 import string
 from array import array
 
+from gateway.counting.slots import CountingSlots
+from gateway.counting.tokenize import ChatPrompt
 from gateway.quota.ledger import never_fits
 from gateway.quota.limiter.bucket import Limit
 from gateway.quota.limiter.store import Charge
-from gateway.request.counting import CountingSlots
-from gateway.request.tokenize import ChatPrompt
 from gateway.routing.prefix import ApproxIndex, PromptHasher
 from protocol.tokenizer import Tokenizer
 

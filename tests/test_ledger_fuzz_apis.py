@@ -34,7 +34,7 @@ from raw_upstream import (
     usage_event,
 )
 
-from gateway.request.tokenize import TokenCounter
+from gateway.counting.tokenize import TokenCounter
 from protocol.tokenizer import Tokenizer
 
 TEXT = "the ledger must balance"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gateway.config.policy import parse_policy
-from gateway.request.tokenize import TokenCounter
+from gateway.counting.tokenize import TokenCounter
 from gateway.routing import plugins
 from gateway.routing.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
 from gateway.routing.fleet import Fleet, parse_vllm_metrics

@@ -31,7 +31,6 @@ from gateway.request.failure import (
 )
 from gateway.request.migrate import Live
 from gateway.request.relay import BadEvent, event_payload, parse_event
-from gateway.request.retry import Retrier
 from gateway.request.upstream import (
     UpstreamBroken,
     UpstreamError,
@@ -40,6 +39,7 @@ from gateway.request.upstream import (
 )
 from gateway.routing.endpoints import EndpointPool, EndpointState, Ticket
 from gateway.routing.plugins import RequestInfo
+from gateway.routing.retry import Retrier
 from gateway.routing.router import Decision, Router
 from gateway.state import GatewayState
 from protocol.errors import APIError

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.policy import Model, Route
+from gateway.counting.tokenize import OFFLOAD_CHARS, ChatPrompt, message_text
 from gateway.quota.ledger import ContextTooLong, ImagesRefused
 from gateway.request.fields import width
-from gateway.request.tokenize import OFFLOAD_CHARS, ChatPrompt, message_text
 from gateway.spend.record import SpendRecord
 from gateway.state import GatewayState, PolicyView
 from gateway.tracing import RequestTrace

@@ -1,6 +1,6 @@
 """Getting a request to an endpoint that answers: hold while a pool wakes from zero, route,
 send, and re-decide without a failed endpoint under the one retry policy
-(``gateway.request.retry.Retrier``); with a remote prefill first when routing picked one
+(``gateway.routing.retry.Retrier``); with a remote prefill first when routing picked one
 (``gateway.request.disagg``). Walks the model's fallback chain when every endpoint failed before the
 first byte (or none can meet the SLO). Returns a ``Sent`` or the error to answer.
 
@@ -24,9 +24,8 @@ from gateway.config.flow import FlowControl
 from gateway.config.policy import Model
 from gateway.flow.control import ModelGate, Pass
 from gateway.flow.fair import engine_priority
-from gateway.quota import admission
 from gateway.quota import ledger as quota
-from gateway.request import disagg, slo
+from gateway.request import admission, disagg, slo
 from gateway.request.attempt import Attempt, Sent, attempt_on, retry
 from gateway.request.context import RequestContext
 from gateway.request.failure import Failure

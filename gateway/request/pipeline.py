@@ -27,10 +27,9 @@ from aiohttp import web
 from gateway import clock as clk
 from gateway.config.policy import Model, Policy
 from gateway.front.http_guard import read_body
-from gateway.quota import admission
 from gateway.quota import ledger as quota
 from gateway.quota.limiter.store import RateStore, Settlement
-from gateway.request import fields, slo
+from gateway.request import admission, fields, slo
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_model, open_request
 from gateway.request.respond import respond

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from gateway import clock as clk
 from gateway.config.policy import Model
 from gateway.config.resilience import Retries
-from gateway.request.retry import RetryBudget
+from gateway.routing.retry import RetryBudget
 from predictor.features import DEFAULT_PREFILL_RATE  # tokens/ms before any observation
 
 

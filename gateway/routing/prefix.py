@@ -6,7 +6,7 @@ the cache salt, the root separates models), so in precise mode the gateway's has
 very hashes the backend reports in its KV events. Chat prompts are hashed incrementally: the
 hash state after a request's messages is cached under a key chained from the messages' keys,
 so the next turn of the same conversation hashes only its new pieces (the pieces' token ids come
-from ``gateway.request.tokenize``'s cache). Computed once per request.
+from ``gateway.counting.tokenize``'s cache). Computed once per request.
 
 *Approximate index* (``ApproxIndex``): per endpoint, the block hashes it was sent, sized from
 the endpoint's KV capacity (``num_gpu_blocks`` scraped from ``vllm:cache_config_info``),
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.request.tokenize import ChatPrompt
+from gateway.counting.tokenize import ChatPrompt
 from protocol.kv_hash import BlockHash, hash_block, root_hash
 
 

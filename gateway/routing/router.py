@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway import clock as clk
 from gateway.config.policy import Model
-from gateway.request.tokenize import ChatPrompt, TokenCounter
+from gateway.counting.tokenize import ChatPrompt, TokenCounter
 from gateway.routing import plugins
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.fleet import Fleet
