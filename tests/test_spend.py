@@ -204,3 +204,23 @@ def test_a_window_sums_whole_buckets_back_from_now() -> None:
     assert hour["from"] <= now - 3600 and hour["from"] > now - 3660
     day = asyncio.run(w.spend(None, now, 86400.0, ("tenant",)))
     assert day["rows"][0]["requests"] == 3 and day["bucket_s"] == 3600
+
+
+def test_a_records_day_is_its_time_zones_even_across_midnight() -> None:
+    """The day is remembered for a minute at a time; Kolkata's midnight (UTC+5:30) falls
+    inside a UTC hour, and the records either side of it get their own days."""
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.spend.ledger import SpendLedger
+
+    zone = ["Asia/Kolkata"]
+    ledger = SpendLedger(GatewayMetrics(), time_zone=lambda: zone[0])
+    midnight = datetime(2026, 12, 4, tzinfo=ZoneInfo("Asia/Kolkata")).timestamp()
+    assert ledger.day(midnight - 0.5) == "2026-12-03"
+    assert ledger.day(midnight - 0.25) == "2026-12-03"
+    assert ledger.day(midnight) == "2026-12-04"
+    assert ledger.day(midnight - 0.5) == "2026-12-03"
+    zone[0] = "UTC"  # a reload to another zone: read again
+    assert ledger.day(midnight) == "2026-12-03"
