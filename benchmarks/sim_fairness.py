@@ -50,6 +50,8 @@ MODES: dict[str, tuple[str, FlowControl | None]] = {
     "fair": ("fair", FlowControl(mode="fair", queue_depth=1, tpot_threshold_ms=40.0)),
     "fair+engine": ("fair", FlowControl(mode="fair", queue_depth=1, tpot_threshold_ms=40.0,
                                         engine_priority=True)),
+    "fair+isolation": ("fair", FlowControl(mode="fair", queue_depth=1, tpot_threshold_ms=40.0,
+                                           isolation_step_ms=25.0)),
 }
 
 

@@ -274,3 +274,31 @@ def test_the_admin_view_lists_the_most_served_flows_of_a_tenant_or_all() -> None
     assert flows(of="acme", limit=5) == ["acme", "acme/s59", "acme/s58", "acme/s57", "acme/s56"]
     assert len(flows(of="acme", limit=1000)) == 61
     assert flows(of="acme/s3") == ["acme/s3"] and flows(of="nobody") == []
+
+
+def test_isolation_holds_a_heavier_tenant_to_a_smaller_batch_while_a_lighter_one_runs() -> None:
+    """``isolation_step_ms``: the endpoint decodes at 30 ms a step, under the 40 ms
+    threshold; while the light tenant has a request running, the heavier tenant (served more)
+    is let through only below 25 ms, so it waits; once the light one has settled, it goes.
+    Without the setting it goes at once."""
+    def gate(isolation: float | None) -> tuple[Gate, list[EndpointState]]:
+        eps = _pool(1)
+        eps[0].live.step_ms, eps[0].live.step_mark = 30.0, (0.0, 0, 0.0)
+        return Gate(FlowControl(mode="fair", queue_depth=4, tpot_threshold_ms=40.0,
+                                isolation_step_ms=isolation), lambda: eps), eps
+
+    g, _ = gate(25.0)
+    light = w("light")
+    assert g.offer(light, 0.0).go
+    g.sent()
+    g.queue.charge("heavy", 10_000, 0)  # served far more than light
+    heavy = w("heavy")
+    assert not g.offer(heavy, 0.0).go and heavy.queued
+    assert g.pump(0.0) == []
+    g.settled(light, 100, 10)
+    assert g.pump(0.0) == [heavy]
+    plain, _ = gate(None)
+    assert plain.offer(w("light"), 0.0).go
+    plain.sent()
+    plain.queue.charge("heavy", 10_000, 0)
+    assert plain.offer(w("heavy"), 0.0).go

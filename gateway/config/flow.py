@@ -22,6 +22,10 @@ class FlowControl:
     queue_depth: int = 5  # requests sent to an endpoint and not started: beyond, saturated
     kv_threshold: float = 0.8  # an endpoint's KV usage at or above it: saturated
     tpot_threshold_ms: float | None = None  # an endpoint's decode step this slow: saturated
+    # while a tenant served less than another has requests running, the other's requests are
+    # let through only while the decode step is below this (the light tenant's batch stays
+    # small); None: off
+    isolation_step_ms: float | None = None
     input_weight: float = 1.0  # fair share counts w_in·prompt + w_out·output tokens
     output_weight: float = 2.0
     engine_priority: bool = False  # send engines a ``priority`` (``engine_priority_of``)
@@ -48,7 +52,8 @@ def parse_flow_control(d: Decoder, raw: Any, path: str) -> FlowControl:
         kw["mode"] = d.choice(m["mode"], f"{path}.mode", set(FLOW_MODES))
     kw.update(d.fields(m, path, ("max_queued", "queue_depth"), d.integer))
     kw.update(d.fields(m, path, ("max_wait_ms", "flex_max_wait_ms", "input_weight",
-                                 "output_weight", "tpot_threshold_ms"), d.number))
+                                 "output_weight", "tpot_threshold_ms", "isolation_step_ms"),
+                        d.number))
     if "engine_priority" in m:
         kw["engine_priority"] = d.boolean(m["engine_priority"], f"{path}.engine_priority")
     if "kv_threshold" in m:

@@ -141,6 +141,14 @@ SETTINGS_SECTIONS: dict[str, Section] = {
          "kv_threshold": spec("number 0–1", 0.8, "…and so is one whose KV cache is this full…"),
          "tpot_threshold_ms": spec("number > 0", NONE, "…and one whose streams lately waited "
                                  "this long between tokens (set it below the TPOT SLO)."),
+         "isolation_step_ms": spec("number > 0", NONE, "`fair` only: while a tenant that "
+                                 "has been served less than another has requests running, the "
+                                 "other's requests are let through only while the decode step "
+                                 "is below this, so the batch the lighter tenant shares stays "
+                                 "small. Set below `tpot_threshold_ms` (e.g. 25 with 40): its "
+                                 "TTFT under a flood then stays near its TTFT without one, and "
+                                 "the flooder gives up throughput while it is active "
+                                 "(docs/benchmarks.md)."),
          "input_weight": spec("number > 0", 1.0, "Fair share counts this per prompt token…"),
          "output_weight": spec("number > 0", 2.0, "…and this per output token."),
          "engine_priority": spec("boolean", False, "Send each request a `priority` for the "

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import BANDS, FairQueue, Mode, Waiter, engine_priority
+from gateway.flow.fair import BANDS, FairQueue, Mode, Waiter, engine_priority, tenant_of
 from gateway.flow.saturation import Thresholds, free_slots
 from gateway.routing.endpoints import EndpointState
 
@@ -45,6 +45,10 @@ class Gate:
         self._headroom = Thresholds(cfg.queue_depth + 1, cfg.kv_threshold)
         self.endpoints = endpoints
         self.let_through = 0  # granted, not yet sent
+        self.running: dict[str, int] = {}  # requests granted and not settled, by tenant
+        # the tighter step for a tenant served more than one with requests running
+        self._isolating = Thresholds(cfg.queue_depth, cfg.kv_threshold, cfg.isolation_step_ms) \
+            if cfg.isolation_step_ms is not None and self.mode == "fair" else None
 
     @staticmethod
     def _mode(mode: str) -> Mode:
@@ -54,13 +58,24 @@ class Gate:
     def queues(self) -> bool:
         return self.mode != "fcfs"
 
-    def free(self, now: float) -> int:
-        return free_slots(self.endpoints(), self.thresholds, self.let_through, now)
+    def free(self, now: float, w: Waiter | None = None) -> int:
+        """Slots free now (for ``w``: fewer when ``isolation_step_ms`` holds its tenant to a
+        smaller batch, ``_over``)."""
+        t = self.thresholds
+        if self._isolating is not None and w is not None and self._over(w):
+            t = self._isolating
+        return free_slots(self.endpoints(), t, self.let_through, now)
+
+    def _over(self, w: Waiter) -> bool:
+        """Has ``w``'s tenant been served more than another tenant with requests running?"""
+        counters, mine = self.queue.counters, _tenant(w)
+        served = counters.get(mine, 0.0)
+        return any(counters.get(t, 0.0) < served for t in self.running if t != mine)
 
     def offer(self, w: Waiter, now: float) -> Offer:
         if not self.queues:
             return Offer(True)
-        if self.queue.size == 0 and self.free(now) > 0:
+        if self.queue.size == 0 and self.free(now, w) > 0:
             self._grant(w)
             return Offer(True)
         shed = self.queue.push(w)
@@ -112,6 +127,10 @@ class Gate:
         """Let waiting requests through while the pool has room; returns them, in order."""
         out: list[Waiter] = []
         while self.queue.size and self.free(now) > 0:
+            if self._isolating is not None:
+                head = self.queue.peek()
+                if head is not None and self.free(now, head) <= 0:
+                    break  # the head's tenant is held to a smaller batch: it waits
             w = self.queue.pop()
             if w is None:
                 break
@@ -153,12 +172,25 @@ class Gate:
         charge, made with its reserved output."""
         if not self.queues:
             return
+        t = _tenant(w)
+        n = self.running.get(t, 0) - 1
+        if n > 0:
+            self.running[t] = n
+        else:
+            self.running.pop(t, None)
         self._charge(w, prompt - w.cost_in, output - w.cost_out)
 
     def _grant(self, w: Waiter) -> None:
         self.let_through += 1
+        t = _tenant(w)
+        self.running[t] = self.running.get(t, 0) + 1
         self._charge(w, w.cost_in, w.cost_out)
 
     def _charge(self, w: Waiter, cost_in: float, cost_out: float) -> None:
         if self.mode == "fair":
             self.queue.charge(w.flow, cost_in, cost_out, w.weight, w.sub)
+
+
+def _tenant(w: Waiter) -> str:
+    """``w``'s tenant (set when it was queued; from its flow otherwise)."""
+    return w.tenant or tenant_of(w.flow)
