@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.flow.control import TICK_S
-from gateway.flow.fair import Waiter
 from gateway.flow.gate import Gate
+from gateway.flow.waiter import Waiter
 from simulator.events import EventLoop
 
 

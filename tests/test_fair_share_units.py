@@ -13,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.flow.fair import MAX_SUBFLOWS, OVERFLOW, Delta, FairQueue, Waiter
+from gateway.flow.delta import Delta
+from gateway.flow.fair import MAX_SUBFLOWS, OVERFLOW, FairQueue
+from gateway.flow.waiter import Waiter
 
 
 def w(flow: str, cin: float = 100, cout: float = 10, deadline: float = 0.0,

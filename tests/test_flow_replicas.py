@@ -22,8 +22,8 @@ from test_gateway_e2e import sha
 
 from gateway.config.flow import FlowControl
 from gateway.flow.control import FlowGates
-from gateway.flow.fair import Waiter
 from gateway.flow.share import KEY, CounterShare
+from gateway.flow.waiter import Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.redis_clients import coordination_client
 

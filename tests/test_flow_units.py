@@ -11,8 +11,9 @@ import pytest
 
 from gateway.config.flow import FlowControl
 from gateway.config.policy import Model
-from gateway.flow.fair import FairQueue, Waiter
+from gateway.flow.fair import FairQueue
 from gateway.flow.gate import Gate
+from gateway.flow.waiter import Waiter
 from gateway.routing.endpoints import EndpointPool, EndpointState
 
 

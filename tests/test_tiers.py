@@ -17,8 +17,8 @@ from test_gateway_e2e import sha
 
 from gateway.config.flow import FlowControl
 from gateway.config.policy import Model
-from gateway.flow.fair import Waiter
 from gateway.flow.gate import Gate
+from gateway.flow.waiter import Waiter
 from gateway.routing.endpoints import EndpointPool, EndpointState
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from gateway import clock
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import Waiter
 from gateway.flow.gate import Gate
+from gateway.flow.waiter import Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.routing.endpoints import EndpointState
 from protocol.errors import APIError

@@ -49,34 +49,19 @@ served), its latest deadline.
 from __future__ import annotations
 
 import heapq
-import itertools
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from gateway.flow.delta import Delta
+from gateway.flow.waiter import BANDS, Waiter, tenant_of
 
 Mode = Literal["fcfs", "priority", "round_robin", "fair"]
 MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
-BANDS = ("critical", "reserved", "standard", "flex")
 _BAND_RANK = {b: i for i, b in enumerate(BANDS)}
-_seq = itertools.count()
 FORGET_EVERY = 256  # tenants becoming backlogged between sweeps of idle tenants' counters
 MAX_SUBFLOWS = 64  # sub-flows of one tenant waiting at once; further ids share OVERFLOW
 OVERFLOW = "~more"  # the sub-flow of a tenant's requests beyond MAX_SUBFLOWS ids
-
-
-def tenant_of(flow: str) -> str:
-    """The tenant a flow (``tenant`` or ``tenant/ID``) belongs to."""
-    return flow.partition("/")[0]
-
-
-def engine_priority(band: str, backlogged: bool) -> int:
-    """The ``priority`` an engine running vLLM's priority policy gets (lower first): by band,
-    and within a band a request whose tenant still has others waiting in the gateway (a
-    tenant using more than its share) behind the requests of tenants that have none. With
-    nothing waiting it is the band's alone, so the engine's order within a band stays
-    arrival."""
-    return 2 * BANDS.index(band) + (1 if backlogged else 0)
 
 
 def vtc_bound(w_in: float, w_out: float, max_input: float, max_batch_tokens: float) -> float:
@@ -84,54 +69,6 @@ def vtc_bound(w_in: float, w_out: float, max_input: float, max_batch_tokens: flo
     ``2·max(w_in·L_in, w_out·M)``, ``L_in`` the longest prompt, ``M`` the most tokens a
     running batch holds."""
     return 2.0 * max(w_in * max_input, w_out * max_batch_tokens)
-
-
-@dataclass(slots=True)
-class Delta:
-    """What a replica did to one shared counter since its last exchange, composed exactly:
-    the counter ``x`` becomes ``max(x + before, lift) + after`` (``lift`` -inf: none)."""
-
-    before: float = 0.0
-    lift: float = -math.inf
-    after: float = 0.0
-
-    def add(self, amount: float) -> None:
-        self.after += amount
-
-    def lift_to(self, floor: float) -> None:
-        # max(max(x + b, f) + a, g) = max(x + b + a, f + a, g)
-        self.before += self.after
-        self.lift = max(self.lift + self.after, floor)
-        self.after = 0.0
-
-    def then(self, newer: Delta) -> Delta:
-        """This change followed by ``newer``."""
-        return Delta(self.before + self.after + newer.before,
-                     max(self.lift + self.after + newer.before, newer.lift), newer.after)
-
-    def apply(self, x: float) -> float:
-        return max(x + self.before, self.lift) + self.after
-
-
-@dataclass(slots=True, eq=False)
-class Waiter:
-    """One waiting request. ``cost_in``/``cost_out``: its prompt and reserved output tokens;
-    ``payload``: whatever the caller needs to wake it (a future)."""
-
-    flow: str
-    band: str
-    deadline: float
-    cost_in: float
-    cost_out: float
-    weight: float = 1.0
-    payload: Any = None
-    seq: int = field(default_factory=lambda: next(_seq))
-    queued: bool = False
-    tenant: str = ""  # set when queued: ``tenant_of(flow)``
-    sub: str = ""  # set when queued: its sub-flow (``flow``, or ``OVERFLOW``)
-
-    def key(self) -> tuple[float, int]:
-        return (self.deadline, self.seq)
 
 
 @dataclass(slots=True)

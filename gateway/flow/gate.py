@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.config.flow import FlowControl
-from gateway.flow.fair import BANDS, FairQueue, Mode, Waiter, engine_priority, tenant_of
+from gateway.flow.fair import FairQueue, Mode
 from gateway.flow.saturation import Thresholds, free_slots
+from gateway.flow.waiter import BANDS, Waiter, engine_priority, tenant_of
 from gateway.routing.endpoints import EndpointState
 
 BURST = 8  # requests a light tenant may be served ahead of the fair queue's head (headroom)

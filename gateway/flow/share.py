@@ -1,7 +1,7 @@
 """Fair-share counters shared by gateway replicas through Redis (active-active).
 
 Each replica orders its own queue by tenant counters that all replicas change: every
-``interval_s`` it sends what it did to each since the last exchange, a ``fair.Delta``
+``interval_s`` it sends what it did to each since the last exchange, a ``delta.Delta``
 (charges and corrections are added; a lift is a ``max``, never an addition, so a tenant that
 returns after this replica forgot it is lifted to the floor, not by it), and reads back the
 totals, in one round trip (a Lua script over one hash per model, which keeps the hash's keys
@@ -25,7 +25,7 @@ import logging
 import math
 
 from gateway.flow.control import FlowGates
-from gateway.flow.fair import Delta
+from gateway.flow.delta import Delta
 from gateway.redis_clients import Executor
 
 log = logging.getLogger("tokengate.flow")

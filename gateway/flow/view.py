@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from gateway.flow.control import FlowGates
-from gateway.flow.fair import tenant_of
 from gateway.flow.share import CounterShare
+from gateway.flow.waiter import tenant_of
 
 LIMIT = 50
 

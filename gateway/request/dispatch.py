@@ -23,7 +23,7 @@ from gateway import clock
 from gateway.config.flow import FlowControl
 from gateway.config.policy import Model
 from gateway.flow.control import ModelGate, Pass
-from gateway.flow.fair import engine_priority
+from gateway.flow.waiter import engine_priority
 from gateway.quota import ledger as quota
 from gateway.request import admission, disagg, slo
 from gateway.request.attempt import Attempt, Sent, attempt_on, retry
