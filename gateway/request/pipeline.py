@@ -92,11 +92,13 @@ def sees_endpoints(headers: Headers, state: GatewayState) -> bool:
     ``x-tokengate-admin-key``."""
     if state.view.policy.settings.expose_endpoints:
         return True
-    key = headers.get("x-tokengate-admin-key")
     digest = state.view.admin_digest
-    if not key or digest is None:
-        return False
-    got = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    return digest is not None and key_matches(headers.get("x-tokengate-admin-key"), digest)
+
+
+def key_matches(key: str | None, digest: str) -> bool:
+    """Is ``key`` the one whose SHA-256 is ``digest`` (compared in constant time)?"""
+    got = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest() if key else ""
     return hmac.compare_digest(got, digest)
 
 
