@@ -28,7 +28,7 @@ import aiohttp
 import yaml
 
 from benchmarks.common import write
-from benchmarks.proxy import body, cpu_seconds, percentiles_ms, stop_all
+from benchmarks.proxy import body, cpu_seconds, echo_and_redis, percentiles_ms, stop_all
 from loadtests.client import wait_for
 from protocol.loopback import free_port
 
@@ -101,12 +101,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/fairness-ids")
     ns = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tokengate-ids-"))
-    up, gw, rport = free_port(), free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
-                               str(up), "--chunks", "8"]),
-             subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
-                               "--appendonly", "no", "--bind", "127.0.0.1"],
-                              stdout=subprocess.DEVNULL)]
+    procs, up, rport = echo_and_redis()
+    gw = free_port()
     (work / "policy.yaml").write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1")))
     time.sleep(0.5)
     redis_url = f"redis://127.0.0.1:{rport}/0"

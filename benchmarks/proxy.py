@@ -168,6 +168,18 @@ def start_echo_upstreams(n: int, logs: Path | None = None
     return procs, urls
 
 
+def echo_and_redis() -> tuple[list[subprocess.Popen[bytes]], int, int]:
+    """An echo upstream (8 chunks per answer) and a redis-server of its own, on free loopback
+    ports: the processes, the upstream's port and Redis's."""
+    up, rport = free_port(), free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
+                               str(up), "--chunks", "8"]),
+             subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
+                               "--appendonly", "no", "--bind", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL)]
+    return procs, up, rport
+
+
 def stop_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
     """SIGTERM to every process, then wait for each (killed after ``timeout_s``)."""
     for p in procs:

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from benchmarks.common import write
-from benchmarks.proxy import interleaved, percentiles_ms, stop_all
+from benchmarks.proxy import echo_and_redis, interleaved, percentiles_ms, stop_all
 from loadtests.client import wait_for
 from protocol.loopback import free_port
 
@@ -49,12 +49,8 @@ def policy(upstream: str, lease: float) -> dict[str, Any]:
 
 
 def start(workdir: Path, lease: float) -> tuple[list[subprocess.Popen[bytes]], str]:
-    up, gw, rport = free_port(), free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
-                               str(up), "--chunks", "8"]),
-             subprocess.Popen(["redis-server", "--port", str(rport), "--save", "",
-                               "--appendonly", "no", "--bind", "127.0.0.1"],
-                              stdout=subprocess.DEVNULL)]
+    procs, up, rport = echo_and_redis()
+    gw = free_port()
     path = workdir / "policy.yaml"
     path.write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1", lease)))
     time.sleep(0.5)
