@@ -16,6 +16,8 @@ from backend.config import BackendConfig
 from backend.engine_config import EngineConfig
 from backend.process import serve
 from backend.state import BackendState
+from gateway.routing.endpoints import EndpointState
+from gateway.routing.fleet import Fleet
 from protocol.tokenizer import Tokenizer
 
 
@@ -55,6 +57,21 @@ def wait_healthy(url: str, timeout: float = 30.0) -> None:
             pass
         time.sleep(0.01)
     raise AssertionError(f"{url} did not become healthy")
+
+
+def scrape_once(url: str) -> tuple[bool, EndpointState]:
+    """One scrape of the engine at ``url`` (an OpenAI base URL) by a fresh fleet, as the
+    gateway's: whether it read metrics, and the endpoint's state after it."""
+    fleet = Fleet()
+    ep = fleet.endpoint(url, None, "both", None)
+
+    async def scrape() -> bool:
+        try:
+            return await fleet.scrape(ep)
+        finally:
+            await fleet.close()
+
+    return asyncio.run(scrape()), ep
 
 
 def start_backend(tokenizer: Tokenizer, *, wait_ready: bool = True,

@@ -5,16 +5,14 @@ gateway's scrape reading what it needs from it: ``/v1/models`` answered a 500 wh
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import wait_healthy
+from conftest import scrape_once, wait_healthy
 
-from gateway.routing.fleet import Fleet
 from protocol.loopback import free_port
 
 
@@ -56,14 +54,5 @@ def test_every_route_answers_under_the_served_name(served: str) -> None:
 
 
 def test_the_gateways_scrape_reads_the_context_length(served: str) -> None:
-    fleet = Fleet()
-    ep = fleet.endpoint(f"{served}/v1", None, "both", None)
-
-    async def scrape() -> bool:
-        try:
-            return await fleet.scrape(ep)
-        finally:
-            await fleet.close()
-
-    assert asyncio.run(scrape())
-    assert ep.engine.max_model_len == 4096
+    read, ep = scrape_once(f"{served}/v1")
+    assert read and ep.engine.max_model_len == 4096

@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from conftest import scrape_once
 
 from gateway.config.policy import parse_policy
 from gateway.counting.tokenize import TokenCounter
@@ -463,16 +464,8 @@ def test_parse_vllm_metrics(backend_factory: Any) -> None:
     assert m["block_size"] == 16 and m["num_gpu_blocks"] > 1000
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     assert "vllm:prefix_cache_queries" in m
-    fleet = Fleet()
-    ep = fleet.endpoint(f"{b.url}/v1", None, "both", None)
-
-    async def scrape() -> bool:
-        try:
-            return await fleet.scrape(ep)
-        finally:
-            await fleet.close()
-
-    assert asyncio.run(scrape())
+    read, ep = scrape_once(f"{b.url}/v1")
+    assert read
     assert ep.engine.block_size == 16 and ep.engine.num_gpu_blocks == m["num_gpu_blocks"]
 
 
