@@ -58,6 +58,7 @@ class RequestContext:
     responses: Shape | None = None  # a Responses API request, served as this chat request
     inputs: tuple[int, ...] | None = None  # an embeddings request: each input's tokens
     embed_inputs: tuple[str | tuple[int, ...], ...] | None = None  # its inputs, to count
+    chars: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> _text_chars
     on_end: list[Callable[[], None]] = field(default_factory=list)  # run once it has ended
     sees_endpoints: bool = False  # its answer may name the engines (``pipeline``)
 
@@ -152,19 +153,24 @@ class RequestContext:
         """Characters of text the request surely has tokenized on ``m``, in all and in its
         longest embeddings input: under a model's own template the messages other than the
         assistant's (a template may drop an earlier turn's reasoning), else every message's
-        content and name; a prompt's text; embeddings inputs."""
-        counter = self.view.counters[m.name]
+        content and name; a prompt's text; embeddings inputs. Read once per model (the
+        bound, then the count, ask)."""
+        known = self.chars.get(m.name)
+        if known is not None:
+            return known
         g = self.parsed
         if self.embed_inputs is not None:
             sizes = [len(x) for x in self.embed_inputs if isinstance(x, str)] or [0]
-            return sum(sizes), max(sizes)
-        if g.kind == "chat":
-            templated = counter.template is not None
+            known = (sum(sizes), max(sizes))
+        elif g.kind == "chat":
+            templated = self.view.counters[m.name].template is not None
             n = sum(len(message_text(x)) + len(str(x.get("name") or ""))
                     for x in g.messages if not (templated and x.get("role") == "assistant"))
-            return n, n
-        n = len(g.prompt_text or "")
-        return n, n
+            known = (n, n)
+        else:
+            known = (len(g.prompt_text or ""), len(g.prompt_text or ""))
+        self.chars[m.name] = known
+        return known
 
     def floor_prompt(self, m: Model) -> int:
         """A lower bound on the prompt's tokens on ``m``, known without tokenizing it (token
