@@ -35,11 +35,11 @@ import asyncio
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from protocol.chat_template import (
     SENTINEL,
@@ -50,6 +50,7 @@ from protocol.chat_template import (
 )
 from protocol.tokenizer import Tokenizer
 
+T = TypeVar("T")
 OFFLOAD_CHARS = 4_096  # more text in a request than this is tokenized off the event loop
 MessageKey = tuple[int, int, int, int]
 
@@ -125,10 +126,11 @@ class TokenCounter:
             self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") \
                 if specials else None
 
-    @property
-    def executor(self) -> ThreadPoolExecutor | None:
-        """The worker pool long work goes to (None: everything on the caller's thread)."""
-        return self._executor
+    async def in_pool(self, offload: bool, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: in the worker pool when ``offload`` (and there is one), else here."""
+        if not offload or self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     @property
     def mode(self) -> str:
@@ -141,10 +143,8 @@ class TokenCounter:
         return chars // self.tokenizer.max_token_chars
 
     async def _encode(self, text: str, offload: bool = False) -> list[int]:
-        if self._executor is None or (not offload and len(text) < OFFLOAD_CHARS):
-            return self.tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.tokenizer.encode, text)
+        return await self.in_pool(offload or len(text) >= OFFLOAD_CHARS, self.tokenizer.encode,
+                                  text)
 
     @staticmethod
     def key(m: Mapping[str, Any]) -> MessageKey:
@@ -277,11 +277,8 @@ class TokenCounter:
 
     async def text_ids(self, prompt: str) -> list[int]:
         """A completion prompt's ids, as the engine encodes it."""
-        t = self.tokenizer
-        if len(prompt) < OFFLOAD_CHARS or self._executor is None:
-            return t.encode_prompt(prompt)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, t.encode_prompt, prompt)
+        return await self.in_pool(len(prompt) >= OFFLOAD_CHARS, self.tokenizer.encode_prompt,
+                                  prompt)
 
     async def inputs(self, texts: Sequence[str | Sequence[int]], offload: bool
                      ) -> tuple[list[int], tuple[int, ...]]:
@@ -292,6 +289,4 @@ class TokenCounter:
             each = [enc(x) if isinstance(x, str) else list(x) for x in texts]
             return [t for x in each for t in x], tuple(len(x) for x in each)
 
-        if not offload or self._executor is None:
-            return encode()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, encode)
+        return await self.in_pool(offload, encode)

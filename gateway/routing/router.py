@@ -10,7 +10,6 @@ records the chosen endpoints' blocks in the approximate index when the request i
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import random
@@ -136,23 +135,15 @@ class Router:
         if prompt_tokens < h.block_size:  # no full block: nothing any cache could hold
             return RequestInfo(prompt_tokens, expected_output, (), h.block_size, slo_ttft_ms,
                                slo_tpot_ms, priority)
-        pool = counter.executor
         hashes: Sequence[int]
         if chat is not None:
             job = h.resume(chat, salt)
-            if pool is not None and job.tokens >= HASH_OFFLOAD_TOKENS:
-                stable = await asyncio.get_running_loop().run_in_executor(pool, job.run)
-            else:
-                stable = job.run()
+            stable = await counter.in_pool(job.tokens >= HASH_OFFLOAD_TOKENS, job.run)
             hashes = h.finish(job, stable)
         else:
             ids = prompt_ids if prompt_ids is not None else await counter.text_ids(
                 prompt_text or "")
-            if pool is not None and len(ids) >= HASH_OFFLOAD_TOKENS:
-                hashes = await asyncio.get_running_loop().run_in_executor(
-                    pool, h.tokens, ids, salt)
-            else:
-                hashes = h.tokens(ids, salt)
+            hashes = await counter.in_pool(len(ids) >= HASH_OFFLOAD_TOKENS, h.tokens, ids, salt)
         return RequestInfo(prompt_tokens, expected_output, hashes, h.block_size, slo_ttft_ms,
                            slo_tpot_ms, priority)
 
