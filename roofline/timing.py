@@ -1,24 +1,31 @@
 """Roofline timing model of one continuous-batching step.
 
-A step runs the whole batch through the model once. Its duration is::
+A step runs the whole batch through the model once, in two kinds of kernel that run one after
+the other: the projections and MLP (GEMMs that stream the weights) and attention (which streams
+the KV cache). Each is priced by its own roofline, and the step is their sum::
 
-    max(FLOPs / (peak · MFU), bytes / (HBM bandwidth · efficiency))
+    max(GEMM FLOPs / (peak · MFU), weight bytes / (HBM bandwidth · efficiency))
+      + max(attention FLOPs / (peak · MFU), KV bytes / (HBM bandwidth · efficiency))
       + step overhead + per-sequence overhead · sequences + tensor-parallel all-reduces
 
-* FLOPs: ``2 · matmul_params`` per token processed (prefill chunk tokens and decode tokens),
-  ``2 · vocab · hidden`` per sampled token (logits are computed only where a token is sampled),
-  and causal attention ``4 · layers · heads · head_dim`` per (query, key) pair: a chunk of ``n``
-  new tokens after ``c`` cached ones has ``n·c + n(n+1)/2`` pairs.
-* Bytes: the weights once per step plus every scheduled sequence's KV cache (context read and
-  the new tokens' KV written).
+* GEMM FLOPs: ``2 · matmul_params`` per token processed (prefill chunk tokens and decode
+  tokens), ``2 · vocab · hidden`` per sampled token (logits are computed only where a token is
+  sampled). Attention FLOPs: causal ``4 · layers · heads · head_dim`` per (query, key) pair: a
+  chunk of ``n`` new tokens after ``c`` cached ones has ``n·c + n(n+1)/2`` pairs.
+* Bytes: the weights once per step (GEMMs); every scheduled sequence's KV cache, the context
+  read and the new tokens' KV written (attention).
 * Tensor parallelism divides FLOPs and bytes by the degree and adds two all-reduces per layer
   (latency plus the activations over the interconnect).
 * Multiplicative seeded jitter (log-normal, a few percent) models run-to-run noise.
 
-Why this shape: prefill is compute-bound and decode memory-bound on every GPU we model; the
-fixed per-step cost (scheduling, sampling, kernel launches) is what makes an H200 decode only
-~16% faster than an H100 at small batch instead of the 30% its bandwidth suggests, and the
-per-sequence cost reproduces the measured growth of step time with batch size.
+Why this shape: prefill is compute-bound and decode memory-bound on every GPU we model; a
+step that mixes them (a prefill chunk beside a decode batch) pays for its compute-bound GEMMs
+and its memory-bound decode attention in turn, which one roofline over the step's totals would
+hide (measured on an H200: a 512-token chunk beside 32 decodes at 2,048 tokens of context took
+18.6 ms of kernels, the totals' roofline says 14.2; see docs/calibration.md). The fixed per-step
+cost (scheduling, sampling, kernel launches) is what makes an H200 decode only ~16% faster than
+an H100 at small batch instead of the 30% its bandwidth suggests, and the per-sequence cost
+reproduces the measured growth of step time with batch size.
 """
 
 from __future__ import annotations
@@ -40,10 +47,11 @@ class StepCost:
     compute_s: float
     memory_s: float
     overhead_s: float
+    kernel_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.overhead_s
+        return self.kernel_s + self.overhead_s
 
 
 class TimingModel:
@@ -99,8 +107,12 @@ class TimingModel:
         and the simulator's decode runs price steps by the million)."""
         if seqs == 0:
             return 0.0
-        flops, nbytes, overhead = self._parts(tokens, pairs, kv_tokens, seqs, num_sampled)
-        return max(flops / self._compute_rate, nbytes / self._memory_rate) + overhead
+        gemm = self._flops_per_token * tokens + self._flops_per_sample * num_sampled
+        attn = self._attn_flops_per_pair * pairs
+        kv = self._kv_bytes_per_token * kv_tokens
+        rc, rm = self._compute_rate, self._memory_rate
+        return (max(gemm / rc, self._weight_bytes / rm) + max(attn / rc, kv / rm)
+                + self._overhead(tokens, seqs))
 
     def aggregate(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
                   num_sampled: int) -> StepCost:
@@ -108,27 +120,21 @@ class TimingModel:
         KV tokens read or written, sequences and tokens sampled (what ``cost`` sums)."""
         if seqs == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
-        flops, nbytes, overhead = self._parts(tokens, pairs, kv_tokens, seqs, num_sampled)
-        return StepCost(flops, nbytes, flops / self._compute_rate, nbytes / self._memory_rate,
-                        overhead)
+        gemm = self._flops_per_token * tokens + self._flops_per_sample * num_sampled
+        attn = self._attn_flops_per_pair * pairs
+        kv = self._kv_bytes_per_token * kv_tokens
+        rc, rm = self._compute_rate, self._memory_rate
+        flops = gemm + attn
+        nbytes = self._weight_bytes + kv
+        kernel = max(gemm / rc, self._weight_bytes / rm) + max(attn / rc, kv / rm)
+        return StepCost(flops, nbytes, flops / rc, nbytes / rm, self._overhead(tokens, seqs),
+                        kernel)
 
-    def _parts(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
-               num_sampled: int) -> tuple[float, float, float]:
-        """(FLOPs, bytes, fixed overhead seconds) of a step."""
-        flops = (
-            self._flops_per_token * tokens
-            + self._flops_per_sample * num_sampled
-            + self._attn_flops_per_pair * pairs
-        )
-        nbytes = self._weight_bytes + self._kv_bytes_per_token * kv_tokens
+    def _overhead(self, tokens: int, seqs: int) -> float:
+        """The engine's fixed costs around the kernels and the tensor-parallel all-reduces."""
         hw = self.hardware
-        overhead = (
-            hw.step_overhead_s
-            + hw.per_seq_overhead_s * seqs
-            + self._allreduce_fixed
-            + self._allreduce_per_token * tokens
-        )
-        return flops, nbytes, overhead
+        return (hw.step_overhead_s + hw.per_seq_overhead_s * seqs + self._allreduce_fixed
+                + self._allreduce_per_token * tokens)
 
     def step_seconds(self, work: Iterable[tuple[int, int]], num_sampled: int,
                      noise: Callable[[], float] | None = None) -> float:
