@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-stall bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-stall bench-path bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
 
 $(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,9 @@ bench-stall: install
 conformance: install
 	$(BIN)/pytest -p no:cacheprovider -q -rA conformance --epp $(EPP) \
 	  $(if $(POOL),--pool $(POOL)) $(if $(MODEL),--model $(MODEL)) $(if $(KEY),--key $(KEY))
+
+bench-path: install redis-server
+	PATH=$(CURDIR)/.venv/bin:$$PATH $(BIN)/python -m benchmarks.path $(ARGS)
 
 bench-peers: install redis-server
 	$(BIN)/python -m benchmarks.peers $(ARGS)

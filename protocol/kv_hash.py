@@ -34,6 +34,28 @@ def hash_block(parent: int, tokens: Sequence[int], extra: bytes = b"") -> BlockH
     return BlockHash(int.from_bytes(h.digest(), "little"))
 
 
+def chain_hashes(parent: int, data: bytes, block_bytes: int, first_extra: bytes = b""
+                 ) -> list[int]:
+    """``hash_block`` down a run of full blocks: ``data`` is their tokens as ``array("I")``
+    bytes, ``block_bytes`` one block's bytes, ``first_extra`` the first block's extra. The
+    same values as calling ``hash_block`` per block, in about half the time (one BLAKE2b call
+    per block over one concatenation, no per-block array copy)."""
+    out: list[int] = []
+    b2 = hashlib.blake2b
+    frombytes = int.from_bytes
+    plain = (0).to_bytes(2, "little")
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        if first_extra and not out:
+            head = len(first_extra).to_bytes(2, "little") + first_extra
+        else:
+            head = plain
+        parent = frombytes(b2(parent.to_bytes(8, "little") + head
+                              + data[start:start + block_bytes], digest_size=8).digest(),
+                           "little")
+        out.append(parent)
+    return out
+
+
 def extend_block_hashes(
     hashes: list[BlockHash],
     tokens: Sequence[int],
@@ -42,9 +64,12 @@ def extend_block_hashes(
     salt: str | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of every newly full block of ``tokens`` to ``hashes`` (in place)."""
+    have = len(hashes)
     full = len(tokens) // block_size
-    for i in range(len(hashes), full):
-        parent = hashes[i - 1] if i else root
-        extra = salt.encode() if (i == 0 and salt) else b""
-        hashes.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size], extra))
+    if full <= have:
+        return hashes
+    data = array("I", tokens[have * block_size:full * block_size]).tobytes()
+    extra = salt.encode() if (have == 0 and salt) else b""
+    hashes.extend(BlockHash(h) for h in chain_hashes(hashes[-1] if have else root, data,
+                                                     block_size * 4, extra))
     return hashes

@@ -147,3 +147,37 @@ def test_a_publisher_that_connects_reaches_a_bound_subscriber() -> None:
     finally:
         sub.close(0)
         ctx.term()
+
+
+def test_chained_hashes_are_hash_block_per_block_whatever_the_feed() -> None:
+    """The fast chain (one BLAKE2b call per block over bytes) names every block exactly as
+    ``hash_block`` does, salted first block included, and the router's incremental feed (a
+    prompt arriving in pieces that cut blocks anywhere) gives the same hashes as one pass."""
+    from array import array
+
+    from gateway.routing.prefix import block_hashes, extend_hashes
+    from protocol.kv_hash import chain_hashes, extend_block_hashes, hash_block, root_hash
+
+    toks = [(i * 7919) % 50_000 for i in range(16 * 9 + 5)]
+    root = root_hash("m")
+    for salt in ("", "tenant-a"):
+        expected: list[int] = []
+        parent = int(root)
+        for i in range(9):
+            parent = hash_block(parent, toks[i * 16:(i + 1) * 16],
+                                salt.encode() if i == 0 else b"")
+            expected.append(parent)
+        data = array("I", toks[:16 * 9]).tobytes()
+        assert chain_hashes(root, data, 64, salt.encode()) == expected
+        assert extend_block_hashes([], toks, 16, root, salt or None) == expected
+        assert block_hashes(toks, 16, root, salt or None) == expected
+        half = extend_block_hashes([], toks[:16 * 4 + 3], 16, root, salt or None)
+        assert extend_block_hashes(half, toks, 16, root, salt or None) == expected
+        hashes: array[int] = array("Q")
+        tail: array[int] = array("I")
+        done = 0
+        for cut in (5, 45, 46, 130, len(toks)):
+            extend_hashes(hashes, tail, toks[done:cut], 16, root, salt.encode())
+            done = cut
+        assert list(hashes) == expected
+        assert list(tail) == toks[16 * 9:]

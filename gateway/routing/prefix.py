@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gateway.counting.tokenize import ChatPrompt
-from protocol.kv_hash import BlockHash, hash_block, root_hash
+from protocol.kv_hash import BlockHash, chain_hashes, hash_block, root_hash
 
 
 def extend_hashes(hashes: array[int], tail: array[int], tokens: Iterable[int], block_size: int,
@@ -42,10 +42,10 @@ def extend_hashes(hashes: array[int], tail: array[int], tokens: Iterable[int], b
     full = len(tail) // block_size
     if not full:
         return
-    for i in range(full):
-        parent = hashes[-1] if len(hashes) else root
-        extra = salt if len(hashes) == 0 else b""
-        hashes.append(hash_block(parent, tail[i * block_size:(i + 1) * block_size], extra))
+    have = len(hashes)
+    hashes.extend(chain_hashes(hashes[-1] if have else root,
+                               tail[:full * block_size].tobytes(), block_size * 4,
+                               b"" if have else salt))
     del tail[:full * block_size]
 
 
