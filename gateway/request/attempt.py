@@ -7,7 +7,6 @@ alike), and continuing a stream on another endpoint when its own is drained
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,7 +44,6 @@ from gateway.state import GatewayState
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
-OUT_POLL_S = 0.25  # how often a request waiting for its first token checks its endpoint
 
 
 class Attempt:
@@ -210,25 +208,31 @@ async def send(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes
 
 
 async def until_taken_out(ep: EndpointState, work: Awaitable[T]) -> T:
-    """``work``, unless ``ep`` is taken out of rotation meanwhile (its scrapes or its probe
-    failed: a hung or dead engine): then ``work`` is cancelled and this raises TimeoutError,
-    a stall, retried on another endpoint."""
-    task = asyncio.ensure_future(work)
-    down = ep.health.down_until
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=OUT_POLL_S)
-            if done:
-                return task.result()
-            if ep.health.down_until != down and not ep.healthy(time.monotonic()):
-                log.warning("endpoint %s was taken out while a request waited for its first "
-                            "token: retrying elsewhere", ep.url)
-                raise TimeoutError
-    finally:
-        if not task.done():
+    """``work``, unless ``ep`` is taken out of rotation meanwhile (its scrapes, its probe or
+    other requests failed: a hung or dead engine): then ``work`` is cancelled and this raises
+    TimeoutError, a stall, retried on another endpoint. ``work`` runs in the caller's task;
+    the endpoint's trip cancels it (no task or timer of its own per request)."""
+    task = asyncio.current_task()
+    assert task is not None
+    tripped = False
+
+    def taken_out() -> None:
+        nonlocal tripped
+        if not tripped:
+            tripped = True
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+
+    ep.health.on_trip.add(taken_out)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if tripped and task.uncancel() == 0:
+            log.warning("endpoint %s was taken out while a request waited for its first "
+                        "token: retrying elsewhere", ep.url)
+            raise TimeoutError from None
+        raise
+    finally:
+        ep.health.on_trip.discard(taken_out)
 
 
 class ErrorEvent(Exception):

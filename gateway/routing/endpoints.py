@@ -205,9 +205,17 @@ class Health:
     answer_failures: int = 0  # of the consecutive failures, those that were 5xx answers
     served: int = 0
     failed: int = 0
+    # called when the endpoint trips (requests waiting on it for their first token)
+    on_trip: set[Callable[[], None]] = field(default_factory=set)
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until and now >= self.backoff_until
+
+    def trip(self, until: float) -> None:
+        """Out of rotation until ``until`` (monotonic); whoever waits on it is told."""
+        self.down_until = max(self.down_until, until)
+        for told in list(self.on_trip):
+            told()
 
     def count_failure(self, now: float, trip_after: int, cooldown_s: float, *,
                       transport: bool = True) -> None:
@@ -220,7 +228,7 @@ class Health:
         if not transport:
             self.answer_failures += 1
         if self.consecutive_failures >= trip_after:
-            self.down_until = now + cooldown_s
+            self.trip(now + cooldown_s)
 
     def reset_health(self) -> None:
         self.consecutive_failures = 0

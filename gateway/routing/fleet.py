@@ -262,7 +262,7 @@ class Fleet:
             pass
         self.probe_trips += 1
         e.health.consecutive_failures = max(e.health.consecutive_failures, self.trip_after)
-        e.health.down_until = max(e.health.down_until, time.monotonic() + self.cooldown_s)
+        e.health.trip(time.monotonic() + self.cooldown_s)
         log.warning("endpoint %s failed its health probe: out for %.0f s (back sooner if a "
                     "scrape succeeds)", e.url, self.cooldown_s)
 

@@ -237,12 +237,17 @@ class Router:
     def _stage(self, profile: Profile, req: RequestInfo, eps: list[EndpointState],
                cfg: PluginConfig, role: str | None = None
                ) -> tuple[Candidate, list[Candidate]]:
-        """The pick among ``eps``, and every candidate it was picked from."""
+        """The pick among ``eps``, and every candidate it was picked from. A lone candidate
+        with no SLO to meet is not predicted: nothing would read its figures but the
+        predictor's own learning and the first-token wait, which with nowhere else to go is
+        the route's ``first_token_s``."""
         cands = self._candidates(req, eps, role)
-        if profile.needs_prediction:
+        alone = (role is None and len(cands) == 1 and req.slo_ttft_ms is None
+                 and req.slo_tpot_ms is None)
+        if profile.needs_prediction and not alone:
             self._predict(req, cands, role)
         pick, _ = plugins.run(profile, req, cands, self.rng, cfg)
-        if not profile.needs_prediction:
+        if not profile.needs_prediction and not alone:
             self._predict(req, [pick], role)
         return pick, cands
 
