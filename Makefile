@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-stall bench-path bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-stall bench-path lean bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
 
 $(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ unit: install redis-server vllm
 test: install
 	$(MAKE) --no-print-directory -j2 checks vllm
 	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory lean
+
+# Each stage's CPU per request beside its budget (benchmarks/path-budget.json, multiples of the
+# direct path's in the same run): fails only on a gross regression (a stage over twice its
+# budget by more than 5 % of the request's CPU). Not a timed test: figures, printed.
+lean: install redis-server
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m benchmarks.path --seconds 2 --rounds 1 \
+	    --payloads tiny,tiny-stream,12k-warm --check benchmarks/path-budget.json
 
 checks: lint typecheck
 

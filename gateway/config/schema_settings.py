@@ -34,9 +34,13 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                              "`limiter_unavailable`."),
          "replicas": spec("integer > 0", 1, "How many gateway replicas share the limits: sizes "
                         "the local limiter that `fail_open` falls back to."),
-         "quota_lease": spec("number 0–0.5", 0.0, "Each replica leases this fraction of a large "
-                           "bucket from Redis and admits from it locally (fewer round trips, "
-                           "a bounded overshoot); 0 reserves every request in Redis."),
+         "quota_lease": spec("number 0–0.5", 0.0, "Each replica leases this fraction of a "
+                           "large bucket from Redis and admits from it locally: most requests "
+                           "cost no Redis round trip; admission never exceeds the limit, and "
+                           "what replicas hold unused (at most this fraction per bucket per "
+                           "replica, returned after 2 s idle) is the only under-admission. A "
+                           "bucket whose slice would not cover 4 requests is not leased. 0 "
+                           "reserves every request in Redis."),
          "progressive_charge_tokens": spec("integer > 0", 256, "A long stream is charged as it "
                                          "goes: every this many tokens…"),
          "progressive_charge_ms": spec("integer > 0", 1000, "…or every this many "
