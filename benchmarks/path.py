@@ -1,7 +1,7 @@
 """CPU per request of each stage of the request path (``make bench-path``).
 
     python -m benchmarks.path [--seconds 3] [--rounds 2] [--payloads tiny,12k-warm,...]
-        [--baseline TREE] [--clients 4] [--check FILE] [--out DIR]
+        [--baseline TREE] [--fronts serve,epp] [--clients 4] [--check FILE] [--out DIR]
 
 One ``tokengate serve`` (a real process) with every feature of the default policy on: the
 tenant's RPM/TPM buckets in a real Redis, token counting, the spend record (its log line on),
@@ -17,6 +17,8 @@ streamed and not), a load of ``--clients`` concurrent clients runs for ``--secon
   stage by its stack (``stage_of``); a stage's CPU per request is its share of the samples times
   the unobserved CPU per request.
 
+``--fronts serve,epp`` also runs ``tokengate epp`` behind Envoy (its ext_proc endpoint picker,
+``envoy-epp.yaml``) with the same policy: the EPP's stages, and Envoy's CPU beside them.
 ``--baseline TREE`` runs a second checkout (``git worktree add /tmp/old REV``) the same way,
 alternating with this one round by round: old and new side by side in one run. ``--check
 FILE`` compares each stage, as a ratio to the direct path, with the budget in FILE and exits 1
@@ -66,6 +68,9 @@ CONTEXT = (("gateway/request/settle.py", "settle"), ("gateway/spend/", "spend re
            ("gateway/request/aggregate.py", "rebuild"))
 # Otherwise the innermost frame of the gateway's own code that names a step.
 STEP = (("protocol/validate.py:load_json", "accept and parse"),
+        ("gateway/epp/pick.py", "route"), ("gateway/epp/feed.py", "relay"),
+        ("gateway/epp/", "accept and parse"), ("grpc/", "accept and parse"),
+        ("google/protobuf", "accept and parse"),
         ("gateway/request/upstream.py", "send"), ("aiohttp/client", "send"),
         ("aiohttp/connector", "send"), ("gateway/request/attempt.py", "send"),
         ("gateway/request/dispatch.py", "send"),
@@ -206,9 +211,12 @@ async def load(url: str, bodies: Bodies, seconds: float, clients: int) -> int:
 
 
 class Gateway:
-    """``tokengate serve`` from a source tree, with the default policy's features on."""
+    """``tokengate serve`` from a source tree, with the default policy's features on; or,
+    with ``front="epp"``, ``tokengate epp`` behind Envoy (its ext_proc endpoint picker): the
+    process measured is then the EPP, and Envoy's CPU is reported beside it."""
 
-    def __init__(self, tree: Path, work: Path, upstream: str, redis_port: int, tag: str) -> None:
+    def __init__(self, tree: Path, work: Path, upstream: str, redis_port: int, tag: str,
+                 front: str = "serve") -> None:
         policy = {
             "version": 1,
             "models": {"m": {"endpoints": [{"url": f"{upstream}/v1"}], "max_context": 131072}},
@@ -217,21 +225,45 @@ class Gateway:
                               "limits": {"rpm": 1e9, "tpm": 1e12}}},
             "routes": {"r": {"tenants": ["t"], "models": ["m"]}},
             "settings": {"flow_control": {"mode": "fair"}, "spend": {"log": True}}}
-        path = work / f"policy-{tag}.yaml"
+        path = work / f"policy-{tag}-{front}.yaml"
         path.write_text(yaml.safe_dump(policy))
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=str(tree))
-        self.log = open(work / f"gateway-{tag}.log", "wb")  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokengate", "serve", "--policy", str(path), "--port",
-             str(self.port), "--redis", f"redis://127.0.0.1:{redis_port}/0"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=tree)
+        self.log = open(work / f"{front}-{tag}.log", "wb")  # noqa: SIM115 - closed in stop
+        cmd = [sys.executable, "-m", "tokengate", front, "--policy", str(path), "--port",
+               str(self.port), "--redis", f"redis://127.0.0.1:{redis_port}/0"]
+        self.health = f"http://127.0.0.1:{self.port}/health"
+        if front == "epp":
+            http = free_port()
+            cmd += ["--http-port", str(http)]
+            self.health = f"http://127.0.0.1:{http}/health"
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=tree)
         self.url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
+        self.envoy: Any = None
+        if front == "epp":
+            from gateway.epp.envoy import Envoy, epp_front
+
+            listen, admin = free_port(), free_port()
+            self.envoy = Envoy(epp_front(admin_port=admin, listen_host="127.0.0.1",
+                                         listen_port=listen, epp_host="127.0.0.1",
+                                         epp_port=self.port,
+                                         endpoints=[upstream.split("//", 1)[1]]), admin,
+                               work / f"envoy-{tag}.log")
+            self.url = f"http://127.0.0.1:{listen}/v1/chat/completions"
 
     async def ready(self) -> None:
-        await wait_for(f"http://127.0.0.1:{self.port}/health")
+        await wait_for(self.health)
+        if self.envoy is not None:
+            await asyncio.to_thread(self.envoy.start)
+
+    def beside_pid(self) -> int | None:
+        """Envoy's process, whose CPU is reported beside the EPP's."""
+        return self.envoy.proc.pid if self.envoy is not None else None
 
     def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
@@ -250,9 +282,12 @@ async def measure(gw: Gateway, upstream_pid: int, p: Payload, seconds: float, cl
     """One payload on one gateway: the unobserved window, then the sampled one."""
     bodies = Bodies(p)
     await load(gw.url, bodies, min(1.0, seconds), clients)  # warm-up (and caches, if warm)
+    beside = gw.beside_pid()
     g0, u0 = cpu_seconds(gw.proc.pid), cpu_seconds(upstream_pid)
+    e0 = cpu_seconds(beside) if beside else 0.0
     n = await load(gw.url, bodies, seconds, clients)
     g1, u1 = cpu_seconds(gw.proc.pid), cpu_seconds(upstream_pid)
+    e1 = cpu_seconds(beside) if beside else 0.0
     out = work / "profile.txt"
     spy = _spy(gw.proc.pid, max(1, round(seconds)), out)
     await asyncio.sleep(0.3)
@@ -266,7 +301,8 @@ async def measure(gw: Gateway, upstream_pid: int, p: Payload, seconds: float, cl
     per = (g1 - g0) / max(n, 1) * 1e6
     direct = (u1 - u0) / max(n, 1) * 1e6
     return {"requests": n, "cpu_us": per, "direct_us": direct, "samples": samples,
-            "stages_us": {s: share.get(s, 0.0) * per for s in STAGES}}
+            "stages_us": {s: share.get(s, 0.0) * per for s in STAGES},
+            "envoy_us": (e1 - e0) / max(n, 1) * 1e6 if beside else None}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -274,7 +310,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     procs, up_port, redis_port = echo_and_redis()
     upstream = f"http://127.0.0.1:{up_port}"
     trees: dict[str, Path] = args.trees
-    gws = {tag: Gateway(tree, work, upstream, redis_port, tag) for tag, tree in trees.items()}
+    gws = {f"{tag}" if front == "serve" else f"{tag} {front}":
+           Gateway(tree, work, upstream, redis_port, tag, front)
+           for tag, tree in trees.items() for front in args.fronts}
     result: dict[str, Any] = {"when": common.when(), "seconds": args.seconds,
                               "clients": args.clients, "rounds": []}
     try:
@@ -324,6 +362,9 @@ def table(result: dict[str, Any]) -> str:
                                                for n, t in cols) + " |")
     lines.append("| direct path (echo upstream) | " + " | ".join(
         f"{med(n, t, 'direct_us'):,.0f}" for n, t in cols) + " |")
+    if any(" epp" in t for _, t in cols):
+        lines.append("| Envoy beside the EPP | " + " | ".join(
+            f"{med(n, t, 'envoy_us'):,.0f}" if " epp" in t else "" for n, t in cols) + " |")
     return "\n".join(lines)
 
 
@@ -362,10 +403,12 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--payloads", default=",".join(PAYLOADS))
     p.add_argument("--baseline", default=None, help="another source tree, run alternately")
+    p.add_argument("--fronts", default="serve", help="serve, epp (behind Envoy), or both")
     p.add_argument("--check", default=None, help="a budget file: exit 1 on a gross regression")
     p.add_argument("--write-budget", default=None)
     args = p.parse_args()
     args.payloads = [x for x in args.payloads.split(",") if x]
+    args.fronts = [x for x in args.fronts.split(",") if x]
     args.trees = {"new": Path.cwd()}
     if args.baseline:
         args.trees = {"old": Path(args.baseline).resolve(), "new": Path.cwd()}
