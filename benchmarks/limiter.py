@@ -58,8 +58,7 @@ def start(a: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]], int, in
               "tenants": {"t": {"keys": [{"sha256": hashlib.sha256(KEY.encode()).hexdigest()}],
                                 "limits": {"tpm": a.tpm}}},
               "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
-    if a.lease:
-        policy["settings"] = {"quota_lease": a.lease}
+    policy["settings"] = {"quota_lease": a.lease}
     (work / "p.yaml").write_text(yaml.safe_dump(policy))
     time.sleep(0.5)
     ports = [free_port() for _ in range(a.gateways)]
@@ -119,8 +118,9 @@ def main() -> None:
     p.add_argument("--overload", type=float, default=5.0)
     p.add_argument("--prompt", type=int, default=92)
     p.add_argument("--output", type=int, default=8)
-    p.add_argument("--lease", type=float, default=0.0,
-                   help="settings.quota_lease: each gateway leases this fraction of the bucket")
+    p.add_argument("--lease", type=float, default=0.05,
+                   help="settings.quota_lease: each gateway leases this fraction of the bucket "
+                   "(the default policy's; 0: every request reserved in Redis)")
     a = p.parse_args()
     procs, up, rport, ports = start(a)
     try:

@@ -122,7 +122,7 @@ class Stack:
                   "models": {"m": {"endpoints": [{"url": f"{u}/v1"} for u in ups],
                                    "routing": {"strategy": strategy}}},
                   "tenants": {"t": tenant}, "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
-        if redis and self.lease:
+        if redis:
             policy["settings"] = {"quota_lease": self.lease}
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(policy))
@@ -246,8 +246,9 @@ def main() -> None:
     common.rounds(p, clients="16,64")
     p.add_argument("--litellm", action="store_true", help="also LiteLLM's proxy (slow)")
     p.add_argument("--workers", type=int, default=1, help="tokengate serve --workers")
-    p.add_argument("--quota-lease", type=float, default=0.0,
-                   help="settings.quota_lease of the configurations with quotas")
+    p.add_argument("--quota-lease", type=float, default=0.05,
+                   help="settings.quota_lease of the configurations with quotas (the "
+                   "default policy's; 0: every request reserved in Redis)")
     p.add_argument("--only", help="comma-separated proxies to run (default: all)")
     p.add_argument("--strace", action="store_true",
                    help="then count each proxy's system calls per request (strace -c -f)")

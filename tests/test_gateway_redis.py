@@ -79,6 +79,9 @@ def test_redis_killed_and_restarted_under_load(mode: str, backend_factory: Facto
     redis = RedisServer(tmp_path / "redis")
     doc = policy(f"{b.url}/v1", mode)
     doc["tenants"]["t"]["limits"] = {"rpm": 100_000, "tpm": 10_000_000}  # type: ignore[index]
+    # every request reserved in Redis (no lease: a lease keeps admitting through an outage,
+    # tests/test_quota_leases.py)
+    doc.setdefault("settings", {})["quota_lease"] = 0  # type: ignore[index]
     gw = start_gateway(write_policy(tmp_path / "p.yaml", doc), redis_url=redis.url)
     statuses: list[int] = []
     stop = threading.Event()
@@ -127,11 +130,12 @@ def test_redis_killed_and_restarted_under_load(mode: str, backend_factory: Facto
 
 def test_no_tokengate_key_outlives_its_bound(backend_factory: Factory, tmp_path: Path) -> None:
     """Idempotency markers live as long as a settlement can take (the route's hold + queue +
-    total timeouts + 60 s), one per request however many steps it settled in; a bucket lives
-    its own period plus tolerance."""
+    total timeouts + 60 s), one per request however many steps it settled in (a quota
+    lease's, one per renewal, the default reservation life: it goes back within half of it);
+    a bucket lives its own period plus tolerance."""
     import redis as redis_py
 
-    from gateway.quota.limiter.store import SETTLE_MARGIN_S
+    from gateway.quota.limiter.store import DEFAULT_LIFE_S, SETTLE_MARGIN_S
 
     b = backend_factory(served_model_name="llama-3-8b", time_scale=0.01)
     server = RedisServer(tmp_path / "redis")
@@ -158,7 +162,7 @@ def test_no_tokengate_key_outlives_its_bound(backend_factory: Factory, tmp_path:
         markers = [k for k in keys if ":s:" in k]
         assert 0 < len(markers) <= n  # at most one per request, however many steps
         for k in markers:
-            assert 0 < r.pttl(k) <= bound_ms, k
+            assert 0 < r.pttl(k) <= (DEFAULT_LIFE_S * 1000 if ":s:lease-" in k else bound_ms), k
         for k in set(keys) - set(markers):  # buckets: period + tolerance (a minute each) + 1 s
             assert 0 < r.pttl(k) <= 121_000, k
         r.close()

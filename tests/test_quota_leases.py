@@ -103,6 +103,34 @@ async def test_settlement_is_local_exactly_once_and_an_overrun_reaches_the_bucke
     await store.close()
 
 
+async def test_a_busy_lease_goes_back_before_its_reservation_is_forgotten(
+        redis_server: RedisServer) -> None:
+    """A lease in steady use is never idle, but its returns and overruns are settled against
+    the reservation it was taken as, which the shared store remembers for that reservation's
+    life only: past half of it the lease goes back whole and the next request renews it."""
+    scope = _scope()
+    limit = Limit("tokens", 100_000, HOUR, 100_000)
+    now = [0.0]
+    store = LeasedStore(RedisStore.from_url(redis_server.url), 0.01, clock=lambda: now[0])
+    key = (scope, "tokens")
+    d = await store.reserve([Charge(scope, limit, 10.0)], _rid())
+    assert d.allowed and d.reservation is not None
+    first = store.leases[key].held
+    assert first is not None
+    for t in (1.0, 1.5):  # in use: not idle, and young
+        now[0] = t
+        assert (await store.reserve([Charge(scope, limit, 10.0)], _rid())).allowed
+        assert await store.give_back(idle_only=True) == 0.0
+    now[0] = first.life_s / 2 + 1.0
+    assert (await store.reserve([Charge(scope, limit, 10.0)], _rid())).allowed  # still in use
+    assert await store.give_back(idle_only=True) == pytest.approx(1_000.0 - 40.0)
+    assert await _remaining(redis_server.url, scope, limit) == pytest.approx(
+        100_000 - 40.0, abs=5.0)
+    assert (await store.reserve([Charge(scope, limit, 10.0)], _rid())).allowed
+    assert store.leases[key].held is not first  # renewed as a new reservation
+    await store.close()
+
+
 async def test_small_limits_reserve_per_request_on_the_shared_bucket(
         redis_server: RedisServer) -> None:
     scope = _scope()

@@ -153,8 +153,10 @@ def test_failover_while_redis_is_away_is_a_503_and_the_primary_is_refunded(
         return [1.5, json_response(503, {"error": {"message": "busy"}})]
 
     primary, fallback = RawUpstream(slow_503).start(), RawUpstream(slow_503).start()
+    # every request reserved in Redis (no lease: the refund is read there)
     doc = {"version": 1,
-           "settings": {"redis_failure": "fail_closed", "retries": {"max_attempts": 1}},
+           "settings": {"redis_failure": "fail_closed", "retries": {"max_attempts": 1},
+                        "quota_lease": 0},
            "models": {"m": {"endpoints": [{"url": primary.url}], "upstream_model": "up",
                             "fallback": ["f"], "default_max_tokens": 16},
                       "f": {"endpoints": [{"url": fallback.url}], "upstream_model": "up",

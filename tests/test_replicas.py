@@ -82,7 +82,9 @@ def test_gateway_on_a_redis_cluster_survives_a_master(mode: str, backend_factory
                                                       tmp_path: Path) -> None:
     be = backend_factory(served_model_name="m", time_scale=0.01)
     cluster = RedisCluster(tmp_path / "cluster")
-    doc = policy([f"{be.url}/v1"], settings={"redis_failure": mode})
+    # every request reserved in Redis (no lease): what a lost master does to that path; a
+    # lease keeps admitting through an outage (tests/test_quota_leases.py)
+    doc = policy([f"{be.url}/v1"], settings={"redis_failure": mode, "quota_lease": 0})
     doc["tenants"]["t"]["limits"] = {"rpm": 1000}
     gw = start_gateway(write_policy(tmp_path / "p.yaml", doc),
                        redis_url=cluster.url)

@@ -34,7 +34,7 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                              "`limiter_unavailable`."),
          "replicas": spec("integer > 0", 1, "How many gateway replicas share the limits: sizes "
                         "the local limiter that `fail_open` falls back to."),
-         "quota_lease": spec("number 0–0.5", 0.0, "Each replica leases this fraction of a "
+         "quota_lease": spec("number 0–0.5", 0.05, "Each replica leases this fraction of a "
                            "large bucket from Redis and admits from it locally: most requests "
                            "cost no Redis round trip; admission never exceeds the limit, and "
                            "what replicas hold unused (at most this fraction per bucket per "

@@ -60,6 +60,7 @@ class Lease:
     shared_remaining: float = 0.0  # the shared bucket's remaining at the last renewal
     reset_s: float = 0.0
     used_at: float = 0.0
+    held_at: float = 0.0  # when ``held`` was taken: returns and overruns go to it
 
 
 @dataclass(slots=True)
@@ -217,6 +218,7 @@ class LeasedStore:
             lease = self.leases.setdefault(a.key, Lease())
             lease.balance += a.cost
             lease.held = d.reservation
+            lease.held_at = self._clock()
             s = by_key.get(a.key)
             if s is not None:
                 lease.shared_remaining, lease.reset_s = s.remaining, s.reset_s
@@ -267,14 +269,18 @@ class LeasedStore:
                 await self.give_back(idle_only=True)
 
     async def give_back(self, idle_only: bool = False) -> float:
-        """Return leased units to the shared buckets (those idle for ``idle_s``, or all)."""
+        """Return leased units to the shared buckets (those idle for ``idle_s``, or all). A
+        lease held for half its reservation's life goes back too, busy or not (the next
+        request renews it): returns and overruns must reach the shared store while the
+        reservation they are settled against is still remembered there."""
         now = self._clock()
         back = 0.0
         # a snapshot: a renewal awaited meanwhile may add leases
         for key, lease in list(self.leases.items()):
             if lease.balance <= 0 or lease.held is None:
                 continue
-            if idle_only and now - lease.used_at < self.idle_s:
+            old = now - lease.held_at >= lease.held.life_s / 2
+            if idle_only and now - lease.used_at < self.idle_s and not old:
                 continue
             units, lease.balance = lease.balance, 0.0
             try:
