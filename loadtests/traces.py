@@ -24,6 +24,7 @@ class TraceRequest:
     t: float
     input_tokens: int
     output_tokens: int
+    model: str | None = None  # a ``model`` column, where the trace has one (many models)
 
 
 def _parse_ts(raw: str) -> datetime:
@@ -67,7 +68,7 @@ def load_azure(path: str | Path, *, window_s: float | None = None,
             t = (ts - t0).total_seconds()
             if window_s is not None and t > window_s:
                 break
-            out.append(TraceRequest(t, max(ctx, 1), max(gen, 1)))
+            out.append(TraceRequest(t, max(ctx, 1), max(gen, 1), row.get("model") or None))
             if limit is not None and len(out) >= limit:
                 break
     return out

@@ -53,8 +53,10 @@ def add_pooling_args(p: argparse.ArgumentParser) -> None:
                    "batch drains), token (switch between steps)")
     g.add_argument("--longtail", type=int, metavar="N",
                    help="a generated workload of N models (Zipf popularity, bursty Azure "
-                   "arrivals) at --rate for --duration; or a --trace JSONL naming a model per "
-                   "row")
+                   "arrivals) at --rate for --duration; or a --trace naming a model per row: "
+                   "Mooncake JSONL (timestamp in ms, input_length, output_length), JSONL of t, "
+                   "input_tokens, output_tokens, or an Azure LLM CSV; with a `model` field "
+                   "(rows without one are the --model/--backend-model)")
     g.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of --longtail")
     g.add_argument("--models-per-gpu", type=int, default=8,
                    help="models an instance hosts ready to switch in (its host memory)")
@@ -188,15 +190,19 @@ def _plan_pooled(ns: argparse.Namespace) -> int:
     from simulator import pooled_run
 
     try:
-        doc = pooled_run.plan(ns, log=lambda t: print(
-            f"  {t['instances']} instance(s): attainment {t['attainment']:.1%}, "
-            f"{t['switches']} switches", flush=True))
+        doc = pooled_run.plan(ns, log=lambda mode, t: print(
+            f"  {mode:9} {t['instances']} instance(s): "
+            + (f"stopped early (attainment at most {t['attainment']:.1%})"
+               if t["stopped_early"] else f"attainment {t['attainment']:.1%}")
+            + f", {t['switches']} switches", flush=True))
     except (ValueError, OSError, ProfileError) as exc:
         print(f"tokengate plan: {exc}", file=sys.stderr)
         return 2
-    path = pooled_run.write(Path(ns.out), "plan.json", doc)
-    rec = doc["recommended_gpus"]
+    path = pooled_run.write_plan(Path(ns.out), doc)
+    rec, bound = doc["recommended_gpus"], doc["bound_gpus"]
     print(f"recommended: {rec} GPUs ({ns.pooling} pooling)" if rec is not None
           else f"no fleet of up to {ns.max_gpus} instances met the target")
-    print(f"plan: {path}")
+    print(f"perfect-foresight bound: {bound} GPUs" if bound is not None
+          else "perfect-foresight bound: not reached within the sizes tried")
+    print(f"plan: {path} (table: {path.parent / 'plan.md'})")
     return 0

@@ -101,17 +101,38 @@ def longtail(models: int, rate: float, duration_s: float, *, zipf_s: float = 1.0
     return out
 
 
+def from_trace(path: str | Path, default: str) -> list[ModelRequest]:
+    """A trace naming a model per row: an Azure LLM CSV (with a ``model`` column) or a JSONL
+    (``from_jsonl``), by extension."""
+    if Path(path).suffix.lower() != ".csv":
+        return from_jsonl(path, default)
+    out = [ModelRequest(k, r.model or default, r.t, r.input_tokens, r.output_tokens)
+           for k, r in enumerate(load_azure(path))]
+    if not out:
+        raise ValueError(f"{path}: no rows")
+    return out
+
+
 def from_jsonl(path: str | Path, default: str) -> list[ModelRequest]:
+    """A trace naming a model per row (``default`` where a row names none), in either form:
+    ``t`` (seconds), ``input_tokens``, ``output_tokens``; or Mooncake's, ``timestamp`` (ms),
+    ``input_length``, ``output_length`` (its other fields, such as ``hash_ids``, ignored)."""
     out: list[ModelRequest] = []
     for line_no, row in jsonl_rows(path):
         try:
-            t = float(row.get("t", row.get("timestamp", 0.0)))
-            n_in = int(row["input_tokens"])
-            n_out = int(row["output_tokens"])
+            if "input_length" in row:  # Mooncake
+                t = float(row["timestamp"]) / 1000.0
+                n_in = int(row["input_length"])
+                n_out = int(row["output_length"])
+            else:
+                t = float(row.get("t", row.get("timestamp", 0.0)))
+                n_in = int(row["input_tokens"])
+                n_out = int(row["output_tokens"])
             model = str(row.get("model") or default)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path}:{line_no}: expected t, model, input_tokens, "
-                             f"output_tokens ({exc})") from None
+            raise ValueError(f"{path}:{line_no}: expected t, input_tokens, output_tokens (or "
+                             f"Mooncake's timestamp in ms, input_length, output_length) and "
+                             f"optionally model ({exc})") from None
         if n_in <= 0 or n_out <= 0:
             raise ValueError(f"{path}:{line_no}: token counts must be positive")
         out.append(ModelRequest(0, model, t, n_in, n_out))

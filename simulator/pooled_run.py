@@ -2,20 +2,23 @@
 fleet (``simulator.multimodel``), from a generated long tail or a JSONL trace naming a model
 per row. ``simulate`` writes ``report.json`` (the fleet's figures and one row per model);
 ``plan`` writes ``plan.json`` with ``recommended_gpus``, the fewest GPUs whose SLO attainment
-reaches ``--target-goodput``, and every layout it tried."""
+reaches ``--target-goodput``, ``bound_gpus``, the fewest with perfect foresight (every switch
+prefetched, so free, with ``token`` scheduling: no mode can need fewer), every size it tried,
+and ``plan.md`` with their table and ``plan.png``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from roofline.profiles import ProfileCatalog
 from roofline.switching import SwitchCost
-from simulator.longtail import ModelRequest, from_jsonl, longtail
+from simulator.longtail import ModelRequest, from_trace, longtail
 from simulator.multimodel import FleetConfig, FleetResult, fewest_gpus, run_fleet
 
 
@@ -27,7 +30,7 @@ def workload(ns: argparse.Namespace, model: str) -> list[ModelRequest]:
             raise ValueError("--longtail needs --duration (seconds of arrivals)")
         return longtail(ns.longtail, ns.rate, ns.duration, zipf_s=ns.zipf, seed=ns.seed,
                         max_input=ns.max_input or 8192)
-    reqs = from_jsonl(ns.trace, model)
+    reqs = from_trace(ns.trace, model)
     if ns.requests:
         reqs = reqs[:ns.requests]
     return reqs
@@ -75,10 +78,17 @@ def simulate(ns: argparse.Namespace) -> dict[str, Any]:
     return rep
 
 
-def plan(ns: argparse.Namespace, log: Any = None) -> dict[str, Any]:
+def plan(ns: argparse.Namespace,
+         log: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The fewest GPUs for ``--pooling`` and, beside it, the perfect-foresight bound on the
+    same requests; ``log(mode, trial)`` hears of each trial as it ends."""
     reqs = workload(ns, ns.model)
     base = fleet_config(ns, ns.model, ns.hardware, 1)
-    best, trials = fewest_gpus(reqs, base, ns.target_goodput, ns.max_gpus, log)
+    best, trials = fewest_gpus(reqs, base, ns.target_goodput, ns.max_gpus,
+                               None if log is None else lambda t: log(ns.pooling, t))
+    free = dataclasses.replace(base, mode="token", switch=SwitchCost(prefetched=True))
+    bound, bound_trials = fewest_gpus(reqs, free, ns.target_goodput, best or ns.max_gpus,
+                                      None if log is None else lambda t: log("bound", t))
     tp = max(base.profile.tensor_parallel, 1)
     return {"pooling": ns.pooling, "model": ns.model, "hardware": ns.hardware,
             "models": len({r.model for r in reqs}), "requests": len(reqs),
@@ -86,7 +96,79 @@ def plan(ns: argparse.Namespace, log: Any = None) -> dict[str, Any]:
             "slo": {"ttft_ms": base.ttft_slo_s * 1e3, "tpot_ms": base.tpot_slo_s * 1e3},
             "recommended_gpus": None if best is None else best * tp,
             "recommended_instances": best,
-            "trials": sorted(trials, key=lambda t: t["instances"])}
+            "bound_gpus": None if bound is None else bound * tp,
+            "trials": sorted(trials, key=lambda t: t["instances"]),
+            "bound_trials": sorted(bound_trials, key=lambda t: t["instances"])}
+
+
+def attainment_text(t: dict[str, Any]) -> str:
+    """A trial's attainment as it may be read: a trial stopped once too many requests had
+    missed the SLO did not finish, and says so (what it could at most have reached)."""
+    if t["stopped_early"]:
+        return f"stopped early (at most {t['attainment']:.1%})"
+    return f"{t['attainment']:.1%}"
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v:,.0f}"
+
+
+def plan_markdown(doc: dict[str, Any]) -> str:
+    mode, rec, bound = doc["pooling"], doc["recommended_gpus"], doc["bound_gpus"]
+    slo = doc["slo"]
+    verdict = (f"Recommended: **{rec} GPU(s)** with `{mode}` pooling." if rec is not None
+               else f"No fleet tried reached {doc['target_goodput']:.0%} with `{mode}` "
+               "pooling.")
+    if bound is not None:
+        verdict += f" Perfect-foresight bound: **{bound} GPU(s)**"
+        verdict += f" ({rec / bound:.2f}× the bound)." if rec else "."
+    rows = ["| mode | instances | GPUs | attainment | TTFT p50 / p99 (ms) | TPOT p50 (ms) | "
+            "switches | utilisation |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for label, trials in ((mode, doc["trials"]), ("bound", doc["bound_trials"])):
+        for t in trials:
+            mark = " **(recommended)**" if label == mode and t["gpus"] == rec else ""
+            rows.append(f"| {label}{mark} | {t['instances']} | {t['gpus']} | "
+                        f"{attainment_text(t)} | {_ms(t['ttft_p50_ms'])} / "
+                        f"{_ms(t['ttft_p99_ms'])} | {_ms(t['tpot_p50_ms'])} | {t['switches']} | "
+                        f"{t['utilisation']:.2f} |")
+    return (f"# Capacity plan: {doc['models']} models of {doc['model']} on {doc['hardware']}, "
+            f"`{mode}` pooling\n\n{doc['requests']} requests; SLO TTFT ≤ {slo['ttft_ms']:g} ms "
+            f"and TPOT ≤ {slo['tpot_ms']:g} ms for {doc['target_goodput']:.0%} of them.\n\n"
+            f"{verdict}\n\nThe bound serves the same requests with `token` scheduling and every "
+            "model switch prefetched ahead of the requests that need it, so free: no real fleet "
+            "needs fewer GPUs. A trial stops once more requests have missed the SLO than the "
+            "target allows; its attainment is then the most it could have reached.\n\n"
+            "## Every size tried\n\n" + "\n".join(rows) + "\n")
+
+
+def write_plan(out: Path, doc: dict[str, Any]) -> Path:
+    """``plan.json``, ``plan.md`` and ``plan.png`` (attainment against GPUs, mode and bound)
+    in ``out``; the path of ``plan.json``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = write(out, "plan.json", doc)
+    (out / "plan.md").write_text(plan_markdown(doc))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, trials in ((doc["pooling"], doc["trials"]), ("bound", doc["bound_trials"])):
+        done = [t for t in trials if not t["stopped_early"]]
+        cut = [t for t in trials if t["stopped_early"]]
+        line = ax.plot([t["gpus"] for t in done], [t["attainment"] for t in done], marker="o",
+                       ls="-" if done else "none", label=label)
+        ax.plot([t["gpus"] for t in cut], [t["attainment"] for t in cut], marker="v",
+                ls="none", color=line[0].get_color(), fillstyle="none",
+                label=f"{label}, stopped early (at most)" if cut else None)
+    ax.axhline(doc["target_goodput"], color="grey", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("SLO attainment")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "plan.png", dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write(out: Path, name: str, doc: dict[str, Any]) -> Path:

@@ -44,6 +44,30 @@ def test_a_trace_names_a_model_per_row(tmp_path: Path) -> None:
         from_jsonl(f, "base")
 
 
+def test_a_public_trace_with_a_model_per_row_is_read_in_its_own_format(tmp_path: Path) -> None:
+    """Mooncake's JSONL (timestamp in ms, input_length, output_length, hash_ids) and an Azure
+    LLM CSV, each with a ``model`` field added, as ``plan --pooling --trace`` reads them."""
+    from simulator.longtail import from_trace
+
+    f = tmp_path / "m.jsonl"
+    f.write_text('{"timestamp": 2000, "input_length": 9000, "output_length": 300, '
+                 '"hash_ids": [1, 2], "model": "m7"}\n'
+                 '{"timestamp": 500, "input_length": 100, "output_length": 5, "hash_ids": []}\n')
+    reqs = from_trace(f, "base")
+    assert [(r.model, r.t, r.prompt_tokens, r.output_tokens) for r in reqs] == [
+        ("base", 0.0, 100, 5), ("m7", 1.5, 9000, 300)]
+    c = tmp_path / "a.csv"
+    c.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,model\n"
+                 "2023-11-16 18:15:46.6805900,4808,10,m1\n"
+                 "2023-11-16 18:15:50.9951690,3180,8,\n")
+    reqs = from_trace(c, "base")
+    assert [(r.model, r.prompt_tokens) for r in reqs] == [("m1", 4808), ("base", 3180)]
+    assert reqs[1].t == pytest.approx(4.3145790)
+    f.write_text('{"timestamp": 1, "input_length": "x", "output_length": 3}\n')
+    with pytest.raises(ValueError, match="input_length"):
+        from_trace(f, "base")
+
+
 def test_placement_follows_token_velocity_and_gives_every_model_a_home() -> None:
     v = {"hot": 1000.0, "warm": 100.0, **{f"cold{i}": 1.0 for i in range(6)}}
     hosts = placement(v, 4, 3)
@@ -99,6 +123,17 @@ def test_simulate_and_plan_with_pooling_write_their_reports(tmp_path: Path) -> N
     assert isinstance(rec, int) and 1 <= rec <= 4
     by_size = {t["instances"]: t["attainment"] for t in doc["trials"]}
     assert by_size[rec] >= 0.95 and all(a < 0.95 for n, a in by_size.items() if n < rec)
+    # the perfect-foresight bound beside it, and the report a person reads
+    bound = doc["bound_gpus"]
+    assert isinstance(bound, int) and 1 <= bound <= rec
+    md = (tmp_path / "plan" / "plan.md").read_text()
+    assert f"Recommended: **{rec} GPU(s)**" in md and f"bound: **{bound} GPU(s)**" in md
+    assert (tmp_path / "plan" / "plan.png").stat().st_size > 1000
+    for t in doc["trials"] + doc["bound_trials"]:  # a trial cut short never reads as a pass
+        if t["stopped_early"]:
+            assert "stopped early (attainment at most" in plan.stdout
+            assert t["attainment"] < 0.95
+    assert "perfect-foresight bound:" in plan.stdout
     bad = subprocess.run([sys.executable, "-m", "tokengate", "simulate", "--pooling", "token",
                           "--out", str(tmp_path / "x")], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
