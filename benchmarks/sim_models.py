@@ -22,6 +22,11 @@ Then, on the 32-model workload and the GPUs ``request`` needs there (so that ``r
 the base rate), the highest arrival rate each of ``request`` and ``token`` sustains at ≥ 95 %
 (rates scaled by ``FACTORS``, stopping at the first that falls short).
 
+``--mooncake N``: instead, long prompts: the first N requests of the Mooncake synthetic trace
+that ships in ``loadtests/data/traces/`` (arrivals and lengths as recorded, prompts of ~10-15K
+tokens on average), spread over 32 models with Zipf(1.1) popularity, served by Llama-3.1-8B
+(128K context) on H100s; ``--max-input T`` caps every prompt at T tokens (0: as recorded).
+
 Every run is reported (``report.json``, ``report.md``); nothing is kept or dropped by result.
 """
 
@@ -33,9 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests.traces import TRACES
 from roofline.profiles import HARDWARE, MODELS
 from roofline.switching import SwitchCost
-from simulator.longtail import longtail
+from simulator.longtail import ModelRequest, from_trace, longtail, zipf_models
 from simulator.multimodel import FleetConfig, fewest_gpus, run_fleet
 
 MODES = ("dedicated", "request", "token")
@@ -44,18 +50,30 @@ TARGET = 0.95
 FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0)
 
 
-def config(mode: str, instances: int = 1, seed: int = 0) -> FleetConfig:
-    return FleetConfig(instances, mode, MODELS["llama-3-8b"], HARDWARE["h100-sxm"],  # type: ignore[arg-type]
+def config(mode: str, instances: int = 1, seed: int = 0, model: str = "llama-3-8b"
+           ) -> FleetConfig:
+    return FleetConfig(instances, mode, MODELS[model], HARDWARE["h100-sxm"],  # type: ignore[arg-type]
                        per_instance=8, seed=seed)
 
 
-def sizes(n: int, duration: float, log: list[dict[str, Any]]) -> dict[str, Any]:
-    reqs = longtail(n, RATE_PER_MODEL * n, duration, seed=n)
+def mooncake_zipf(requests: int, max_input: int) -> list[ModelRequest]:
+    """The first ``requests`` of the Mooncake synthetic trace over 32 Zipf(1.1) models."""
+    reqs = zipf_models(from_trace(TRACES / "mooncake_synthetic.jsonl", "m0")[:requests], 32,
+                       1.1, seed=32)
+    if max_input:
+        for r in reqs:
+            r.prompt_tokens = min(r.prompt_tokens, max_input)
+    return reqs
+
+
+def sizes(n: int, duration: float, log: list[dict[str, Any]],
+          reqs: list[ModelRequest] | None = None, model: str = "llama-3-8b") -> dict[str, Any]:
+    reqs = reqs if reqs is not None else longtail(n, RATE_PER_MODEL * n, duration, seed=n)
     row: dict[str, Any] = {"models": n, "requests": len(reqs)}
     for mode in MODES:
         t0 = time.perf_counter()
-        best, trials = fewest_gpus(reqs, config(mode), TARGET, 2 * n if mode == "dedicated"
-                                   else n)
+        best, trials = fewest_gpus(reqs, config(mode, model=model), TARGET,
+                                   2 * n if mode == "dedicated" else n)
         for t in trials:
             log.append({"models": n, "mode": mode, **t})
             bound = "<=" if t["stopped_early"] else "  "
@@ -66,7 +84,7 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]]) -> dict[str, Any]:
             k: at[k] for k in ("attainment", "goodput_tokens_per_s_per_gpu", "switches",
                                "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                                "utilisation")} if at else {})}
-    free = config("token")
+    free = config("token", model=model)
     free.switch = SwitchCost(prefetched=True)
     best, trials = fewest_gpus(reqs, free, TARGET, row["token"]["gpus"] or n)
     for t in trials:
@@ -128,7 +146,14 @@ def main() -> None:
     ap.add_argument("--models", default="8,32,128")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--quick", action="store_true", help="8 and 32 models, 120 s")
+    ap.add_argument("--mooncake", type=int, default=0, metavar="N",
+                    help="instead: the first N requests of the Mooncake trace over 32 models")
+    ap.add_argument("--max-input", type=int, default=32768,
+                    help="with --mooncake: prompts capped at this many tokens (0: as recorded)")
     ns = ap.parse_args()
+    if ns.mooncake:
+        mooncake(ns)
+        return
     ns_models = [8, 32] if ns.quick else [int(x) for x in ns.models.split(",")]
     duration = 120.0 if ns.quick else ns.duration
     log: list[dict[str, Any]] = []
@@ -146,6 +171,29 @@ def main() -> None:
              "rate_per_model": RATE_PER_MODEL, "target": TARGET}, indent=2) + "\n")
         md = markdown(rows, rate)
         (out / "report.md").write_text(md)
+    print(md)
+
+
+def mooncake(ns: argparse.Namespace) -> None:
+    """The long-prompt workload: dedicated, request, token and the bound on the same requests,
+    and how many prompts could not meet the TTFT SLO even alone on an idle GPU."""
+    from roofline.timing import TimingModel
+
+    reqs = mooncake_zipf(ns.mooncake, ns.max_input)
+    tm = TimingModel(MODELS["llama-3.1-8b"], HARDWARE["h100-sxm"], jitter=0.0)
+    alone = sum(tm.prefill_seconds(r.prompt_tokens, 8192) > 2.0 for r in reqs) / len(reqs)
+    print(f"{len(reqs)} requests, mean prompt {sum(r.prompt_tokens for r in reqs) / len(reqs):,.0f}"
+          f" tokens; {alone:.1%} cannot meet a 2 s TTFT even alone on an idle GPU", flush=True)
+    log: list[dict[str, Any]] = []
+    row = sizes(32, 0.0, log, reqs, "llama-3.1-8b")
+    row["alone_over_slo"] = alone
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(
+        {"workload": "mooncake-zipf", "max_input": ns.max_input, "rows": [row], "runs": log,
+         "target": TARGET}, indent=2) + "\n")
+    md = markdown([row], None)
+    (out / "report.md").write_text(md)
     print(md)
 
 

@@ -101,6 +101,19 @@ def longtail(models: int, rate: float, duration_s: float, *, zipf_s: float = 1.0
     return out
 
 
+def zipf_models(requests: list[ModelRequest], models: int, zipf_s: float, seed: int = 0
+                ) -> list[ModelRequest]:
+    """``requests`` (one model's trace) spread over ``models`` models with Zipf(``zipf_s``)
+    popularity, each request drawn independently (seeded): the same arrivals and lengths,
+    many models."""
+    rng = random.Random(seed)
+    names = model_names(models)
+    weights = zipf_shares(models, zipf_s)
+    for r, m in zip(requests, rng.choices(names, weights, k=len(requests)), strict=True):
+        r.model = m
+    return requests
+
+
 def from_trace(path: str | Path, default: str) -> list[ModelRequest]:
     """A trace naming a model per row: an Azure LLM CSV (with a ``model`` column) or a JSONL
     (``from_jsonl``), by extension."""

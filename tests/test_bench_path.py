@@ -60,3 +60,17 @@ def test_only_a_gross_regression_fails_the_check() -> None:
     over = check(run_with({**base, "route": 400.0}), budget)
     assert len(over) == 1 and over[0].startswith("tiny: route")
     assert check(run_with({**base, "admit": 500.0}), budget)
+
+
+def test_without_stages_only_the_total_is_checked() -> None:
+    """Where py-spy cannot attach (no ptrace), each run has its total and no stages: the
+    check still reads the total."""
+    fine = run_with({"admit": 200.0, "send": 300.0})
+    for r in fine["rounds"]:
+        r["tiny"]["new"]["stages_us"] = {}
+    budget = {"tiny": {"admit": 0.1, "total": 5.0}}
+    assert check(fine, budget) == []
+    slow = run_with({"admit": 200.0, "send": 1_500.0})
+    for r in slow["rounds"]:
+        r["tiny"]["new"]["stages_us"] = {}
+    assert [x.split(" ")[1] for x in check(slow, budget)] == ["total"]
