@@ -67,13 +67,14 @@ def mooncake_zipf(requests: int, max_input: int) -> list[ModelRequest]:
 
 
 def sizes(n: int, duration: float, log: list[dict[str, Any]],
-          reqs: list[ModelRequest] | None = None, model: str = "llama-3-8b") -> dict[str, Any]:
+          reqs: list[ModelRequest] | None = None, model: str = "llama-3-8b",
+          pooled_max: int | None = None) -> dict[str, Any]:
     reqs = reqs if reqs is not None else longtail(n, RATE_PER_MODEL * n, duration, seed=n)
     row: dict[str, Any] = {"models": n, "requests": len(reqs)}
     for mode in MODES:
         t0 = time.perf_counter()
         best, trials = fewest_gpus(reqs, config(mode, model=model), TARGET,
-                                   2 * n if mode == "dedicated" else n)
+                                   2 * n if mode == "dedicated" else pooled_max or n)
         for t in trials:
             log.append({"models": n, "mode": mode, **t})
             bound = "<=" if t["stopped_early"] else "  "
@@ -86,7 +87,7 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]],
                                "utilisation")} if at else {})}
     free = config("token", model=model)
     free.switch = SwitchCost(prefetched=True)
-    best, trials = fewest_gpus(reqs, free, TARGET, row["token"]["gpus"] or n)
+    best, trials = fewest_gpus(reqs, free, TARGET, row["token"]["gpus"] or pooled_max or n)
     for t in trials:
         log.append({"models": n, "mode": "bound", **t})
     row["bound"] = {"gpus": best}
@@ -185,7 +186,7 @@ def mooncake(ns: argparse.Namespace) -> None:
     print(f"{len(reqs)} requests, mean prompt {sum(r.prompt_tokens for r in reqs) / len(reqs):,.0f}"
           f" tokens; {alone:.1%} cannot meet a 2 s TTFT even alone on an idle GPU", flush=True)
     log: list[dict[str, Any]] = []
-    row = sizes(32, 0.0, log, reqs, "llama-3.1-8b")
+    row = sizes(32, 0.0, log, reqs, "llama-3.1-8b", pooled_max=64)
     row["alone_over_slo"] = alone
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

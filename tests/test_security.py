@@ -122,6 +122,28 @@ def test_nothing_sensitive_crosses_the_gateway(gw: RunningGateway,
         assert raw.headers["x-request-id"] == got["x-request-id"]
 
 
+def test_admin_lists_its_routes_to_the_admin_only(gw: RunningGateway) -> None:
+    """``GET /admin`` is the index of the admin routes, behind the admin key like them; every
+    route it lists answers the admin (none 404s), and the OpenAPI document has each."""
+    assert httpx.get(f"{gw.url}/admin", timeout=10).status_code == 401
+    assert httpx.get(f"{gw.url}/admin", headers={"Authorization": "Bearer k1"},
+                     timeout=10).status_code == 401
+    got = httpx.get(f"{gw.url}/admin", headers={"Authorization": "Bearer admin"}, timeout=10)
+    assert got.status_code == 200
+    routes = got.json()["routes"]
+    paths = {r["path"] for r in routes}
+    assert {"/admin", "/admin/policy", "/admin/endpoints", "/admin/limiter", "/admin/spend",
+            "/admin/flow", "/admin/predictor", "/admin/scaling", "/admin/drain"} == paths
+    assert all(r["description"] and r["method"] in ("GET", "POST") for r in routes)
+    spec = httpx.get(f"{gw.url}/openapi.json", timeout=10).json()["paths"]
+    for r in routes:
+        assert r["method"].lower() in spec[r["path"]], r
+        if r["method"] == "GET":
+            answer = httpx.get(f"{gw.url}{r['path']}", timeout=10,
+                               headers={"Authorization": "Bearer admin"})
+            assert answer.status_code == 200, (r, answer.text[:200])
+
+
 def test_the_engines_address_is_told_only_to_the_admin(gw: RunningGateway,
                                                        upstream: RecordingUpstream) -> None:
     """No ``x-tokengate-endpoint`` for a tenant by default (settings.expose_endpoints); a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -226,3 +227,34 @@ async def _spend_window(state: GatewayState, window: str, by: tuple[str, ...]
     out = await state.spend.windows.spend(state.spend.redis, time.time(), window_s, by)
     return web.json_response({"by": list(by), **out, "shared": state.spend.redis is not None},
                              dumps=json_text)
+
+
+async def admin_index(request: web.Request) -> web.Response:
+    """``GET /admin``: every admin route, its method and what it answers."""
+    admin(request)
+    return web.json_response({"routes": [{"method": m, "path": p, "description": d}
+                                         for m, p, _, d in ROUTES]}, dumps=json_text)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The admin routes (method, path, handler, what it answers): ``build_app`` registers them and
+# ``GET /admin`` lists them, so the index cannot miss one.
+ROUTES: tuple[tuple[str, str, Handler, str], ...] = (
+    ("GET", "/admin", admin_index, "this list"),
+    ("GET", "/admin/policy", admin_policy,
+     "the policy in force as resolved (secrets shown as ***), its source and the last "
+     "reload error"),
+    ("GET", "/admin/endpoints", admin_endpoints,
+     "each endpoint: health, load, engine metrics, cache, KV event streams"),
+    ("GET", "/admin/limiter", admin_limiter,
+     "the rate store: its state, round trips, owed and compensated settlement steps, leases"),
+    ("GET", "/admin/spend", admin_spend,
+     "spend summed by day, tenant, key, model, priority and tier (?day=, ?group=), or over a "
+     "sliding window (?window=1h)"),
+    ("GET", "/admin/flow", admin_flow, "flow control: queues, flows and their shares"),
+    ("GET", "/admin/predictor", admin_predictor, "the latency predictor: models and errors"),
+    ("GET", "/admin/scaling", admin_scaling, "each scaled pool's state"),
+    ("POST", "/admin/drain", admin_drain,
+     'take an endpoint out of rotation and move its streams: {"url": "http://.../v1"} '
+     '(back: "undrain": true)'),
+)

@@ -184,7 +184,10 @@ def document(max_messages: int = 4096) -> dict[str, Any]:
             "/metrics": {"get": {**_plain("Prometheus metrics", 400, 401)["get"],
                                  "description": "Behind the admin key when one is set, unless "
                                  "settings.public_metrics.", "security": [{"bearer": []}]}},
+            "/admin": _admin("Every admin route, its method and what it answers"),
             "/admin/policy": _admin("The policy in force"),
+            "/admin/spend": _admin("Spend by day and group, or over a sliding window"),
+            "/admin/flow": _admin("Flow control: queues, flows and their shares"),
             "/admin/endpoints": _admin("Endpoints and their live state"),
             "/admin/limiter": _admin("The rate store"),
             "/admin/predictor": _admin("The latency predictor"),

@@ -18,19 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.flow.share import CounterShare
 from gateway.front import openapi
-from gateway.front.admin import (
-    WATCHER,
-    admin,
-    admin_drain,
-    admin_endpoints,
-    admin_flow,
-    admin_limiter,
-    admin_policy,
-    admin_predictor,
-    admin_scaling,
-    admin_spend,
-    json_text,
-)
+from gateway.front.admin import ROUTES as ADMIN_ROUTES
+from gateway.front.admin import WATCHER, admin, json_text
 from gateway.front.http_guard import SERVER, guard
 from gateway.front.reload import PolicyWatcher
 from gateway.redis_clients import coordination_client
@@ -197,12 +186,6 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> web.
     r.add_get("/health", health)
     r.add_get("/ready", ready)
     r.add_get("/metrics", metrics)
-    r.add_get("/admin/policy", admin_policy)
-    r.add_get("/admin/endpoints", admin_endpoints)
-    r.add_get("/admin/limiter", admin_limiter)
-    r.add_get("/admin/spend", admin_spend)
-    r.add_get("/admin/flow", admin_flow)
-    r.add_get("/admin/predictor", admin_predictor)
-    r.add_get("/admin/scaling", admin_scaling)
-    r.add_post("/admin/drain", admin_drain)
+    for method, path, handler, _ in ADMIN_ROUTES:
+        r.add_route(method, path, handler)
     return app
