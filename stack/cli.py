@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     u = sub.add_parser("up", help="start the demo stack: reference backends and the gateway",
                        description="Start engines (reference backends, or real vLLM) for the "
                        "policy's loopback endpoints and the gateway in front; print the two "
-                       "lines an OpenAI client needs; Ctrl-C or SIGTERM stops everything.")
+                       "lines an OpenAI client needs; Ctrl-C, SIGTERM or SIGHUP stops everything.")
     u.add_argument("--policy", default=str(DEMO_POLICY),
                    help="policy YAML (default: the demo policy, `tokengate policy example demo`)")
     u.add_argument("--host", default="127.0.0.1", help="the gateway's address")
@@ -29,7 +29,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "in-memory limits when absent")
     u.add_argument("--time-scale", type=float, default=1.0,
                    help="the backends' time scale (<1 runs faster)")
-    u.add_argument("--log-dir", help="where the backends' logs go (default: a temp dir)")
+    u.add_argument("--log-dir", help="where the backends' logs go (default: a temp dir, "
+                   "removed at exit unless --keep-logs or a failure)")
+    u.add_argument("--keep-logs", action="store_true",
+                   help="keep the temp dir of logs at exit (a --log-dir is always kept)")
     add_log_args(u, level="warning")
     u.add_argument("--replicas", type=int, default=1,
                    help="gateway processes sharing --redis, each on its own port")
@@ -89,7 +92,8 @@ def run(ns: argparse.Namespace) -> int:
             binary()  # before anything starts: says how to install Envoy when it is missing
         run_loop(up(UpConfig(ns.policy, ns.host, ns.port, ns.redis, ns.time_scale,
                              ns.log_dir, shape=shape_of(ns), replicas=ns.replicas,
-                             engine=ns.engine, envoy=ns.envoy, flow_mode=ns.flow_control)))
+                             engine=ns.engine, envoy=ns.envoy, flow_mode=ns.flow_control,
+                             keep_logs=ns.keep_logs)))
         return 0
 
     return guarded("up", start)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,7 @@ class UpConfig:
     engine: str = "reference"  # or "vllm": real vLLM instances (engines.vllm)
     envoy: bool = False  # a real Envoy on the port, tokengate its EPP (stack.behind_envoy)
     flow_mode: str | None = None  # --flow-control: overrides the policy's mode
+    keep_logs: bool = False  # keep the temp dir of logs at exit (a --log-dir always stays)
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     # The shared secret of the KV pools this launcher starts and their backends (one per run).
     kvpool_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
@@ -244,6 +246,12 @@ def admin_key_source(s: Settings) -> str:
 
 async def up(cfg: UpConfig) -> None:
     path, policy = resolve_ports(cfg.policy, cfg.shape, cfg.engine)
+    made = cfg.log_dir is None  # a temp dir of ours: removed at exit unless kept or failed
+    logs = cfg.log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-")
+    print(f"tokengate up: logs in {logs}"
+          + (" (removed at exit; --keep-logs keeps them)" if made and not cfg.keep_logs
+             else ""), file=sys.stderr, flush=True)
+    failed = True
     try:
         if cfg.engine == "vllm":
             _check_ports(cfg, policy)
@@ -254,7 +262,7 @@ async def up(cfg: UpConfig) -> None:
         ready = asyncio.Event()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a closed terminal too
             loop.add_signal_handler(sig, stop.set)
         serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url,
                                 flow_mode=cfg.flow_mode)
@@ -275,8 +283,13 @@ async def up(cfg: UpConfig) -> None:
             print(f"TOKENGATE_REPLICAS={more}", flush=True)
         print(admin_key_source(policy.settings), file=sys.stderr, flush=True)
         await task
+        failed = False
     finally:
         stop_children(cfg)
         if path != cfg.policy:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        if made and not cfg.keep_logs and not failed:
+            shutil.rmtree(logs, ignore_errors=True)
+        elif made and failed:
+            print(f"tokengate up: logs kept in {logs}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -156,11 +157,10 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
         b.close()
 
 
-def start_up(port: int, *args: str) -> subprocess.Popen[str]:
+def start_up(port: int, *args: str, stderr: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
     """``tokengate up`` on ``port``, once it printed its two lines (checked)."""
     proc = subprocess.Popen([sys.executable, "-m", "tokengate", "up", "--port", str(port),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                             *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert proc.stdout is not None
     lines = [proc.stdout.readline().strip() for _ in range(2)]
     if lines != [f"OPENAI_BASE_URL=http://127.0.0.1:{port}/v1", "OPENAI_API_KEY=tg-demo-key"]:
@@ -192,8 +192,9 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
                              "model_limits": {"big": {"tpm": 100}}}},
         "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
     port = free_port()
+    err = open(Path(str(tmp_path)) / "up.err", "w")  # noqa: SIM115 - closed below
     proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01",
-                    *(["--envoy"] if envoy else []))
+                    *(["--envoy"] if envoy else []), stderr=err)
     try:
         children = [pid for pid in children_of(proc.pid) if b"backend" in _cmdline(pid)]
         assert len(children) >= 2
@@ -205,11 +206,19 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
 
         assert_quota_failover(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
                                             api_key="tg-demo-key", max_retries=0), 60)
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM, or SIGHUP (a closed terminal): either stops everything it started
+        proc.send_signal(signal.SIGTERM if envoy else signal.SIGHUP)
         assert proc.wait(30) == 0
         time.sleep(0.5)
         assert not any(_alive(pid) for pid in children)
+        # its logs were where it said, and that temp dir is gone with it
+        said = [line for line in (Path(str(tmp_path)) / "up.err").read_text().splitlines()
+                if line.startswith("tokengate up: logs in ")]
+        assert said and "removed at exit" in said[0]
+        logs = Path(said[0].removeprefix("tokengate up: logs in ").split(" (")[0])
+        assert logs.name.startswith("tokengate-up-") and not logs.exists()
     finally:
+        err.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
