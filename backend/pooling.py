@@ -20,8 +20,10 @@ Three policies pick the model of the next step (``MODES``):
 - ``token``: Aegaeon's token-level scheduling, between any two steps. Every request has a
   deadline: its first token at ``arrival + ttft_slo`` (less its prefill time), its n-th token
   at ``first token + n · tpot_slo`` (the TPOT SLO as an average: tokens decoded early bank
-  slack). Prefill is served first-come-first-served per model, grouped (a model's waiting
-  prompts go in one batch), whenever the slack of the running decodes pays for the detour
+  slack); a prompt that can no longer make its TTFT goes by its late deadline (``arrival +
+  ttft_slo + its prefill``), behind those that still can. Prefill is served
+  first-come-first-served per model, grouped (a model's waiting prompts go in one batch),
+  whenever the slack of the running decodes pays for the detour
   (switch there, prefill, switch back); otherwise the running models take turns by earliest
   deadline, and the current one keeps the GPU until another's deadline comes within the cost
   of switching to it (plus one TPOT): weighted round-robin whose quanta follow the deadlines.
@@ -208,7 +210,7 @@ class Multiplexer:
                       active: ModelSlot | None) -> ModelSlot:
         if active is not None and now < self._hold_until:
             return active  # amortising the switch that brought it in
-        deadlines = {s.name: self._deadline(s) for s in cands}
+        deadlines = {s.name: self._deadline(s, now) for s in cands}
         if active is None:
             return min(cands, key=lambda s: deadlines[s.name])
         others = [s for s in cands if s is not active]
@@ -228,14 +230,22 @@ class Multiplexer:
                 return b
         return active
 
-    def _deadline(self, s: ModelSlot) -> float:
+    def _deadline(self, s: ModelSlot, now: float) -> float:
+        """The model's most urgent deadline: its decodes' next token, or its oldest waiting
+        prompt's first token (arrival + TTFT SLO, less its prefill). A prompt that can no
+        longer make it (its prefill alone would end past the SLO) is not the most urgent
+        work of all, which would have every other model wait behind what misses anyway: it is
+        served, best effort, by its late deadline (arrival + SLO + its prefill)."""
         d = self._decode_deadline(s)
         head = min((r for r in s.scheduler.waiting if r.first_token_time is None),
                    key=lambda r: r.arrival_time, default=None)
         if head is not None:
             est = s.timing.prefill_seconds(head.num_prompt_tokens,
                                            s.scheduler.config.max_num_batched_tokens)
-            d = min(d, head.arrival_time + (self.ttft_slo_s - est) * self.k)
+            due = head.arrival_time + (self.ttft_slo_s - est) * self.k
+            if due < now:
+                due = head.arrival_time + (self.ttft_slo_s + est) * self.k
+            d = min(d, due)
         return d
 
     def _decode_deadline(self, s: ModelSlot) -> float:

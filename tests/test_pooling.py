@@ -17,6 +17,7 @@ from backend.request import Request
 from protocol.kv_hash import root_hash
 from roofline.profiles import HARDWARE, MODELS, ModelProfile
 from roofline.switching import SwitchCost
+from roofline.timing import TimingModel
 
 H100 = HARDWARE["h100-sxm"]
 SMALL = MODELS["llama-3-8b"]  # 16 GB of weights: four fit on an H100 with room for KV
@@ -145,9 +146,13 @@ def test_kv_is_dropped_and_recomputed_when_the_next_model_needs_the_memory() -> 
     # Two 30 GB models on 74.7 GB. m0's requests hold ~40 GB of KV; switching m1 in evicts
     # m0's weights first and then, still short of 30 GB + m1's prompt, drops m0's KV.
     big30 = dataclasses.replace(SMALL, name="big-15b", params=15e9)
-    m = mux([big30, big30], mode="token")
-    d = Driver(m)
     per = int(10e9 // SMALL.kv_bytes_per_token)  # ~10 GB of KV each
+    # a TTFT SLO that b's long prompt can still make, 1 s to spare, and m0's decodes within
+    # their TPOT (1 s): b soon becomes the most urgent (a prompt that could not make its SLO
+    # would be served best effort, after m0's decodes, and need no drop)
+    prefill = TimingModel(big30, H100, jitter=0.0).prefill_seconds(per, 8192)
+    m = mux([big30, big30], mode="token", ttft_slo_s=prefill + 1.0, tpot_slo_s=1.0)
+    d = Driver(m)
     for i in range(4):
         d.add("m0", f"a{i}", prompt=per, out=400)
     while not all(f"a{i}" in d.first for i in range(4)):
@@ -158,6 +163,21 @@ def test_kv_is_dropped_and_recomputed_when_the_next_model_needs_the_memory() -> 
     assert sum(d.reqs[f"a{i}"].num_preemptions for i in range(4)) >= 1
     assert set(d.done) == {"a0", "a1", "a2", "a3", "b"}  # a's recomputed and finished
     assert m.stats.kv_drops >= 1 and m.stats.weight_evictions >= 1
+
+
+def test_a_prompt_past_its_ttft_slo_does_not_make_the_others_wait() -> None:
+    """A prompt whose prefill alone would end past the TTFT SLO misses it whatever is done;
+    it is served best effort, after the prompt of another model that can still make it, not
+    before it as the most urgent of all (its deadline, arrival + SLO - prefill, is in the
+    past)."""
+    m = mux([SMALL, SMALL], mode="token", ttft_slo_s=0.5)
+    d = Driver(m)
+    d.add("m0", "long", prompt=60_000, out=4)  # its prefill alone takes over 0.5 s
+    d.add("m1", "short", prompt=500, out=4)
+    d.run()
+    assert set(d.done) == {"long", "short"}
+    assert d.first["short"] < d.first["long"]
+    assert d.first["short"] - d.reqs["short"].arrival_time <= 0.5
 
 
 def random_mix(d: Driver, rng: random.Random, n: int, prompt: int, out: int, steps: int
