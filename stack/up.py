@@ -248,9 +248,6 @@ async def up(cfg: UpConfig) -> None:
     path, policy = resolve_ports(cfg.policy, cfg.shape, cfg.engine)
     made = cfg.log_dir is None  # a temp dir of ours: removed at exit unless kept or failed
     logs = cfg.log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="tokengate-up-")
-    print(f"tokengate up: logs in {logs}"
-          + (" (removed at exit; --keep-logs keeps them)" if made and not cfg.keep_logs
-             else ""), file=sys.stderr, flush=True)
     failed = True
     try:
         if cfg.engine == "vllm":
@@ -282,6 +279,9 @@ async def up(cfg: UpConfig) -> None:
             more = ",".join(f"http://{cfg.host}:{port}/v1" for port in replicas)
             print(f"TOKENGATE_REPLICAS={more}", flush=True)
         print(admin_key_source(policy.settings), file=sys.stderr, flush=True)
+        print(f"tokengate up: logs in {logs}"  # after the two lines a user pastes
+              + (" (removed at exit; --keep-logs keeps them)" if made and not cfg.keep_logs
+                 else ""), file=sys.stderr, flush=True)
         await task
         failed = False
     finally:
