@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import RunningBackend
-from gateway_stack import start_gateway, write_policy
+from gateway_stack import RunningGateway, start_gateway, write_policy
 from redis_servers import RedisServer
 from test_gateway_e2e import sha
 
@@ -19,7 +19,7 @@ Factory = Callable[..., RunningBackend]
 
 def policy(url: str, mode: str) -> dict[str, object]:
     return {"version": 1,
-            "settings": {"redis_failure": mode, "replicas": 2},
+            "settings": {"redis_failure": mode},
             "models": {"m": {"endpoints": [{"url": url}], "upstream_model": "llama-3-8b"}},
             "tenants": {"t": {"keys": [{"sha256": sha("k")}], "limits": {"rpm": 4}}},
             "routes": {"r": {"tenants": ["t"], "models": ["m"]}}}
@@ -44,10 +44,10 @@ def test_redis_outage(mode: str, backend_factory: Factory, tmp_path: Path) -> No
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "limiter_unavailable"
         else:
-            # Local limits are this replica's share: 4 rpm / 2 replicas = 2 requests.
+            # Local limits are this replica's share of 4 rpm: it counted itself alone.
+            assert gw.state.store.replicas == 1  # type: ignore[attr-defined]
             assert r.status_code == 200
-            assert ask(gw.url).status_code == 200
-            assert ask(gw.url).status_code == 429
+            assert [ask(gw.url).status_code for _ in range(4)] == [200, 200, 200, 429]
             metrics = httpx.get(f"{gw.url}/metrics").text
             line = next(x for x in metrics.splitlines()
                         if x.startswith("tokengate_limiter_local_fallbacks_total"))
@@ -64,6 +64,50 @@ def test_redis_outage(mode: str, backend_factory: Factory, tmp_path: Path) -> No
         assert [ask(gw.url).status_code for _ in range(4)] == [200, 200, 200, 429]
     finally:
         gw.close()
+        redis.stop()
+
+
+def _counted(gws: list[RunningGateway], n: int) -> None:
+    deadline = time.monotonic() + 10
+    while any(g.state.store.replicas != n for g in gws):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, [g.state.store.replicas for g in gws]  # type: ignore[attr-defined]
+        time.sleep(0.05)
+
+
+def test_an_outage_admits_at_most_the_limits_whatever_the_replicas_do(
+        backend_factory: Factory, tmp_path: Path) -> None:
+    """fail_open, no replica count in the policy: two replicas count each other through
+    Redis; Redis dies; each admits its half of 4 rpm on its own; a third replica started
+    during the outage (an autoscaler's) has counted nobody and admits nothing locally (503);
+    one of the two stops meanwhile and the other keeps its half. Across the fleet the outage
+    admits 4 requests: the limit, never more. Redis back, the census counts again."""
+    b = backend_factory(served_model_name="llama-3-8b", time_scale=0.01)
+    redis = RedisServer(tmp_path / "redis")
+    path = write_policy(tmp_path / "p.yaml", policy(f"{b.url}/v1", "fail_open"))
+    g1, g2 = start_gateway(path, redis_url=redis.url), start_gateway(path, redis_url=redis.url)
+    g3: RunningGateway | None = None
+    try:
+        _counted([g1, g2], 2)
+        redis.stop()
+        admitted = 0
+        for g in (g1, g2):
+            codes = [ask(g.url).status_code for _ in range(3)]
+            assert codes == [200, 200, 429], codes  # 4 rpm / 2 replicas each
+            admitted += codes.count(200)
+        g3 = start_gateway(path, redis_url=redis.url)  # added during the outage
+        r = ask(g3.url)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "limiter_unavailable"
+        assert "counted" in r.json()["error"]["message"]
+        g2.close()  # removed during the outage: g1 keeps its half, no more
+        assert ask(g1.url).status_code == 429
+        assert admitted == 4  # the limit across the fleet
+        redis.start()
+        _counted([g1, g3], 2)  # g2 left the count when it stopped
+        assert ask(g3.url).status_code == 200
+    finally:
+        for g in (g1, g2, g3):
+            if g is not None:
+                g.close()
         redis.stop()
 
 

@@ -32,8 +32,12 @@ SETTINGS_SECTIONS: dict[str, Section] = {
                              "reached: admit against a local limiter holding this replica's "
                              "share (`limits / replicas`), or refuse with 503 "
                              "`limiter_unavailable`."),
-         "replicas": spec("integer > 0", 1, "How many gateway replicas share the limits: sizes "
-                        "the local limiter that `fail_open` falls back to."),
+         "replicas": spec("integer > 0", NONE, "Replicas are counted through Redis (each beats "
+                        "into it every second), and `fail_open`'s local share is `limits / "
+                        "count`, the last count while Redis is away. This is the count a replica "
+                        "assumes until it has counted them itself; without it, a replica that "
+                        "starts while Redis is away admits nothing locally until Redis answers "
+                        "(it cannot know how many others are admitting)."),
          "quota_lease": spec("number 0–0.5", 0.05, "Each replica leases this fraction of a "
                            "large bucket from Redis and admits from it locally: most requests "
                            "cost no Redis round trip; admission never exceeds the limit, and "

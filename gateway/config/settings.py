@@ -30,7 +30,9 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 @dataclass(frozen=True, slots=True)
 class Settings:
     redis_failure: Literal["fail_open", "fail_closed"] = "fail_open"
-    replicas: int = 1
+    # the count of replicas sharing the limits assumed until the census (Redis) has counted
+    # them; None: a replica that has not counted them admits nothing locally under fail_open
+    replicas: int | None = None
     # Quota leases (``gateway.quota.limiter.lease``): each replica takes this fraction of a big
     # bucket from Redis at a time and admits from it locally; 0 reserves per request. On by
     # default: most requests then cost no Redis round trip (bench-path's admit and settle).
@@ -81,7 +83,9 @@ def parse_settings(d: Decoder, raw: Any) -> Settings:
         if m["unknown_fields"] not in ("reject", "drop"):
             raise d.fail("settings.unknown_fields", "expected reject or drop")
         kw["unknown_fields"] = m["unknown_fields"]
-    kw.update(d.fields(m, "settings", ("replicas", "progressive_charge_tokens",
+    if "replicas" in m:
+        kw["replicas"] = d.integer(m["replicas"], "settings.replicas")
+    kw.update(d.fields(m, "settings", ("progressive_charge_tokens",
                                        "progressive_charge_ms", "max_body_bytes", "max_messages",
                                        "epp_endpoints"), d.integer))
     if "quota_lease" in m:

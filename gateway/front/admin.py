@@ -169,7 +169,7 @@ async def admin_limiter(request: web.Request) -> web.Response:
         st = store.primary.stats  # the shared store's (a lease store shares its stats)
         out.update(primary=type(store.primary).__name__, degraded=store.degraded,
                    fail_open=store.fail_open, owed=st.owed, compensated=st.compensated,
-                   abandoned=st.abandoned)
+                   abandoned=st.abandoned, replicas=store.replicas)
     return web.json_response(out, dumps=json_text)
 
 

@@ -22,6 +22,8 @@ from gateway.front.admin import ROUTES as ADMIN_ROUTES
 from gateway.front.admin import WATCHER, admin, json_text
 from gateway.front.http_guard import SERVER, guard
 from gateway.front.reload import PolicyWatcher
+from gateway.quota.limiter.census import Census
+from gateway.quota.limiter.resilient import ResilientStore
 from gateway.redis_clients import coordination_client
 from gateway.request import embeddings, pipeline
 from gateway.routing.prefix_hints import PrefixShare
@@ -96,6 +98,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             coordination_client(state.redis_url, connections=1, timeout_s=2.0),
             state.fleet.approx)
         tasks.append(asyncio.ensure_future(share.run()))
+    census = None
+    if state.redis_url and isinstance(state.store, ResilientStore):
+        census = Census(coordination_client(state.redis_url, connections=1),
+                        state.store.counted)
+        tasks.append(asyncio.ensure_future(census.run()))
     counters = None
     if state.redis_url:  # fair-share counters and spend totals, shared by the replicas
         counters = state.flow_share = CounterShare(coordination_client(state.redis_url),
@@ -135,6 +142,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    if census is not None:
+        await census.leave()
+        await census.redis.aclose()
     if sync is not None:
         with contextlib.suppress(Exception):
             await sync.resign()

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from gateway.config.policy import Model
 from gateway.quota import ledger as quota
+from gateway.quota.limiter.resilient import Uncounted
 from gateway.quota.limiter.store import StoreUnavailable
 from gateway.request.context import RequestContext
 from gateway.state import GatewayState
 from protocol.errors import APIError
 
 
-def limiter_unavailable() -> APIError:
-    return APIError(503, "rate limiting is unavailable", type="service_unavailable",
-                    code="limiter_unavailable", headers={"retry-after": "1"})
+def limiter_unavailable(message: str = "rate limiting is unavailable") -> APIError:
+    return APIError(503, message, type="service_unavailable", code="limiter_unavailable",
+                    headers={"retry-after": "1"})
 
 
 async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quota.Admission:
@@ -27,9 +28,11 @@ async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quo
         adm = await quota.admit(state.store, ctx.view.policy, ctx.tenant, ctx.route, model,
                                 ctx.count_prompt, ctx.expected_output, ctx.session,
                                 floor_prompt=ctx.floor_prompt)
-    except StoreUnavailable:
+    except StoreUnavailable as exc:
         state.metrics.series("limiter", "all", "unavailable").inc()
-        raise limiter_unavailable() from None
+        # the store's own words only when they are ours to show (never its address)
+        raise limiter_unavailable(*((str(exc),) if isinstance(exc, Uncounted) else ())
+                                  ) from None
     finally:
         if state.store.stats.fallbacks:
             state.metrics.limiter_fallbacks.inc(state.store.stats.fallbacks)

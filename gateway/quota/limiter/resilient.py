@@ -4,7 +4,9 @@ While the primary (Redis) answers, every call goes to it. When it fails, ``fail_
 from a local in-memory limiter whose limits are this replica's share (1/replicas) of the real
 ones, counts each such decision, and tries the primary again after ``retry_s``; ``fail_closed``
 raises ``StoreUnavailable`` (the gateway answers 503). Reservations remember which store made
-them, so each is settled where it was made.
+them, so each is settled where it was made. ``replicas`` is the last count of the replicas
+sharing the limits (``gateway.quota.limiter.census`` keeps it); while it is unknown (None: this
+replica has not counted them since it started), ``fail_open`` admits nothing locally either.
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ from gateway.quota.limiter.store import (
 log = logging.getLogger("tokengate.limiter")
 
 
+class Uncounted(StoreUnavailable):
+    """The store is away and this replica has never counted the replicas sharing the limits:
+    it admits nothing on its own (the message is safe to show a client)."""
+
+
 class ResilientStore:
-    def __init__(self, primary: RateStore, *, fail_open: bool = True, replicas: int = 1,
-                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, primary: RateStore, *, fail_open: bool = True,
+                 replicas: int | None = 1, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.primary = primary
         self.fail_open = fail_open
-        self.replicas = max(1, replicas)
+        self.replicas: int | None = None if replicas is None else max(1, replicas)
         self.local = MemoryStore()
         self.retry_s = retry_s
         self._clock = clock
@@ -46,8 +54,12 @@ class ResilientStore:
     def degraded(self) -> bool:
         return self._clock() < self._down_until
 
+    def counted(self, n: int) -> None:
+        """The census's latest count of the replicas sharing the limits."""
+        self.replicas = max(1, n)
+
     def _share(self, charges: Sequence[Charge]) -> list[Charge]:
-        if self.replicas == 1:
+        if self.replicas is None or self.replicas == 1:
             return list(charges)
         k = 1.0 / self.replicas
         return [dataclasses.replace(c, limit=dataclasses.replace(
@@ -71,6 +83,11 @@ class ResilientStore:
                 self._mark_down(exc)
         if not self.fail_open:
             raise StoreUnavailable("rate store unreachable and the policy says fail_closed")
+        if self.replicas is None:
+            raise Uncounted("rate limiting is unavailable: the shared rate store has been "
+                            "unreachable since this gateway replica started, and without "
+                            "having counted the replicas sharing the limits it admits nothing "
+                            "on its own")
         self.stats.fallbacks += 1
         d = await self.local.reserve(self._share(charges), reservation_id, life_s=life_s)
         if d.allowed:
