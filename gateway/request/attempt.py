@@ -44,6 +44,7 @@ from gateway.state import GatewayState
 from protocol.errors import APIError
 
 log = logging.getLogger("tokengate.gateway")
+OUT_GRACE_S = 0.25  # a request waiting for its first token leaves an endpoint still out then
 
 
 class Attempt:
@@ -209,18 +210,24 @@ async def send(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes
 
 async def until_taken_out(ep: EndpointState, work: Awaitable[T]) -> T:
     """``work``, unless ``ep`` is taken out of rotation meanwhile (its scrapes, its probe or
-    other requests failed: a hung or dead engine): then ``work`` is cancelled and this raises
-    TimeoutError, a stall, retried on another endpoint. ``work`` runs in the caller's task;
-    the endpoint's trip cancels it (no task or timer of its own per request)."""
+    other requests failed: a hung or dead engine) and still out ``OUT_GRACE_S`` later (a busy
+    engine whose scrapes time out once is back at its next good scrape): then ``work`` is
+    cancelled and this raises TimeoutError, a stall, retried on another endpoint. ``work``
+    runs in the caller's task; the endpoint's trip starts the check (no task or timer of its
+    own per request)."""
     task = asyncio.current_task()
     assert task is not None
+    loop = asyncio.get_running_loop()
     tripped = False
 
-    def taken_out() -> None:
+    def still_out() -> None:
         nonlocal tripped
-        if not tripped:
+        if not tripped and not task.done() and not ep.healthy(time.monotonic()):
             tripped = True
             task.cancel()
+
+    def taken_out() -> None:
+        loop.call_later(OUT_GRACE_S, still_out)
 
     ep.health.on_trip.add(taken_out)
     try:
@@ -233,6 +240,7 @@ async def until_taken_out(ep: EndpointState, work: Awaitable[T]) -> T:
         raise
     finally:
         ep.health.on_trip.discard(taken_out)
+        tripped = True  # a check still pending finds the work over
 
 
 class ErrorEvent(Exception):
