@@ -196,7 +196,9 @@ async def open_model(state: GatewayState, ctx: RequestContext, m: Model, prompt_
         a = Attempt(state, ctx, pool, ep, info.prompt_tokens + reserved,
                     0 if kv is not None else decision.endpoint.uncached_tokens,
                     upstream_span(ctx, m, ep.url, kv is not None, n))
-        if math.isfinite(decision.predicted_ttft_ms):
+        if kv is None and math.isfinite(decision.predicted_ttft_ms):
+            # (a decode after a remote prefill waits for the KV transfer too, which nothing
+            # predicts, NIXL's first handshake above all: it waits the route's first_token_s)
             a.predicted_ttft_s = decision.predicted_ttft_ms / 1e3
         sent_at = time.perf_counter()
         ans = await attempt_on(state, ctx, a, upstream_body(ctx, m, kv))
