@@ -47,7 +47,7 @@ class StepCost:
     compute_s: float
     memory_s: float
     overhead_s: float
-    kernel_s: float = 0.0
+    kernel_s: float  # the GEMMs' roofline plus attention's (``compute_s``/``memory_s``: totals)
 
     @property
     def seconds(self) -> float:
@@ -107,28 +107,30 @@ class TimingModel:
         and the simulator's decode runs price steps by the million)."""
         if seqs == 0:
             return 0.0
-        gemm = self._flops_per_token * tokens + self._flops_per_sample * num_sampled
-        attn = self._attn_flops_per_pair * pairs
-        kv = self._kv_bytes_per_token * kv_tokens
-        rc, rm = self._compute_rate, self._memory_rate
-        return (max(gemm / rc, self._weight_bytes / rm) + max(attn / rc, kv / rm)
-                + self._overhead(tokens, seqs))
+        gemm, attn, kv = self._work(tokens, pairs, kv_tokens, num_sampled)
+        return self._kernels(gemm, attn, kv) + self._overhead(tokens, seqs)
 
     def aggregate(self, tokens: int, pairs: float, kv_tokens: int, seqs: int,
                   num_sampled: int) -> StepCost:
         """The cost of a step given its totals: tokens computed, causal (query, key) pairs,
         KV tokens read or written, sequences and tokens sampled (what ``cost`` sums)."""
         if seqs == 0:
-            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
-        gemm = self._flops_per_token * tokens + self._flops_per_sample * num_sampled
-        attn = self._attn_flops_per_pair * pairs
-        kv = self._kv_bytes_per_token * kv_tokens
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        gemm, attn, kv = self._work(tokens, pairs, kv_tokens, num_sampled)
+        flops, nbytes = gemm + attn, self._weight_bytes + kv
+        return StepCost(flops, nbytes, flops / self._compute_rate, nbytes / self._memory_rate,
+                        self._overhead(tokens, seqs), self._kernels(gemm, attn, kv))
+
+    def _work(self, tokens: int, pairs: float, kv_tokens: int, num_sampled: int
+              ) -> tuple[float, float, float]:
+        """(GEMM FLOPs, attention FLOPs, KV bytes) of a step."""
+        return (self._flops_per_token * tokens + self._flops_per_sample * num_sampled,
+                self._attn_flops_per_pair * pairs, self._kv_bytes_per_token * kv_tokens)
+
+    def _kernels(self, gemm: float, attn: float, kv: float) -> float:
+        """Seconds of kernels: the GEMMs' roofline (weights) plus attention's (KV cache)."""
         rc, rm = self._compute_rate, self._memory_rate
-        flops = gemm + attn
-        nbytes = self._weight_bytes + kv
-        kernel = max(gemm / rc, self._weight_bytes / rm) + max(attn / rc, kv / rm)
-        return StepCost(flops, nbytes, flops / rc, nbytes / rm, self._overhead(tokens, seqs),
-                        kernel)
+        return max(gemm / rc, self._weight_bytes / rm) + max(attn / rc, kv / rm)
 
     def _overhead(self, tokens: int, seqs: int) -> float:
         """The engine's fixed costs around the kernels and the tensor-parallel all-reduces."""

@@ -150,9 +150,10 @@ def test_a_publisher_that_connects_reaches_a_bound_subscriber() -> None:
 
 
 def test_chained_hashes_are_hash_block_per_block_whatever_the_feed() -> None:
-    """The fast chain (one BLAKE2b call per block over bytes) names every block exactly as
-    ``hash_block`` does, salted first block included, and the router's incremental feed (a
+    """The chain (one BLAKE2b call per block over bytes) and ``hash_block`` name every block
+    by the documented layout, salted first block included, and the router's incremental feed (a
     prompt arriving in pieces that cut blocks anywhere) gives the same hashes as one pass."""
+    import hashlib
     from array import array
 
     from gateway.routing.prefix import block_hashes, extend_hashes
@@ -161,12 +162,17 @@ def test_chained_hashes_are_hash_block_per_block_whatever_the_feed() -> None:
     toks = [(i * 7919) % 50_000 for i in range(16 * 9 + 5)]
     root = root_hash("m")
     for salt in ("", "tenant-a"):
-        expected: list[int] = []
+        expected: list[int] = []  # the layout, spelled out: every process must agree on it
         parent = int(root)
         for i in range(9):
-            parent = hash_block(parent, toks[i * 16:(i + 1) * 16],
-                                salt.encode() if i == 0 else b"")
+            extra = salt.encode() if i == 0 else b""
+            h = hashlib.blake2b(parent.to_bytes(8, "little") + len(extra).to_bytes(2, "little")
+                                + extra + array("I", toks[i * 16:(i + 1) * 16]).tobytes(),
+                                digest_size=8)
+            parent = int.from_bytes(h.digest(), "little")
             expected.append(parent)
+            assert hash_block(expected[-2] if i else root, toks[i * 16:(i + 1) * 16],
+                              extra) == parent
         data = array("I", toks[:16 * 9]).tobytes()
         assert chain_hashes(root, data, 64, salt.encode()) == expected
         assert extend_block_hashes([], toks, 16, root, salt or None) == expected
