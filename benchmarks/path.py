@@ -14,8 +14,8 @@ streamed and not), a load of ``--clients`` concurrent clients runs for ``--secon
   *direct path* (an aiohttp server answering the same requests), the unit every stage is
   also given in, so that the machine's speed cancels;
 * under ``py-spy`` (sampling the gateway's stacks, idle excluded), each sample is put in one
-  stage by its stack (``stage_of``); a stage's CPU per request is its share of the samples times
-  the unobserved CPU per request.
+  stage by its stack (``benchmarks.path_stages``); a stage's CPU per request is its share of
+  the samples times the unobserved CPU per request.
 
 ``--fronts serve,epp`` also runs ``tokengate epp`` behind Envoy (its ext_proc endpoint picker,
 ``envoy-epp.yaml``) with the same policy: the EPP's stages, and Envoy's CPU beside them.
@@ -32,16 +32,13 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,91 +47,11 @@ import aiohttp
 import yaml
 
 from benchmarks import common
-from benchmarks.proxy import KEY, echo_and_redis, stop_all
+from benchmarks.path_report import check, ratios, table
+from benchmarks.path_stages import STAGES, shares
+from benchmarks.proxy import KEY, cpu_seconds, echo_and_redis, stop_all
 from loadtests.client import wait_for
 from protocol.loopback import free_port
-
-STAGES = ("accept and parse", "validate", "count", "admit", "route", "send", "relay",
-          "rebuild", "settle", "spend record", "metrics", "trace", "log", "event loop",
-          "other")
-# Frames (path fragments) whose work is one stage wherever it is called from: the innermost
-# such frame of a sample decides.
-CROSSCUT = (("prometheus_client/", "metrics"), ("gateway/metrics.py", "metrics"),
-            ("opentelemetry/", "trace"), ("gateway/tracing.py", "trace"),
-            ("/logging/", "log"), ("protocol/logs.py", "log"), ("gateway/counting/", "count"),
-            ("tiktoken", "count"), ("tokenizers/", "count"))
-# Frames whose whole subtree is one stage (the outermost such frame decides): settlement
-# (its Redis calls included), the spend record, rebuilding a non-streamed answer.
-CONTEXT = (("gateway/request/settle.py", "settle"), ("gateway/spend/", "spend record"),
-           ("gateway/request/aggregate.py", "rebuild"))
-# Otherwise the innermost frame of the gateway's own code that names a step.
-STEP = (("protocol/validate.py:load_json", "accept and parse"),
-        ("gateway/epp/pick.py", "route"), ("gateway/epp/feed.py", "relay"),
-        ("gateway/epp/", "accept and parse"), ("grpc/", "accept and parse"),
-        ("google/protobuf", "accept and parse"),
-        ("gateway/request/upstream.py", "send"), ("aiohttp/client", "send"),
-        ("aiohttp/connector", "send"), ("gateway/request/attempt.py", "send"),
-        ("gateway/request/dispatch.py", "send"),
-        ("gateway/request/relay.py", "relay"), ("gateway/request/respond.py", "relay"),
-        ("gateway/routing/", "route"), ("predictor/", "route"),
-        ("gateway/quota/", "admit"), ("gateway/flow/", "admit"),
-        ("gateway/request/admission.py", "admit"), ("gateway/request/pipeline.py:admit", "admit"),
-        ("gateway/request/pipeline.py:_reserve", "admit"), ("redis/", "admit"),
-        ("protocol/validate.py", "validate"), ("gateway/request/fields.py", "validate"),
-        ("protocol/responses.py", "validate"),
-        ("gateway/request/", "accept and parse"), ("gateway/front/", "accept and parse"),
-        ("aiohttp/", "accept and parse"), ("asyncio/", "event loop"), ("uvloop", "event loop"))
-
-
-def _frame(raw: str) -> tuple[str, str]:
-    """(path, function) of one py-spy frame, ``func (path:line)``."""
-    func, _, rest = raw.partition(" (")
-    return rest.rsplit(":", 1)[0].replace("\\", "/"), func
-
-
-def _match(frame: tuple[str, str], rules: tuple[tuple[str, str], ...]) -> str | None:
-    path, func = frame
-    for frag, stage in rules:
-        p, _, f = frag.partition(":")
-        if p in path and (not f or f == func):
-            return stage
-    return None
-
-
-def stage_of(stack: list[str]) -> str:
-    """The stage of one sampled stack (root first)."""
-    frames = [_frame(f) for f in stack]
-    for fr in reversed(frames):
-        got = _match(fr, CROSSCUT)
-        if got:
-            return got
-    for fr in frames:
-        got = _match(fr, CONTEXT)
-        if got:
-            return got
-    for fr in reversed(frames):
-        got = _match(fr, STEP)
-        if got:
-            return got
-    return "other"
-
-
-def shares(raw: str) -> tuple[dict[str, float], int]:
-    """Each stage's share of a py-spy ``--format raw`` profile, and the samples counted."""
-    counts: Counter[str] = Counter()
-    for line in raw.splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        counts[stage_of(stack.split(";"))] += int(n)
-    total = sum(counts.values())
-    return ({s: counts[s] / total for s in STAGES} if total else {}), total
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its threads (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,64 +260,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         stop_all(procs)
         shutil.rmtree(work, ignore_errors=True)
     return result
-
-
-def table(result: dict[str, Any]) -> str:
-    """Median over rounds of each stage's µs CPU per request, one column per payload/tree."""
-    cols: list[tuple[str, str]] = []
-    for row in result["rounds"]:
-        for name, by_tree in row.items():
-            for tag in by_tree:
-                if (name, tag) not in cols:
-                    cols.append((name, tag))
-
-    def med(name: str, tag: str, key: str, stage: str | None = None) -> float:
-        xs = [r[name][tag]["stages_us"].get(stage, math.nan) if stage else r[name][tag][key]
-              for r in result["rounds"] if name in r and tag in r[name]]
-        return float(statistics.median(xs)) if xs else math.nan
-
-    head = "| stage | " + " | ".join(f"{n} ({t})" for n, t in cols) + " |"
-    lines = [head, "|---" * (len(cols) + 1) + "|"]
-    for s in STAGES:
-        lines.append(f"| {s} | " + " | ".join(f"{med(n, t, '', s):,.0f}" for n, t in cols)
-                     + " |")
-    lines.append("| **total** | " + " | ".join(f"**{med(n, t, 'cpu_us'):,.0f}**"
-                                               for n, t in cols) + " |")
-    lines.append("| direct path (echo upstream) | " + " | ".join(
-        f"{med(n, t, 'direct_us'):,.0f}" for n, t in cols) + " |")
-    if any(" epp" in t for _, t in cols):
-        lines.append("| Envoy beside the EPP | " + " | ".join(
-            f"{med(n, t, 'envoy_us'):,.0f}" if " epp" in t else "" for n, t in cols) + " |")
-    return "\n".join(lines)
-
-
-def ratios(result: dict[str, Any], tag: str = "new") -> dict[str, dict[str, float]]:
-    """Per payload, each stage's median CPU per request as a multiple of the direct path's."""
-    out: dict[str, dict[str, float]] = {}
-    for name in result["rounds"][0]:
-        runs = [r[name][tag] for r in result["rounds"] if tag in r.get(name, {})]
-        per: dict[str, float] = {}
-        sampled = all(x["stages_us"] for x in runs)
-        for s in (*STAGES, "total") if sampled else ("total",):
-            per[s] = float(statistics.median(
-                (x["cpu_us"] if s == "total" else x["stages_us"][s]) / max(x["direct_us"], 1e-9)
-                for x in runs))
-        out[name] = per
-    return out
-
-
-def check(result: dict[str, Any], budget: dict[str, dict[str, float]]) -> list[str]:
-    """Stages over twice their budget by more than 5 % of the request's CPU (gross only)."""
-    over = []
-    for name, per in ratios(result).items():
-        if name not in budget:
-            continue
-        total = per["total"]
-        for s, got in per.items():
-            allowed = budget[name].get(s, 0.0)
-            if got > 2 * allowed and got - 2 * allowed > 0.05 * max(total, budget[name]["total"]):
-                over.append(f"{name}: {s} {got:.2f}× direct against a budget of {allowed:.2f}×")
-    return over
 
 
 def main() -> None:

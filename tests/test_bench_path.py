@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.path import STAGES, check, shares, stage_of
+from benchmarks.path_report import check
+from benchmarks.path_stages import STAGES, shares, stage_of
 
 ROOT = "run (asyncio/runners.py:118);_run (asyncio/events.py:80)"
 
