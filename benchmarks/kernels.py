@@ -20,166 +20,18 @@ KV), not a paged kernel; projections and MLP are cuBLAS GEMMs, unfused elementwi
 
 from __future__ import annotations
 
-import importlib
 import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kernel_model import LLAMA3_8B, LLAMA3_70B_TP4, Model, Shape, caches, load_torch
+
 CHUNK = 8192
 KV_LIMIT_BYTES = 72e9
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """One GPU's share of a dense decoder (a tensor-parallel shard when ``tp`` > 1)."""
-
-    name: str
-    profile: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tp: int = 1
-
-
-LLAMA3_8B = Shape("llama-3-8b", "llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256)
-LLAMA3_70B_TP4 = Shape("llama-3-70b, one TP4 shard", "llama-3-70b", 80, 8192, 16, 2, 128,
-                       7168, 128256 // 4, tp=4)
-
-
-def _torch() -> Any:
-    return importlib.import_module("torch")
-
-
-class Model:
-    """Random BF16 weights of ``shape`` on the GPU and one forward of a mixed step."""
-
-    def __init__(self, shape: Shape, dev: str = "cuda") -> None:
-        torch = _torch()
-        self.t = torch
-        self.F = importlib.import_module("torch.nn.functional")
-        self.shape = shape
-        self.dev = dev
-        s = shape
-        qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
-
-        def w(*dims: int) -> Any:
-            return torch.empty(*dims, device=dev, dtype=torch.bfloat16).normal_(0, 0.02)
-
-        self.layers = [
-            {"n1": torch.ones(s.hidden, device=dev, dtype=torch.bfloat16),
-             "n2": torch.ones(s.hidden, device=dev, dtype=torch.bfloat16),
-             "wqkv": w(s.hidden, qkv), "wo": w(s.heads * s.head_dim, s.hidden),
-             "wgu": w(s.hidden, 2 * s.ffn), "wd": w(s.ffn, s.hidden)}
-            for _ in range(s.layers)
-        ]
-        self.norm = torch.ones(s.hidden, device=dev, dtype=torch.bfloat16)
-        self.lm_head = w(s.hidden, s.vocab)
-        self.embed = w(s.vocab, s.hidden)
-        self.gqa_path = "enable_gqa"
-
-    def _attend(self, q: Any, k: Any, v: Any, causal_from: int | None) -> Any:
-        """SDPA of q [b, H, n, d] over k, v [b, K, m, d]; ``causal_from`` = cached tokens
-        before the n new ones (None: no mask, a decode query sees every key)."""
-        F = self.F
-        s = self.shape
-        mask: Any = None
-        causal = False
-        if causal_from == 0:
-            causal = True
-        elif causal_from is not None:
-            bias = importlib.import_module("torch.nn.attention.bias")
-            mask = bias.causal_lower_right(q.shape[2], k.shape[2])
-        if mask is None and self.gqa_path == "enable_gqa":
-            try:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-            except (RuntimeError, TypeError):
-                self.gqa_path = "repeat"
-        rep = s.heads // s.kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    def step(self, ids: Any, pre: tuple[int, int] | None, dec: tuple[int, int] | None,
-             caches: dict[str, list[Any]], sample_prefill: bool) -> Any:
-        """One forward: ``pre`` = (n new tokens, c cached) of one prompt, ``dec`` = (batch,
-        context) decoding one token each; token rows are the prefill's first, then decode's."""
-        t = self.t
-        F = self.F
-        s = self.shape
-        d = s.head_dim
-        n, c = pre or (0, 0)
-        b, ctx = dec or (0, 0)
-        x = self.embed[ids]
-        cos = caches["cos"][0]
-        sin = caches["sin"][0]
-        for i, L in enumerate(self.layers):
-            h = F.rms_norm(x, (s.hidden,), L["n1"])
-            qkv = h @ L["wqkv"]
-            q = qkv[:, : s.heads * d]
-            k = qkv[:, s.heads * d: (s.heads + s.kv_heads) * d]
-            v = qkv[:, (s.heads + s.kv_heads) * d:]
-            q = q * cos[:, : s.heads * d] + q.roll(d // 2, -1) * sin[:, : s.heads * d]
-            k = k * cos[:, : s.kv_heads * d] + k.roll(d // 2, -1) * sin[:, : s.kv_heads * d]
-            outs = []
-            if n:
-                kc, vc = caches["pk"][i], caches["pv"][i]
-                kc[0, :, c: c + n] = k[:n].view(n, s.kv_heads, d).transpose(0, 1)
-                vc[0, :, c: c + n] = v[:n].view(n, s.kv_heads, d).transpose(0, 1)
-                qp = q[:n].view(1, n, s.heads, d).transpose(1, 2)
-                o = self._attend(qp, kc[:, :, : c + n], vc[:, :, : c + n], c)
-                outs.append(o.transpose(1, 2).reshape(n, s.heads * d))
-            if b:
-                kc, vc = caches["dk"][i], caches["dv"][i]
-                kc[:, :, ctx] = k[n:].view(b, s.kv_heads, d)
-                vc[:, :, ctx] = v[n:].view(b, s.kv_heads, d)
-                qd = q[n:].view(b, 1, s.heads, d).transpose(1, 2)
-                o = self._attend(qd, kc, vc, None)
-                outs.append(o.transpose(1, 2).reshape(b, s.heads * d))
-            a = outs[0] if len(outs) == 1 else t.cat(outs)
-            x = x + a @ L["wo"]
-            h = F.rms_norm(x, (s.hidden,), L["n2"])
-            gu = h @ L["wgu"]
-            x = x + (F.silu(gu[:, : s.ffn]) * gu[:, s.ffn:]) @ L["wd"]
-        rows = []
-        if n and sample_prefill:
-            rows.append(x[n - 1: n])
-        if b:
-            rows.append(x[n:])
-        if not rows:
-            return x[:1]
-        last = rows[0] if len(rows) == 1 else t.cat(rows)
-        return F.rms_norm(last, (s.hidden,), self.norm) @ self.lm_head
-
-
-def _caches(m: Model, pre: tuple[int, int] | None, dec: tuple[int, int] | None) -> dict[str, Any]:
-    t = m.t
-    s = m.shape
-    bf = t.bfloat16
-    n, c = pre or (0, 0)
-    b, ctx = dec or (0, 0)
-    tokens = n + b
-    out: dict[str, Any] = {"pk": [], "pv": [], "dk": [], "dv": []}
-    for _ in range(s.layers):
-        if n:
-            out["pk"].append(t.randn(1, s.kv_heads, c + n, s.head_dim, device=m.dev, dtype=bf))
-            out["pv"].append(t.randn(1, s.kv_heads, c + n, s.head_dim, device=m.dev, dtype=bf))
-        if b:
-            out["dk"].append(t.randn(b, s.kv_heads, ctx + 1, s.head_dim, device=m.dev, dtype=bf))
-            out["dv"].append(t.randn(b, s.kv_heads, ctx + 1, s.head_dim, device=m.dev, dtype=bf))
-    width = s.heads * s.head_dim
-    out["cos"] = [t.rand(tokens, width, device=m.dev, dtype=bf)]
-    out["sin"] = [t.rand(tokens, width, device=m.dev, dtype=bf)]
-    return out
 
 
 def _time_step(m: Model, pre: tuple[int, int] | None, dec: tuple[int, int] | None,
@@ -188,22 +40,22 @@ def _time_step(m: Model, pre: tuple[int, int] | None, dec: tuple[int, int] | Non
     t = m.t
     n = (pre or (0, 0))[0]
     b = (dec or (0, 0))[0]
-    caches = _caches(m, pre, dec)
+    kv = caches(m, pre, dec)
     ids = t.randint(0, m.shape.vocab, (n + b,), device=m.dev)
     how = "graph"
     if m.dev == "cpu":
         with t.no_grad():
             t0 = time.perf_counter()
-            m.step(ids, pre, dec, caches, sample_prefill)
+            m.step(ids, pre, dec, kv, sample_prefill)
         return (time.perf_counter() - t0) * 1e3, "cpu"
     with t.no_grad():
         for _ in range(2):
-            m.step(ids, pre, dec, caches, sample_prefill)
+            m.step(ids, pre, dec, kv, sample_prefill)
         t.cuda.synchronize()
         try:
             g = t.cuda.CUDAGraph()
             with t.cuda.graph(g):
-                m.step(ids, pre, dec, caches, sample_prefill)
+                m.step(ids, pre, dec, kv, sample_prefill)
 
             def run() -> None:
                 g.replay()
@@ -212,7 +64,7 @@ def _time_step(m: Model, pre: tuple[int, int] | None, dec: tuple[int, int] | Non
             t.cuda.synchronize()
 
             def run() -> None:
-                m.step(ids, pre, dec, caches, sample_prefill)
+                m.step(ids, pre, dec, kv, sample_prefill)
         for _ in range(3):
             run()
         t.cuda.synchronize()
@@ -225,7 +77,7 @@ def _time_step(m: Model, pre: tuple[int, int] | None, dec: tuple[int, int] | Non
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-    caches.clear()
+    kv.clear()
     if how == "graph":
         del g
     t.cuda.empty_cache()
@@ -233,7 +85,7 @@ def _time_step(m: Model, pre: tuple[int, int] | None, dec: tuple[int, int] | Non
 
 
 def _ceilings() -> dict[str, float]:
-    t = _torch()
+    t = load_torch()
     out: dict[str, float] = {}
     a = t.randn(8192, 8192, device="cuda", dtype=t.bfloat16)
     bm = t.randn(8192, 8192, device="cuda", dtype=t.bfloat16)
@@ -321,12 +173,12 @@ def _measure_shape(s: Shape, prompts: list[int], decode: list[tuple[int, int]],
     rows.append({"kind": "attention_path", "shape": s.name, "path": m.gqa_path})
     del m
     if dev != "cpu":
-        _torch().cuda.empty_cache()
+        load_torch().cuda.empty_cache()
     return rows
 
 
 def measure(out: Path) -> None:
-    t = _torch()
+    t = load_torch()
     t.manual_seed(0)
     info = {"device": t.cuda.get_device_name(0), "torch": t.__version__,
             "cuda": t.version.cuda, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
