@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_MODEL ?= .models/tiny-llama
 ARGS ?=
 
-.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-ids bench-stall bench-path lean bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
+.PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-vtc bench-fairness-ids bench-stall bench-path lean bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
 
 $(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,9 @@ bench-fairness: install
 
 bench-fairness-live: install
 	$(BIN)/python -m benchmarks.sim_fairness_confirm $(ARGS)
+
+bench-fairness-vtc: install redis-server
+	$(BIN)/python -m benchmarks.fairness_vtc $(ARGS)
 
 bench-fairness-ids: install redis-server
 	$(BIN)/python -m benchmarks.fairness_ids $(ARGS)

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from simulator.fairness import Tenant, noisy_neighbour, tenant_requests
 MODEL = "pool"
 TTFT_S, TPOT_S = 2.0, 0.05  # the simulation's SLO, model time
 STREAMED = {"B"}
+ADMIN_KEY = "fairness-admin-key"  # for /admin/flow
 
 
 def key(tenant: str) -> str:
@@ -56,10 +59,12 @@ def key(tenant: str) -> str:
 
 
 def policy(tenants: list[str], ports: list[int], scale: float,
-           flow: FlowControl | None) -> dict[str, Any]:
-    """Tenants with a key each and no limits; one model on the backends at ``ports``; the
-    flow-control thresholds that are times stretched by ``scale``."""
-    settings: dict[str, Any] = {}
+           flow: FlowControl | None, weights: dict[str, float] | None = None
+           ) -> dict[str, Any]:
+    """Tenants with a key each (and their ``weights``) and no limits; one model on the
+    backends at ``ports``; the flow-control thresholds that are times stretched by
+    ``scale``."""
+    settings: dict[str, Any] = {"admin_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}
     if flow is not None:
         fc: dict[str, Any] = {"mode": flow.mode, "queue_depth": flow.queue_depth,
                               "kv_threshold": flow.kv_threshold,
@@ -74,7 +79,8 @@ def policy(tenants: list[str], ports: list[int], scale: float,
                                "endpoints": [{"url": f"http://127.0.0.1:{p}/v1"}
                                              for p in ports]}},
             "tenants": {t: {"keys": [{"name": t, "sha256": hashlib.sha256(
-                key(t).encode()).hexdigest()}]} for t in tenants},
+                key(t).encode()).hexdigest()}], **({"weight": weights[t]} if weights and t in
+                                                   weights else {})} for t in tenants},
             "routes": {"all": {"tenants": tenants, "models": [MODEL]}}}
 
 
@@ -89,6 +95,7 @@ class Sent:
     tokens: int = 0
     status: int | None = None
     done: float | None = None
+    replica: int | None = None  # which gateway it goes to (None: the next in turn)
 
 
 async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> None:
@@ -129,7 +136,13 @@ async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> No
         r.status = -1
 
 
-async def drive(reqs: list[Sent], bases: list[str], ports: list[int]) -> dict[str, Any]:
+During = Callable[[aiohttp.ClientSession, float], Coroutine[Any, Any, None]]
+
+
+async def drive(reqs: list[Sent], bases: list[str], ports: list[int],
+                during: During | None = None) -> dict[str, Any]:
+    """Send ``reqs``, each to the next of ``bases``; ``during(http, t0)`` runs meanwhile
+    (a sampler) and is cancelled when the last answer is in."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=1800)) as http:
@@ -143,9 +156,14 @@ async def drive(reqs: list[Sent], bases: list[str], ports: list[int]) -> dict[st
             return busy, lag
         busy0, _ = await scrape()
         t0 = time.perf_counter() + 0.5
-        await asyncio.gather(*(send(http, bases[i % len(bases)], r, t0)
+        side = asyncio.create_task(during(http, t0)) if during is not None else None
+        await asyncio.gather(*(send(http, bases[(i if r.replica is None else r.replica)
+                                                % len(bases)], r, t0)
                                for i, r in enumerate(reqs)))
         wall = time.perf_counter() - t0
+        if side is not None:
+            side.cancel()
+            await asyncio.gather(side, return_exceptions=True)
         busy1, lag = await scrape()
     return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3}
 
@@ -184,7 +202,21 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
 
 def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
          seed: int, log_dir: Path, replicas: int = 1) -> dict[str, Any]:
-    ports, gw_port = [free_port(), free_port()], free_port()
+    with running([t.name for t in tenants], flow, scale, log_dir, replicas) as (bases, ports):
+        reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens)
+                for r in tenant_requests(tenants, duration, seed)]
+        run = asyncio.run(drive(reqs, bases, ports))
+        return {**figures(reqs, run, scale, len(ports)), "replicas": len(bases)}
+
+
+@contextlib.contextmanager
+def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: Path,
+            replicas: int = 1, backends: int = 2, weights: dict[str, float] | None = None
+            ) -> Iterator[tuple[list[str], list[int]]]:
+    """``tokengate up`` with ``backends`` reference backends and ``replicas`` gateways (a
+    Redis of their own when more than one) for tenants ``names``: the gateways' base URLs
+    and the backends' ports, everything stopped on exit."""
+    ports, gw_port = [free_port() for _ in range(backends)], free_port()
     redis: subprocess.Popen[bytes] | None = None
     more: list[str] = []
     if replicas > 1:
@@ -193,9 +225,8 @@ def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale
                                   "--save", "", "--appendonly", "no"],
                                  stdout=subprocess.DEVNULL)
         more = ["--replicas", str(replicas), "--redis", f"redis://127.0.0.1:{rport}/0"]
-    names = [t.name for t in tenants]
     pol = log_dir / "policy.yaml"
-    pol.write_text(yaml.safe_dump(policy(names, ports, scale, flow), sort_keys=False))
+    pol.write_text(yaml.safe_dump(policy(names, ports, scale, flow, weights), sort_keys=False))
     mode = flow.mode if flow is not None else "fcfs"
     with open(log_dir / "up.log", "wb") as log:
         proc = subprocess.Popen(
@@ -205,11 +236,7 @@ def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale
             start_new_session=True)
     try:
         asyncio.run(wait_stack(proc, gw_port, log_dir, "fairness"))
-        bases = [f"http://127.0.0.1:{gw_port}/v1", *replica_urls(log_dir, replicas)]
-        reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens)
-                for r in tenant_requests(tenants, duration, seed)]
-        run = asyncio.run(drive(reqs, bases, ports))
-        return {**figures(reqs, run, scale, len(ports)), "replicas": len(bases)}
+        yield [f"http://127.0.0.1:{gw_port}/v1", *replica_urls(log_dir, replicas)], ports
     finally:
         stop_stack(proc)
         if redis is not None:

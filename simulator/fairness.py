@@ -10,9 +10,10 @@ it (``w_in·prompt + w_out·output``), while more than one tenant was backlogged
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +97,13 @@ def batch_tokens(engines: Iterable[SimEngine], reqs: list[SimRequest]) -> int:
 
 
 def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backends: int = 2,
-                    seed: int = 0, slo: SLO | None = None,
-                    flow: FlowControl | None = None) -> dict[str, Any]:
+                    seed: int = 0, slo: SLO | None = None, flow: FlowControl | None = None,
+                    requests: Callable[[int, int], list[SimRequest]] | None = None,
+                    gap_flows: list[str] | None = None, window_s: float = 10.0
+                    ) -> dict[str, Any]:
+    """``tenants`` on the pool in ``mode``. ``requests(block_size, root)``: the requests to
+    send (default: ``tenant_requests``); ``gap_flows``: the flows whose pairwise service gap
+    is measured (default: the busiest tenants), overall and per ``window_s``."""
     slo = slo or SLO(ttft_ms=2000.0, tpot_ms=50.0)
     policy = shaped_policy(str(DEMO_POLICY), PoolShape(backends=backends))
     m, route = pool_of(policy, PoolShape(backends=backends))
@@ -108,12 +114,14 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
         engines = engines_for(m, loop, root, 0.03, scheduling_policy="priority"
                               if flow is not None and flow.engine_priority else "fcfs")
         gw = SimGateway(m, route, loop, engines, OnlinePredictor(TrainConfig()))
-        gap = _Gap([t.name for t in tenants if t.rate == max(x.rate for x in tenants)])
+        gap = _Gap(gap_flows or [t.name for t in tenants
+                                  if t.rate == max(x.rate for x in tenants)], window_s)
         if mode != "fcfs":
             gw.use_flow(flow or FlowControl(mode=mode), mode)
             assert gw.flow is not None
             gw.flow.on_pump = gap.sample
-        reqs = tenant_requests(tenants, duration, seed, gw.router.block_size(), root)
+        reqs = (requests or (lambda bs, rt: tenant_requests(tenants, duration, seed, bs, rt)))(
+            gw.router.block_size(), root)
         for sr in reqs:
             loop.at(sr.t, gw.arrive, sr)
         gw.start(len(reqs))
@@ -130,6 +138,7 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
     out: dict[str, Any] = {"mode": mode, "utilisation": busy, "duration_s": end,
                            "requests": len(reqs), "counters": counters, "tenants": {},
                            "service_gap": gap.worst, "service_gap_flows": gap.flows,
+                           "service_gap_by_window": gap.windows(end),
                            "vtc_bound": vtc_bound(
                                cfg.input_weight, cfg.output_weight,
                                max(len(r.prompt_ids) for r in reqs),
@@ -147,7 +156,25 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
             "tokens_per_s": sum(r.result.output_tokens for r in mine
                                 if r.result.error is None) / end,
             "served_per_s": sum(1 for r in mine if r.result.error is None) / end,
+            # while arrivals last (``duration``): answers completed, and the weighted service
+            # (``w_in·prompt + w_out·output``, over the weight) delivered in each window
+            "completed_per_s": sum(1 for r in mine if r.result.error is None
+                                   and r.result.chunk_times[-1:] <= [duration]) / duration,
+            "service_by_window": _service(mine, cfg, duration, window_s),
             "first_gateway_wait_ms": _first_wait(mine), **anatomy(mine)}
+    return out
+
+
+def _service(reqs: list[SimRequest], cfg: FlowControl, duration: float,
+             window_s: float) -> list[float]:
+    """Weighted service each window of ``duration`` delivered, counted when an answer
+    completes."""
+    out = [0.0] * max(1, math.ceil(duration / window_s))
+    for r in reqs:
+        done = r.result.chunk_times[-1] if r.result.chunk_times else None
+        if r.result.error is None and done is not None and done < duration:
+            out[int(done // window_s)] += (cfg.input_weight * len(r.prompt_ids) +
+                                           cfg.output_weight * r.result.output_tokens) / r.weight
     return out
 
 
@@ -180,24 +207,35 @@ def anatomy(reqs: list[SimRequest]) -> dict[str, float | None]:
 class _Gap:
     """The largest difference in weighted service between two flows over any stretch of
     time during which both were backlogged throughout (VTC's bound applies to it), measured
-    on the fair-share counters at every pump (no lift happens to a backlogged flow)."""
+    on the fair-share counters at every pump (no lift happens to a backlogged flow), for
+    every pair of ``flows``: over the run and, to show it does not grow with time, within
+    each ``window_s`` (a stretch is counted in the window it ends in)."""
 
-    def __init__(self, flows: list[str]) -> None:
-        self.flows = flows[:2]
+    def __init__(self, flows: list[str], window_s: float = 10.0) -> None:
+        self.flows = flows
+        self.window_s = window_s
         self.worst = 0.0
-        self._range: tuple[float, float] | None = None  # counter difference, low and high
+        self.by_window: dict[int, float] = {}
+        # per pair: the counter difference's low and high over the current stretch
+        self._range: dict[tuple[str, str], tuple[float, float]] = {}
 
-    def sample(self, now: float, backlogged: set[str], counters: dict[str, float]) -> None:
-        if len(self.flows) < 2:
-            return
-        a, b = self.flows
-        if a in backlogged and b in backlogged:
-            diff = counters.get(a, 0.0) - counters.get(b, 0.0)
-            lo, hi = self._range or (diff, diff)
-            self._range = lo, hi = min(lo, diff), max(hi, diff)
-            self.worst = max(self.worst, hi - lo)  # over any stretch inside this one
-        else:
-            self._range = None
+    def sample(self, now: float, backlogged: set[str], counters: Mapping[str, float]) -> None:
+        for i, a in enumerate(self.flows):
+            for b in self.flows[i + 1:]:
+                if a not in backlogged or b not in backlogged:
+                    self._range.pop((a, b), None)
+                    continue
+                diff = counters.get(a, 0.0) - counters.get(b, 0.0)
+                lo, hi = self._range.get((a, b), (diff, diff))
+                lo, hi = min(lo, diff), max(hi, diff)
+                self._range[(a, b)] = lo, hi
+                w = int(now // self.window_s)
+                self.by_window[w] = max(self.by_window.get(w, 0.0), hi - lo)
+                self.worst = max(self.worst, hi - lo)
+
+    def windows(self, end: float) -> list[float | None]:
+        """The largest gap ending in each window (None: no two flows backlogged in it)."""
+        return [self.by_window.get(w) for w in range(int(end // self.window_s) + 1)]
 
 
 def _codes(reqs: list[SimRequest]) -> dict[str, int]:

@@ -188,3 +188,48 @@ def test_replicas_exchanging_deltas_keep_counters_honest_and_within_the_bound(
     bound = reps[0].bound(max_in, max_in + max_out)
     assert worst <= bound, (worst, bound)
     assert served["a"] > 0 and served["b"] > 0
+
+
+def test_tenants_pinned_to_different_replicas_get_their_weights() -> None:
+    """a (weight 2) waits only at replica one, b (weight 1) only at replica two; one engine
+    slot frees at a time and whichever replica looks first may take it. Ordering its own
+    queue only, each replica took every slot it saw (1:1); with the tenants waiting elsewhere
+    exchanged, a replica whose tenant is ahead holds back and a gets twice b's service."""
+    rng = random.Random(3)
+    one, two = FairQueue("fair"), FairQueue("fair")
+    store: dict[str, float] = {}
+    served = {"a": 0, "b": 0}
+    for step in range(3000):
+        for q, t, wt in ((one, "a", 2.0), (two, "b", 1.0)):
+            while q.waiting_of(t) < 4:
+                q.push(Waiter(t, "standard", 0.0, 100, 10, wt))
+        if step % 5 == 0:  # an exchange: each says what it waits for, reads the other's
+            for q, other in ((one, two), (two, one)):
+                q.adopt(shared_apply(store, q.take_deltas()))
+                q.elsewhere = other.backlogged()
+                q.slack = 5 * q.service(100, 10, 1.0)
+        for q in rng.sample([one, two], 2):  # the slot goes to the first that takes it
+            head = q.peek()
+            assert head is not None
+            if not q.behind_elsewhere(head.flow):
+                q.pop()
+                q.charge(head.flow, 100, 10, head.weight)
+                served[head.flow] += 1
+                break
+    assert 1.8 <= served["a"] / served["b"] <= 2.2, served
+
+
+def test_a_tenant_waiting_elsewhere_is_neither_forgotten_nor_passed() -> None:
+    q = FairQueue("fair")
+    q.adopt({"a": 500.0, "b": 100.0})
+    q.elsewhere = {"b"}  # b waits at another replica, served less than a
+    q._last_left = 1000.0
+    q.adopt({"a": 500.0, "b": 100.0})
+    assert "b" in q.counters  # at or below the floor but waiting elsewhere: kept
+    q.push(w("a"))
+    assert q.counters["a"] == 500.0  # lifted to the least waiting anywhere (b's 100): no change
+    assert q.behind_elsewhere("a")
+    q.slack = 400.0
+    assert not q.behind_elsewhere("a")  # within the slack: a goes
+    q.elsewhere = set()
+    assert not q.behind_elsewhere("a")

@@ -22,7 +22,7 @@ from test_gateway_e2e import sha
 
 from gateway.config.flow import FlowControl
 from gateway.flow.control import FlowGates
-from gateway.flow.share import KEY, CounterShare
+from gateway.flow.share import KEY, WAITING, WAITING_LIFE_MS, CounterShare
 from gateway.flow.waiter import Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.redis_clients import coordination_client
@@ -71,6 +71,37 @@ def test_what_one_replica_served_counts_at_the_other(redis: RedisServer) -> None
             q.push(Waiter("a", "standard", 0.0, 1, 1))
             nxt = q.pop()
             assert nxt is not None and nxt.flow == "b"
+        finally:
+            await s1.redis.aclose()
+            await s2.redis.aclose()
+    asyncio.run(main())
+
+
+def test_replicas_learn_who_waits_at_the_others_and_a_dead_replica_holds_nobody_back(
+        redis: RedisServer) -> None:
+    """What waits at one replica is known at the other after their exchanges, and held back
+    against: a tenant served more waits while a less served one waits elsewhere. The list of
+    a replica that stops exchanging lapses after ``WAITING_LIFE_MS``."""
+    async def main() -> None:
+        one, two = replica(), replica()
+        s1 = CounterShare(coordination_client(redis.url), one)
+        s2 = CounterShare(coordination_client(redis.url), two)
+        try:
+            queue(two).charge("a", 10_000, 0)  # a was served a lot (at two), b nothing
+            queue(two).push(Waiter("b", "standard", 0.0, 1, 1))  # b waits at two
+            queue(one).push(Waiter("a", "standard", 0.0, 1, 1))  # a at one
+            for s in (s1, s2, s1):
+                await s.exchange()
+            assert queue(one).elsewhere == {"b"} and queue(two).elsewhere == {"a"}
+            assert queue(one).behind_elsewhere("a")  # one holds a back: b trails it
+            assert not queue(two).behind_elsewhere("b")
+            await asyncio.sleep(WAITING_LIFE_MS / 1000 + 0.2)  # two stops exchanging
+            await s1.exchange()
+            assert queue(one).elsewhere == set() and not queue(one).behind_elsewhere("a")
+            queue(one).pop()
+            await s1.exchange()  # nothing waits at one any more: its list is gone
+            raw = await s2.redis.execute("HGETALL", WAITING + "m")
+            assert s1.replica.encode() not in raw[::2]
         finally:
             await s1.redis.aclose()
             await s2.redis.aclose()
@@ -258,12 +289,15 @@ def test_a_tenant_returning_at_a_replica_that_forgot_it_is_lifted_not_added(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("placement", ["spread", "pinned"])
 def test_two_replicas_deliver_weights_two_to_one(
         redis: RedisServer, backend_factory: Callable[..., RunningBackend],
-        tmp_path: Path) -> None:
-    """Team a (weight 2) and team b (weight 1) both flood both replicas sharing Redis, on one
-    engine: a is served about twice b's tokens (with the lift sent as an addition, b fell to
-    a tenth of a's)."""
+        tmp_path: Path, placement: str) -> None:
+    """Team a (weight 2) and team b (weight 1) flood two replicas sharing Redis, on one
+    engine: a is served about twice b's tokens, whether each team's clients reach both
+    replicas (spread; with the lift sent as an addition, b fell to a tenth of a's) or each
+    team reaches one replica only, as keep-alive clients do (pinned; with each replica
+    ordering only its own queue, each took half the engine: 1:1)."""
     engine = backend_factory(time_scale=1.0, max_num_seqs=4)
     doc = _policy(f"{engine.url}/v1")
     doc["tenants"] = {t: {"keys": [{"sha256": sha(f"key-{t}")}], "weight": wt}
@@ -276,7 +310,7 @@ def test_two_replicas_deliver_weights_two_to_one(
     stop = threading.Event()
 
     def flood(tenant: str, i: int) -> None:
-        gw = gws[i % 2]
+        gw = gws["ab".index(tenant) if placement == "pinned" else i % 2]
         with openai.OpenAI(base_url=f"{gw.url}/v1", api_key=f"key-{tenant}", max_retries=0,
                            timeout=120) as c:
             while not stop.is_set():

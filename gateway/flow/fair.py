@@ -116,6 +116,11 @@ class FairQueue:
         self._fresh: set[str] = set()
         self._pushes = 0
         self.size = 0
+        # tenants waiting at other replicas (``gateway.flow.share``, each exchange), and how
+        # far ahead of them a tenant here may be served (what a replica serves in about one
+        # exchange interval)
+        self.elsewhere: set[str] = set()
+        self.slack = 0.0
 
     # -- service accounting ---------------------------------------------------------------
     def service(self, cost_in: float, cost_out: float, weight: float) -> float:
@@ -178,14 +183,23 @@ class FairQueue:
         self._last_left = old._last_left
 
     def _floor(self) -> float:
-        """What a tenant becoming backlogged is lifted to (at least)."""
-        waiting = [self.counters.get(t, 0.0) for t in self.backlogged()]
+        """What a tenant becoming backlogged is lifted to (at least): the least counter of
+        the tenants waiting here or at another replica."""
+        waiting = [self.counters.get(t, 0.0) for t in self.backlogged() | self.elsewhere]
         return min(waiting) if waiting else self._last_left
+
+    def behind_elsewhere(self, tenant: str) -> bool:
+        """Does a tenant waiting at another replica trail ``tenant`` by more than the slack?
+        Then this replica holds ``tenant``'s requests back and the other takes the room."""
+        if not self.elsewhere or self.mode != "fair":
+            return False
+        mine = self.counters.get(tenant, 0.0) - self.slack
+        return any(self.counters.get(t, 0.0) < mine for t in self.elsewhere if t != tenant)
 
     def _forget_idle(self) -> None:
         """Drop the counters of idle tenants at or below the floor: one would be lifted to
         the floor on its return, as if it had none, so ordering is unchanged."""
-        floor, waiting = self._floor(), self.backlogged()
+        floor, waiting = self._floor(), self.backlogged() | self.elsewhere
         for t in [t for t, c in self.counters.items() if c <= floor and t not in waiting]:
             del self.counters[t]
             self._fresh.discard(t)

@@ -76,7 +76,8 @@ class Gate:
     def offer(self, w: Waiter, now: float) -> Offer:
         if not self.queues:
             return Offer(True)
-        if self.queue.size == 0 and self.free(now, w) > 0:
+        if self.queue.size == 0 and self.free(now, w) > 0 and \
+                not self.queue.behind_elsewhere(tenant_of(w.flow)):
             self._grant(w)
             return Offer(True)
         shed = self.queue.push(w)
@@ -100,6 +101,8 @@ class Gate:
         ``BURST``·U at most)."""
         if w.band == "reserved":
             return True
+        if self.queue.behind_elsewhere(_tenant(w)):
+            return False
         head = self.queue.peek()
         if head is None or BANDS.index(head.band) < BANDS.index(w.band):
             return False
@@ -128,10 +131,11 @@ class Gate:
         """Let waiting requests through while the pool has room; returns them, in order."""
         out: list[Waiter] = []
         while self.queue.size and self.free(now) > 0:
-            if self._isolating is not None:
-                head = self.queue.peek()
-                if head is not None and self.free(now, head) <= 0:
-                    break  # the head's tenant is held to a smaller batch: it waits
+            head = self.queue.peek()
+            if head is None or self.queue.behind_elsewhere(_tenant(head)):
+                break  # a tenant waiting at another replica is served less: its turn
+            if self._isolating is not None and self.free(now, head) <= 0:
+                break  # the head's tenant is held to a smaller batch: it waits
             w = self.queue.pop()
             if w is None:
                 break

@@ -13,6 +13,16 @@ two tenants backlogged on every replica the weighted service differs by at most 
 bound plus what the other replicas serve in one interval: ``2·max(w_in·L_in, w_out·M) +
 (R − 1)·S·interval`` for ``R`` replicas each serving ``S`` weighted tokens per second.
 
+A replica also says, in the same round trip, which tenants wait in its queue, and learns
+which wait at the others: a tenant's requests may reach one replica only (a client's
+keep-alive connection stays with one pod), so no replica's own queue holds both tenants that
+compete. A replica lets its least-served tenant through only while no tenant waiting at
+another replica has been served less by more than what a replica serves in about one
+interval (``FairQueue.behind_elsewhere``); the other replica, whose tenant is behind, takes
+the room. Two replicas never both hold back for long: each sees the other's counter at most
+one interval late, and the margin covers that. A replica's list lives one second unless
+renewed, so one that dies holds nobody back.
+
 If Redis cannot be reached, each replica goes on with its own counters (fairness per replica,
 not across them), keeps what it could not send, and sends it when Redis answers again; no
 request waits on Redis.
@@ -23,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import uuid
+from collections.abc import Collection
 
 from gateway.flow.control import FlowGates
 from gateway.flow.delta import Delta
@@ -30,41 +42,81 @@ from gateway.redis_clients import Executor
 
 log = logging.getLogger("tokengate.flow")
 KEY = "{tokengate:flow}:vtc:"
+WAITING = "{tokengate:flow}:waiting:"  # same slot as KEY
+INTERVAL_S = 0.1  # between two exchanges of a replica
 TTL_S = 7 * 86400  # counters of a model nobody sends to any more go after a week
 
-# KEYS[1]: the model's hash; ARGV[1]: its ttl (s); then per tenant 4 values: field, before,
-# lift ('' for none), after. Each counter x becomes max(x + before, lift) + after; answers
-# every field's value after.
+WAITING_LIFE_MS = 1000  # a replica's list of waiting tenants, unless renewed (it died)
+
+# KEYS[1]: the model's counters (a hash), KEYS[2]: which tenants wait at which replica (a
+# hash: replica -> cjson [expiry ms, tenants...]); ARGV[1]: the ttl (s), ARGV[2]: this
+# replica, ARGV[3]: how long its list lives (ms), ARGV[4]: how many tenants wait here, then
+# those tenants, then per tenant 4 values: field, before, lift ('' for none), after. Each
+# counter x becomes max(x + before, lift) + after. Answers every counter's value after, and
+# the other replicas' live lists (expired ones are deleted).
 _APPLY = """
-for i = 2, #ARGV, 4 do
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local nw = tonumber(ARGV[4])
+if nw > 0 then
+  local mine = {now + tonumber(ARGV[3])}
+  for i = 5, 4 + nw do mine[#mine + 1] = ARGV[i] end
+  redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(mine))
+  redis.call('EXPIRE', KEYS[2], 60)
+else
+  redis.call('HDEL', KEYS[2], ARGV[2])
+end
+for i = 5 + nw, #ARGV, 4 do
   local x = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') + tonumber(ARGV[i + 1])
   if ARGV[i + 2] ~= '' then x = math.max(x, tonumber(ARGV[i + 2])) end
   redis.call('HSET', KEYS[1], ARGV[i], string.format('%.17g', x + tonumber(ARGV[i + 3])))
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-return redis.call('HGETALL', KEYS[1])
+local others = {}
+local lists = redis.call('HGETALL', KEYS[2])
+for i = 1, #lists, 2 do
+  if lists[i] ~= ARGV[2] then
+    local v = cjson.decode(lists[i + 1])
+    if v[1] < now then
+      redis.call('HDEL', KEYS[2], lists[i])
+    else
+      for j = 2, #v do others[#others + 1] = v[j] end
+    end
+  end
+end
+return {redis.call('HGETALL', KEYS[1]), others}
 """
 
 
-async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta]
-                       ) -> dict[str, float]:
-    """Apply each tenant's ``Delta`` to the shared counters; answers the totals."""
-    args: list[str] = []
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
+                       replica: str = "", waiting: Collection[str] = ()
+                       ) -> tuple[dict[str, float], set[str]]:
+    """Apply each tenant's ``Delta`` to the shared counters and say which tenants wait at
+    this ``replica``; answers the totals and the tenants waiting at the other replicas."""
+    args: list[str] = [str(TTL_S), replica, str(WAITING_LIFE_MS), str(len(waiting)),
+                       *waiting]
     for f, d in deltas.items():
         args += [f, repr(d.before), "" if d.lift == -math.inf else repr(d.lift), repr(d.after)]
-    raw = await redis.execute("EVAL", _APPLY, "1", key, str(TTL_S), *args)
-    return {(raw[i].decode() if isinstance(raw[i], bytes) else raw[i]): float(raw[i + 1])
-            for i in range(0, len(raw) - 1, 2)}
+    counters, others = await redis.execute("EVAL", _APPLY, "2", key, WAITING + key[len(KEY):],
+                                           *args)
+    return ({_text(counters[i]): float(counters[i + 1]) for i in range(0, len(counters) - 1, 2)},
+            {_text(t) for t in others})
 
 
 class CounterShare:
-    def __init__(self, redis: Executor, gates: FlowGates, interval_s: float = 0.1) -> None:
+    def __init__(self, redis: Executor, gates: FlowGates, interval_s: float = INTERVAL_S) -> None:
         self.redis = redis
         self.gates = gates
         self.interval_s = interval_s
         self.exchanges = 0
         self.failures = 0
         self.degraded = False
+        self.replica = uuid.uuid4().hex
+        self._served: dict[str, float] = {}  # per model: service per interval (EWMA)
 
     async def run(self) -> None:
         while True:
@@ -79,9 +131,11 @@ class CounterShare:
                 continue
             deltas = q.take_deltas()
             try:
-                shared = await apply_deltas(self.redis, KEY + model, deltas)
+                shared, elsewhere = await apply_deltas(self.redis, KEY + model, deltas,
+                                                       self.replica, q.backlogged())
             except Exception as exc:  # any Redis failure: go on alone
                 q.give_back(deltas)
+                q.elsewhere = set()
                 self.failures += 1
                 if not self.degraded:
                     log.warning("fair-share counters are not shared (Redis: %s): each "
@@ -89,6 +143,14 @@ class CounterShare:
                 self.degraded = True
                 return
             q.adopt(shared)
+            q.elsewhere = elsewhere
+            # how far ahead of a tenant waiting elsewhere one waiting here may be served: what
+            # a replica serves in about one interval, so that two replicas each seeing the
+            # other's counter one interval late never both hold back
+            served = sum(abs(d.before + d.after) for d in deltas.values())
+            ewma = self._served.get(model, served)
+            self._served[model] = ewma = 0.8 * ewma + 0.2 * served
+            q.slack = 2.0 * max(ewma, served)
         self.exchanges += 1
         if self.degraded:
             log.warning("fair-share counters are shared again")
