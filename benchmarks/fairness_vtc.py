@@ -21,7 +21,10 @@ For each suite and side (simulated, real):
 * ``share_by_window``: each tenant's fraction of the weighted service delivered in each window
   (counted at the answers, by the client), which for tenants all backlogged is
   ``1 / tenants``: service in proportion to weight; ``ratio_by_window`` for ``weights``:
-  tokens delivered to ``a`` over ``b``, 2 when weights hold.
+  tokens delivered to ``a`` over ``b``, 2 when weights hold. An answer completes a whole
+  decode after its request was let through (seconds at a full batch), so these lag what the
+  gateway let through; ``given`` (real time) has the same figures from the fair-share
+  counters' growth in each window (the service let through, as the replicas counted it).
 
 The backend runs ``--time-scale`` times slower than the modelled GPU and arrivals are
 stretched alike; times are given back in model seconds.
@@ -97,6 +100,8 @@ class Sampler:
         self.by_window: dict[int, float] = {}
         self.samples = 0
         self._range: dict[tuple[str, str], tuple[float, float]] = {}
+        # per window, each flow's counter (the mean of the replicas' views) when it began
+        self.marks: dict[int, dict[str, float]] = {}
 
     async def run(self, http: aiohttp.ClientSession, t0: float) -> None:
         hdr = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -112,13 +117,17 @@ class Sampler:
         self.samples += 1
         waiting = [{f["flow"]: f["waiting"] for f in v.get("flows", [])} for v in views]
         served = [{f["flow"]: f["served"] for f in v.get("flows", [])} for v in views]
+        # each replica's counters: the shared totals with its own unsent changes
+        mean = {f: sum(x.get(f, 0.0) for x in served) / len(served) for f in self.flows}
+        self.marks.setdefault(int(now // self.window), mean)
         for i, a in enumerate(self.flows):
             for b in self.flows[i + 1:]:
-                if not all(w.get(a, 0) > 0 and w.get(b, 0) > 0 for w in waiting):
+                # backlogged: waiting at some replica (a tenant may reach one replica only)
+                if not (any(w.get(a, 0) > 0 for w in waiting) and
+                        any(w.get(b, 0) > 0 for w in waiting)):
                     self._range.pop((a, b), None)
                     continue
-                # each replica's counters: the shared totals with its own unsent changes
-                diff = sum(s.get(a, 0.0) - s.get(b, 0.0) for s in served) / len(served)
+                diff = mean[a] - mean[b]
                 lo, hi = self._range.get((a, b), (diff, diff))
                 lo, hi = min(lo, diff), max(hi, diff)
                 self._range[(a, b)] = lo, hi
@@ -149,6 +158,9 @@ def real(suite: str, cap: float, duration: float, seed: int, scale: float, repli
                 service[s.tenant][int(done // window)] += (
                     FLOW.input_weight * len(r.prompt_ids) +
                     FLOW.output_weight * s.tokens) / weights[s.tenant]
+    given = {t: [(sampler.marks[w + 1][t] - sampler.marks[w][t])
+                 if w in sampler.marks and w + 1 in sampler.marks else 0.0 for w in range(n)]
+             for t in weights}
     model_s = run["wall_s"] / scale
     per_replica = sum(sum(v) for v in service.values()) / min(duration, model_s) / replicas
     return {"service_gap": sampler.worst,
@@ -156,7 +168,8 @@ def real(suite: str, cap: float, duration: float, seed: int, scale: float, repli
             "replica_term": (replicas - 1) * per_replica * INTERVAL_S,
             "samples": sampler.samples, "utilisation": run["busy_s"] / (BACKENDS * model_s),
             "lag_max_ms": run["lag_max_ms"], "errors": sum(1 for s in sent if s.status != 200),
-            **shares(service, weights)}
+            **shares(service, weights),
+            "given": shares(given, weights)}
 
 
 def main() -> None:
@@ -209,6 +222,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['suite']} | {side} | {x['service_gap']:.0f} | {bound:.0f} | "
                          f"{cells(x['gap_by_window'])} | {sh} | "
                          f"{cells(x.get('ratio_by_window', []), '{:.2f}')} |")
+            if "given" in x:
+                g = x["given"]
+                sh = "; ".join(f"{t} {cells(v, '{:.2f}')}" for t, v in g["share_by_window"].items())
+                lines.append(f"| {r['suite']} | {side}, let through | | | | {sh} | "
+                             f"{cells(g.get('ratio_by_window', []), '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -221,15 +221,17 @@ def test_tenants_pinned_to_different_replicas_get_their_weights() -> None:
 
 def test_a_tenant_waiting_elsewhere_is_neither_forgotten_nor_passed() -> None:
     q = FairQueue("fair")
-    q.adopt({"a": 500.0, "b": 100.0})
-    q.elsewhere = {"b"}  # b waits at another replica, served less than a
-    q._last_left = 1000.0
-    q.adopt({"a": 500.0, "b": 100.0})
-    assert "b" in q.counters  # at or below the floor but waiting elsewhere: kept
+    q.adopt({"a": 500.0, "b": 100.0, "c": 1000.0})
+    q.push(w("c"))  # c waits here: the local floor is its 1000
+    q.elsewhere = {"b"}  # b waits at another replica, served less than c
+    q.adopt({"a": 500.0, "b": 100.0, "c": 1000.0})
+    assert "a" not in q.counters  # idle below the floor: forgotten (a return is lifted)
+    assert q.counters["b"] == 100.0  # below the floor too, but waiting elsewhere: kept
+    assert q.behind_elsewhere("c")
+    q.slack = 900.0
+    assert not q.behind_elsewhere("c")  # within the slack: c goes
     q.push(w("a"))
-    assert q.counters["a"] == 500.0  # lifted to the least waiting anywhere (b's 100): no change
-    assert q.behind_elsewhere("a")
-    q.slack = 400.0
-    assert not q.behind_elsewhere("a")  # within the slack: a goes
+    assert q.counters["a"] == 100.0  # lifted to the least waiting anywhere (b's)
     q.elsewhere = set()
-    assert not q.behind_elsewhere("a")
+    q.slack = 0.0
+    assert not q.behind_elsewhere("c")

@@ -182,10 +182,12 @@ class FairQueue:
             self.subs.setdefault(t, _Subs()).counters.update(subs.counters)
         self._last_left = old._last_left
 
-    def _floor(self) -> float:
+    def _floor(self, anywhere: bool = True) -> float:
         """What a tenant becoming backlogged is lifted to (at least): the least counter of
-        the tenants waiting here or at another replica."""
-        waiting = [self.counters.get(t, 0.0) for t in self.backlogged() | self.elsewhere]
+        the tenants waiting here or (``anywhere``) at another replica."""
+        waiting = [self.counters.get(t, 0.0)
+                   for t in (self.backlogged() | self.elsewhere if anywhere
+                             else self.backlogged())]
         return min(waiting) if waiting else self._last_left
 
     def behind_elsewhere(self, tenant: str) -> bool:
@@ -199,7 +201,7 @@ class FairQueue:
     def _forget_idle(self) -> None:
         """Drop the counters of idle tenants at or below the floor: one would be lifted to
         the floor on its return, as if it had none, so ordering is unchanged."""
-        floor, waiting = self._floor(), self.backlogged() | self.elsewhere
+        floor, waiting = self._floor(anywhere=False), self.backlogged() | self.elsewhere
         for t in [t for t, c in self.counters.items() if c <= floor and t not in waiting]:
             del self.counters[t]
             self._fresh.discard(t)
