@@ -97,7 +97,7 @@ bench-fairness-live: install
 	$(BIN)/python -m benchmarks.sim_fairness_confirm $(ARGS)
 
 bench-fairness-vtc: install redis-server
-	$(BIN)/python -m benchmarks.fairness_vtc $(ARGS)
+	$(BIN)/python -m benchmarks.sim_fairness_vtc $(ARGS)
 
 bench-fairness-ids: install redis-server
 	$(BIN)/python -m benchmarks.fairness_ids $(ARGS)

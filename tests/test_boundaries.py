@@ -30,7 +30,7 @@ COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
                         "benchmarks.sim_tiers", "benchmarks.sim_models",
                         "benchmarks.sim_models_confirm", "benchmarks.sim_fairness",
-                        "benchmarks.sim_fairness_confirm"}
+                        "benchmarks.sim_fairness_confirm", "benchmarks.sim_fairness_vtc"}
 
 
 def _modules() -> dict[str, Path]:

@@ -2,7 +2,7 @@
 weighted 1:2:3:4, weights 2:1) under ``fair`` flow control, simulated and in real time
 through ``--replicas`` gateways sharing a Redis, on one reference backend.
 
-    python -m benchmarks.fairness_vtc [--suites overload,...] [--duration 30]
+    python -m benchmarks.sim_fairness_vtc [--suites overload,...] [--duration 30]
         [--time-scale 5] [--replicas 2] [--placement pinned,spread] [--window 10]
         [--sim-only] [--out DIR]
 
