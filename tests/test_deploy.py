@@ -31,7 +31,7 @@ DEPLOY = ROOT / "deploy"
 
 
 K8S = DEPLOY / "k8s"
-OVERLAYS = ("aggregated", "pd", "kvpool", "demo")
+OVERLAYS = ("aggregated", "pd", "kvpool", "demo", "my-policy")
 CORE_GROUPS = ("v1", "apps/v1", "autoscaling/v2", "rbac.authorization.k8s.io/v1")
 
 
@@ -99,8 +99,10 @@ def test_the_gateway_discovers_every_models_pods_with_least_rights(overlay: str)
     assert set(role["rules"][0]["resourceNames"]) == set(pools)
     account = deployments["tokengate-gateway"]["spec"]["template"]["spec"][
         "serviceAccountName"]
-    assert named(docs, "RoleBinding")["tokengate-gateway"]["subjects"] == [
+    subjects = named(docs, "RoleBinding")["tokengate-gateway"]["subjects"]
+    assert [{k: v for k, v in s.items() if k != "namespace"} for s in subjects] == [
         {"kind": "ServiceAccount", "name": account}]
+    assert all(s.get("namespace", "tokengate") == "tokengate" for s in subjects)
 
 
 def test_the_overlays_deploy_what_they_say() -> None:
@@ -109,7 +111,11 @@ def test_the_overlays_deploy_what_they_say() -> None:
                     d["spec"]["template"]["spec"]["containers"][0]["image"])
                 for n, d in named(rendered(overlay), "Deployment").items()
                 if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"}
-    vllm = "vllm/vllm-openai:latest"
+    # the version the compatibility tests run (engines/install_vllm.sh)
+    pinned = re.search(r"^VLLM_VERSION=(\S+)", (ROOT / "engines" / "install_vllm.sh")
+                       .read_text(), re.M)
+    assert pinned
+    vllm = f"vllm/vllm-openai:v{pinned.group(1)}"
     assert engines("aggregated") == {"tokengate-engine-large": ("both", vllm),
                                      "tokengate-engine-small": ("both", vllm)}
     assert engines("pd") == {"tokengate-engine-prefill": ("prefill", vllm),
@@ -118,7 +124,7 @@ def test_the_overlays_deploy_what_they_say() -> None:
     pd = named(rendered("pd"), "Deployment")["tokengate-engine-prefill"]
     assert "NixlConnector" in " ".join(pd["spec"]["template"]["spec"]["containers"][0]["args"])
     for overlay in ("demo", "kvpool"):
-        assert {img for _, img in engines(overlay).values()} == {"tokengate:latest"}
+        assert {img for _, img in engines(overlay).values()} == {"tokengate:0.1.0"}
         for d in named(rendered(overlay), "Deployment").values():
             if d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
                 c = d["spec"]["template"]["spec"]["containers"][0]
@@ -293,3 +299,101 @@ def test_alert_rules_use_existing_metrics_and_labels_and_name_runbooks() -> None
         page = rule["annotations"]["runbook"]
         assert page.startswith("docs/operations.md#") and page.split("#")[1] in anchors, page
         assert rule["labels"]["severity"] in ("page", "ticket")
+
+
+KUBERNETES_DOC = ROOT / "docs" / "kubernetes.md"
+# what installs the objects of each API group that no vendored CRD in deploy/k8s defines: the
+# words docs/kubernetes.md's walkthrough uses for that step
+THIRD_PARTY = {"keda.sh": "KEDA", "monitoring.coreos.com": "Prometheus Operator",
+               "gateway.networking.k8s.io": "Gateway API implementation"}
+
+
+def _kustomizations() -> list[Path]:
+    return sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+
+
+@functools.cache
+def _render(folder: Path) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+def _walk(o: Any) -> Any:
+    if isinstance(o, dict):
+        yield o
+        for v in o.values():
+            yield from _walk(v)
+    elif isinstance(o, list):
+        for v in o:
+            yield from _walk(v)
+
+
+def test_every_folder_under_k8s_is_a_kustomization_that_renders() -> None:
+    """``kubectl apply -k`` works on every folder of manifests (components are included by
+    overlays, not applied)."""
+    for folder in {p.parent for p in K8S.rglob("*.yaml")}:
+        if folder.name == "reference-backends":
+            continue
+        assert (folder / "kustomization.yaml").exists(), folder
+    for folder in _kustomizations():
+        if folder.name != "reference-backends":
+            assert _render(folder), folder
+
+
+def test_every_secret_and_crd_the_manifests_use_is_created_by_a_documented_step() -> None:
+    doc = KUBERNETES_DOC.read_text()
+    created = set(re.findall(r"create secret generic ([a-z0-9-]+)", doc))
+    vendored = {d["spec"]["group"]: folder for folder in _kustomizations()
+                if folder.name == "crds" for d in _render(folder)
+                if d["kind"] == "CustomResourceDefinition"}
+    assert vendored, "no vendored CRDs found"
+    for folder in _kustomizations():
+        if folder.name in ("reference-backends", "crds"):
+            continue
+        for d in _render(folder):
+            for o in _walk(d):
+                ref = o.get("secretKeyRef") or o.get("secret")
+                if isinstance(ref, dict):
+                    name = ref.get("name") or ref.get("secretName")
+                    assert name in created, (folder, name)
+            group = d["apiVersion"].rpartition("/")[0]
+            if d["apiVersion"] in CORE_GROUPS or group in ("", "apps", "autoscaling",
+                                                            "rbac.authorization.k8s.io"):
+                continue
+            if group in vendored:
+                step = f"kubectl apply -k {vendored[group].relative_to(ROOT)}"
+                assert step in doc, (folder, d["kind"], step)
+            else:
+                assert group in THIRD_PARTY and THIRD_PARTY[group] in doc, (folder, group)
+
+
+def test_my_policy_overlay_takes_the_operators_policy_image_and_replicas() -> None:
+    folder = K8S / "overlays" / "my-policy"
+    docs = _render(folder)
+    mine = (folder / "policy.yaml").read_text()
+    cm = named(docs, "ConfigMap")["tokengate-policy"]
+    assert cm["data"]["policy.yaml"] == mine  # the overlay's file, not the base's example
+    parse_policy(yaml.safe_load(mine))
+    override = yaml.safe_load((folder / "kustomization.yaml").read_text())["images"][0]
+    images = [c["image"] for d in docs for o in _walk(d) for c in o.get("containers", [])]
+    ours = [i for i in images if "tokengate" in i]
+    assert ours and all(i == f"{override['newName']}:{override['newTag']}" for i in ours)
+    assert all(d["metadata"].get("namespace") == "tokengate" for d in docs
+               if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"))
+
+
+def test_no_image_floats_and_the_tokengate_image_is_the_packages_version() -> None:
+    """``:latest`` is pulled on every start (ImagePullBackOff for an image nobody pushed)."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(),
+                        re.M)
+    assert version
+    for folder in _kustomizations():
+        if folder.name in ("reference-backends", "crds"):
+            continue
+        for d in _render(folder):
+            for o in _walk(d):
+                for c in o.get("containers", []):
+                    assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]
+                    if c["image"].startswith("tokengate:"):
+                        assert c["image"] == f"tokengate:{version.group(1)}"

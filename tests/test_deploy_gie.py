@@ -31,7 +31,8 @@ def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) -> the openAPIV3Schema of each vendored CRD version (GIE's and
     llm-d's in gie/crds, RBG's in rbg/crds)."""
     out = {}
-    for p in [*(GIE / "crds").glob("*.yaml"), *(GIE.parent / "rbg" / "crds").glob("*.yaml")]:
+    for p in [*(GIE / "crds").glob("*_*.yaml"),  # the CRDs, not their kustomization.yaml
+              *(GIE.parent / "rbg" / "crds").glob("*_*.yaml")]:
         crd = yaml.load(p.read_text(), Loader=yaml.CSafeLoader)
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for v in crd["spec"]["versions"]:
