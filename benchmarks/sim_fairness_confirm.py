@@ -72,6 +72,8 @@ def policy(tenants: list[str], ports: list[int], scale: float,
                               "engine_priority": flow.engine_priority}
         if flow.tpot_threshold_ms is not None:
             fc["tpot_threshold_ms"] = flow.tpot_threshold_ms * scale
+        if flow.isolation_step_ms is not None:
+            fc["isolation_step_ms"] = flow.isolation_step_ms * scale
         settings["flow_control"] = fc
     return {"version": 1, "settings": settings,
             "models": {MODEL: {"backend": {"model": "llama-3-8b", "hardware": "h100-sxm"},
@@ -96,6 +98,7 @@ class Sent:
     status: int | None = None
     done: float | None = None
     replica: int | None = None  # which gateway it goes to (None: the next in turn)
+    fairness_id: str | None = None  # sent as x-fairness-id
 
 
 async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> None:
@@ -108,8 +111,10 @@ async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> No
         body["stream_options"] = {"include_usage": True}
     start = t0 + r.t
     try:
-        async with http.post(f"{base}/completions", json=body,
-                             headers={"Authorization": f"Bearer {key(r.tenant)}"}) as resp:
+        headers = {"Authorization": f"Bearer {key(r.tenant)}"}
+        if r.fairness_id is not None:
+            headers["x-fairness-id"] = r.fairness_id
+        async with http.post(f"{base}/completions", json=body, headers=headers) as resp:
             r.status = resp.status
             if resp.status != 200:
                 await resp.read()
@@ -201,10 +206,14 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
 
 
 def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
-         seed: int, log_dir: Path, replicas: int = 1) -> dict[str, Any]:
+         seed: int, log_dir: Path, replicas: int = 1, rotate: str | None = None
+         ) -> dict[str, Any]:
+    """The tenants' requests through the stack; ``rotate``: a tenant that sends a new
+    ``x-fairness-id`` with every request."""
     with running([t.name for t in tenants], flow, scale, log_dir, replicas) as (bases, ports):
-        reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens)
-                for r in tenant_requests(tenants, duration, seed)]
+        reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens,
+                     fairness_id=f"id-{i}" if r.flow == rotate else None)
+                for i, r in enumerate(tenant_requests(tenants, duration, seed))]
         run = asyncio.run(drive(reqs, bases, ports))
         return {**figures(reqs, run, scale, len(ports)), "replicas": len(bases)}
 
@@ -244,6 +253,34 @@ def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: P
             redis.wait(10)
 
 
+def isolation_live(label: str, duration: float, scale: float, seed: int,
+                   replicas: int) -> dict[str, Any]:
+    """``sim_fairness.isolation`` in real time: B (the victim) at half its fair share, A at
+    exactly its share, then at ten times it, then at ten times it with a new
+    ``x-fairness-id`` per request; B's TTFT under each flood over its TTFT with A at its
+    share."""
+    _, cfg = MODES[label]
+    cap = noisy_neighbour([Tenant("A", NORMAL * 10)], "fair", duration, seed=seed,
+                          flow=MODES["fair"][1])["tenants"]["A"]["served_per_s"]
+    share = cap / 2
+    out: dict[str, Any] = {"seed": seed, "mode": label, "capacity_rps": cap,
+                           "share_rps": share, "replicas": replicas}
+    for name, rate, rotate in (("at_share", share, None), ("at_10x", share * 10, None),
+                               ("at_10x_rotating_ids", share * 10, "A")):
+        tenants = [Tenant("A", rate), Tenant("B", share / 2)]
+        out[name] = live(tenants, cfg, duration, scale, seed,
+                         Path(tempfile.mkdtemp(prefix=f"tokengate-isolation-{name}-")),
+                         replicas, rotate)
+        print(json.dumps({"mode": label, "run": name, **out[name]}), flush=True)
+    base = out["at_share"]
+    for name in ("at_10x", "at_10x_rotating_ids"):
+        for q in ("p90", "p99"):
+            out[f"{name}_{q}_ratio"] = (out[name][f"victim_ttft_{q}_ms"] /
+                                        base[f"victim_ttft_{q}_ms"])
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}), flush=True)
+    return out
+
+
 def replica_urls(log_dir: Path, replicas: int, timeout_s: float = 60.0) -> list[str]:
     """The other replicas' base URLs, as ``tokengate up`` prints them."""
     if replicas <= 1:
@@ -267,8 +304,18 @@ def main() -> None:
                     help="comma-separated: alone and any of " + ", ".join(MODES))
     ap.add_argument("--replicas", type=int, default=1,
                     help="gateway processes sharing a Redis; requests spread over them")
+    ap.add_argument("--isolation", action="store_true",
+                    help="the isolation scenario instead: B at half its fair share, A at its "
+                         "share, at ten times it, and at ten times it with a new "
+                         "x-fairness-id per request")
     ap.add_argument("--out", default="benchmarks/results/fairness-live")
     ns = ap.parse_args()
+    if ns.isolation:
+        runs = [isolation_live(label, ns.duration, ns.time_scale, seed, ns.replicas)
+                for seed in range(ns.seeds) for label in ns.modes.split(",")]
+        write(ns.out, {"runs": runs, "duration_s": ns.duration, "time_scale": ns.time_scale,
+                       "replicas": ns.replicas})
+        return
     flood = [Tenant("A", NORMAL * 10), Tenant("B", LIGHT), Tenant("C", LIGHT)]
     runs = []
     for seed in range(ns.seeds):

@@ -206,7 +206,7 @@ def test_tenants_pinned_to_different_replicas_get_their_weights() -> None:
         if step % 5 == 0:  # an exchange: each says what it waits for, reads the other's
             for q, other in ((one, two), (two, one)):
                 q.adopt(shared_apply(store, q.take_deltas()))
-                q.elsewhere = other.backlogged()
+                q.elsewhere = other.bands_waiting()
                 q.slack = 5 * q.service(100, 10, 1.0)
         for q in rng.sample([one, two], 2):  # the slot goes to the first that takes it
             head = q.peek()
@@ -223,7 +223,7 @@ def test_a_tenant_waiting_elsewhere_is_neither_forgotten_nor_passed() -> None:
     q = FairQueue("fair")
     q.adopt({"a": 500.0, "b": 100.0, "c": 1000.0})
     q.push(w("c"))  # c waits here: the local floor is its 1000
-    q.elsewhere = {"b"}  # b waits at another replica, served less than c
+    q.elsewhere = {"b": 2}  # b waits (standard) at another replica, served less than c
     q.adopt({"a": 500.0, "b": 100.0, "c": 1000.0})
     assert "a" not in q.counters  # idle below the floor: forgotten (a return is lifted)
     assert q.counters["b"] == 100.0  # below the floor too, but waiting elsewhere: kept
@@ -232,6 +232,10 @@ def test_a_tenant_waiting_elsewhere_is_neither_forgotten_nor_passed() -> None:
     assert not q.behind_elsewhere("c")  # within the slack: c goes
     q.push(w("a"))
     assert q.counters["a"] == 100.0  # lifted to the least waiting anywhere (b's)
-    q.elsewhere = set()
     q.slack = 0.0
+    assert not q.behind_elsewhere("c", "reserved")  # a higher band does not wait for b
+    q.elsewhere = {"b": 3}  # b waits in flex only: c's standard request goes
+    assert not q.behind_elsewhere("c")
+    assert q.behind_elsewhere("c", "flex")
+    q.elsewhere = {}
     assert not q.behind_elsewhere("c")

@@ -92,12 +92,12 @@ def test_replicas_learn_who_waits_at_the_others_and_a_dead_replica_holds_nobody_
             queue(one).push(Waiter("a", "standard", 0.0, 1, 1))  # a at one
             for s in (s1, s2, s1):
                 await s.exchange()
-            assert queue(one).elsewhere == {"b"} and queue(two).elsewhere == {"a"}
+            assert queue(one).elsewhere == {"b": 2} and queue(two).elsewhere == {"a": 2}
             assert queue(one).behind_elsewhere("a")  # one holds a back: b trails it
             assert not queue(two).behind_elsewhere("b")
             await asyncio.sleep(WAITING_LIFE_MS / 1000 + 0.2)  # two stops exchanging
             await s1.exchange()
-            assert queue(one).elsewhere == set() and not queue(one).behind_elsewhere("a")
+            assert queue(one).elsewhere == {} and not queue(one).behind_elsewhere("a")
             queue(one).pop()
             await s1.exchange()  # nothing waits at one any more: its list is gone
             raw = await s2.redis.execute("HGETALL", WAITING + "m")

@@ -119,7 +119,7 @@ class FairQueue:
         # tenants waiting at other replicas (``gateway.flow.share``, each exchange), and how
         # far ahead of them a tenant here may be served (what a replica serves in about one
         # exchange interval)
-        self.elsewhere: set[str] = set()
+        self.elsewhere: dict[str, int] = {}  # tenant -> its highest band there (rank)
         self.slack = 0.0
 
     # -- service accounting ---------------------------------------------------------------
@@ -186,22 +186,32 @@ class FairQueue:
         """What a tenant becoming backlogged is lifted to (at least): the least counter of
         the tenants waiting here or (``anywhere``) at another replica."""
         waiting = [self.counters.get(t, 0.0)
-                   for t in (self.backlogged() | self.elsewhere if anywhere
+                   for t in (self.backlogged() | set(self.elsewhere) if anywhere
                              else self.backlogged())]
         return min(waiting) if waiting else self._last_left
 
-    def behind_elsewhere(self, tenant: str) -> bool:
-        """Does a tenant waiting at another replica trail ``tenant`` by more than the slack?
-        Then this replica holds ``tenant``'s requests back and the other takes the room."""
+    def behind_elsewhere(self, tenant: str, band: str = "standard") -> bool:
+        """Does a tenant waiting at another replica in ``band`` or a higher one trail
+        ``tenant`` by more than the slack? Then this replica holds ``tenant``'s request of
+        ``band`` back and the other takes the room."""
         if not self.elsewhere or self.mode != "fair":
             return False
-        mine = self.counters.get(tenant, 0.0) - self.slack
-        return any(self.counters.get(t, 0.0) < mine for t in self.elsewhere if t != tenant)
+        mine, rank = self.counters.get(tenant, 0.0) - self.slack, _BAND_RANK[band]
+        return any(self.counters.get(t, 0.0) < mine for t, r in self.elsewhere.items()
+                   if r <= rank and t != tenant)
+
+    def bands_waiting(self) -> dict[str, int]:
+        """Each tenant waiting here, with the rank of its highest band (0: critical)."""
+        out: dict[str, int] = {}
+        for rank, band in enumerate(BANDS):
+            for t in self._bands[band]:
+                out.setdefault(t, rank)
+        return out
 
     def _forget_idle(self) -> None:
         """Drop the counters of idle tenants at or below the floor: one would be lifted to
         the floor on its return, as if it had none, so ordering is unchanged."""
-        floor, waiting = self._floor(anywhere=False), self.backlogged() | self.elsewhere
+        floor, waiting = self._floor(anywhere=False), self.backlogged() | set(self.elsewhere)
         for t in [t for t, c in self.counters.items() if c <= floor and t not in waiting]:
             del self.counters[t]
             self._fresh.discard(t)

@@ -77,7 +77,7 @@ class Gate:
         if not self.queues:
             return Offer(True)
         if self.queue.size == 0 and self.free(now, w) > 0 and \
-                not self.queue.behind_elsewhere(tenant_of(w.flow)):
+                not self.queue.behind_elsewhere(tenant_of(w.flow), w.band):
             self._grant(w)
             return Offer(True)
         shed = self.queue.push(w)
@@ -101,7 +101,7 @@ class Gate:
         ``BURST``·U at most)."""
         if w.band == "reserved":
             return True
-        if self.queue.behind_elsewhere(_tenant(w)):
+        if self.queue.behind_elsewhere(_tenant(w), w.band):
             return False
         head = self.queue.peek()
         if head is None or BANDS.index(head.band) < BANDS.index(w.band):
@@ -132,7 +132,7 @@ class Gate:
         out: list[Waiter] = []
         while self.queue.size and self.free(now) > 0:
             head = self.queue.peek()
-            if head is None or self.queue.behind_elsewhere(_tenant(head)):
+            if head is None or self.queue.behind_elsewhere(_tenant(head), head.band):
                 break  # a tenant waiting at another replica is served less: its turn
             if self._isolating is not None and self.free(now, head) <= 0:
                 break  # the head's tenant is held to a smaller batch: it waits

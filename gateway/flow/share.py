@@ -34,7 +34,7 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import Collection
+from collections.abc import Mapping
 
 from gateway.flow.control import FlowGates
 from gateway.flow.delta import Delta
@@ -93,18 +93,24 @@ def _text(v: bytes | str) -> str:
 
 
 async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
-                       replica: str = "", waiting: Collection[str] = ()
-                       ) -> tuple[dict[str, float], set[str]]:
+                       replica: str = "", waiting: Mapping[str, int] | None = None
+                       ) -> tuple[dict[str, float], dict[str, int]]:
     """Apply each tenant's ``Delta`` to the shared counters and say which tenants wait at
-    this ``replica``; answers the totals and the tenants waiting at the other replicas."""
-    args: list[str] = [str(TTL_S), replica, str(WAITING_LIFE_MS), str(len(waiting)),
-                       *waiting]
+    this ``replica`` (with the rank of their highest band); answers the totals and the
+    tenants waiting at the other replicas (each with its highest band's rank there)."""
+    entries = [f"{rank}:{t}" for t, rank in (waiting or {}).items()]
+    args: list[str] = [str(TTL_S), replica, str(WAITING_LIFE_MS), str(len(entries)),
+                       *entries]
     for f, d in deltas.items():
         args += [f, repr(d.before), "" if d.lift == -math.inf else repr(d.lift), repr(d.after)]
     counters, others = await redis.execute("EVAL", _APPLY, "2", key, WAITING + key[len(KEY):],
                                            *args)
+    elsewhere: dict[str, int] = {}
+    for e in map(_text, others):
+        rank, _, tenant = e.partition(":")
+        elsewhere[tenant] = min(int(rank), elsewhere.get(tenant, 9))
     return ({_text(counters[i]): float(counters[i + 1]) for i in range(0, len(counters) - 1, 2)},
-            {_text(t) for t in others})
+            elsewhere)
 
 
 class CounterShare:
@@ -132,10 +138,10 @@ class CounterShare:
             deltas = q.take_deltas()
             try:
                 shared, elsewhere = await apply_deltas(self.redis, KEY + model, deltas,
-                                                       self.replica, q.backlogged())
+                                                       self.replica, q.bands_waiting())
             except Exception as exc:  # any Redis failure: go on alone
                 q.give_back(deltas)
-                q.elsewhere = set()
+                q.elsewhere = {}
                 self.failures += 1
                 if not self.degraded:
                     log.warning("fair-share counters are not shared (Redis: %s): each "
