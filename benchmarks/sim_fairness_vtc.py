@@ -12,8 +12,9 @@ For each suite and side (simulated, real):
   over the weight, as the fair-share counters count it) between two tenants over any stretch
   during which both were backlogged throughout, over the run and per ``--window`` model
   seconds (flat over time, or it grows); in real time the counters are read from every
-  replica's ``/admin/flow`` every 100 ms and a tenant is backlogged while requests of it wait
-  at every replica;
+  replica's ``/admin/flow`` every 100 ms (each tenant's highest: a replica's view lags by its
+  peers' unsent changes) and a tenant is backlogged while requests of it wait at some
+  replica;
 * ``bound``: VTC's ``2·max(w_in·L_in, w_out·M)`` (``M`` the most tokens the running batch
   holds) plus what the other replicas serve within one exchange interval,
   ``(R − 1)·S·interval`` (``gateway.flow.share``, ``S`` one replica's weighted service per
@@ -117,8 +118,9 @@ class Sampler:
         self.samples += 1
         waiting = [{f["flow"]: f["waiting"] for f in v.get("flows", [])} for v in views]
         served = [{f["flow"]: f["served"] for f in v.get("flows", [])} for v in views]
-        # each replica's counters: the shared totals with its own unsent changes
-        mean = {f: sum(x.get(f, 0.0) for x in served) / len(served) for f in self.flows}
+        # each replica's counters: the shared totals with its own unsent changes (counters
+        # only grow; a replica may have forgotten a tenant idle there, below its floor)
+        mean = {f: max((x[f] for x in served if f in x), default=0.0) for f in self.flows}
         self.marks.setdefault(int(now // self.window), mean)
         for i, a in enumerate(self.flows):
             for b in self.flows[i + 1:]:
