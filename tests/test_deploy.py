@@ -353,7 +353,7 @@ def test_every_secret_and_crd_the_manifests_use_is_created_by_a_documented_step(
             continue
         for d in _render(folder):
             for o in _walk(d):
-                ref = o.get("secretKeyRef") or o.get("secret")
+                ref = o.get("secretKeyRef") or o.get("secretRef") or o.get("secret")
                 if isinstance(ref, dict):
                     name = ref.get("name") or ref.get("secretName")
                     assert name in created, (folder, name)
