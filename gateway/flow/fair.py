@@ -324,9 +324,10 @@ class FairQueue:
                                              w.tenant not in self._fresh, w.deadline, w.seq))
         return None
 
-    def pop(self) -> Waiter | None:
-        """Take the next request off the queue (the caller dispatches it and ``charge``s)."""
-        w = self.peek()
+    def pop(self, head: Waiter | None = None) -> Waiter | None:
+        """Take the next request off the queue (the caller dispatches it and ``charge``s);
+        ``head``: what ``peek`` just answered, if the caller asked it."""
+        w = head or self.peek()
         if w is None:
             return None
         if self.mode == "round_robin":

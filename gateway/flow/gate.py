@@ -136,7 +136,7 @@ class Gate:
                 break  # a tenant waiting at another replica is served less: its turn
             if self._isolating is not None and self.free(now, head) <= 0:
                 break  # the head's tenant is held to a smaller batch: it waits
-            w = self.queue.pop()
+            w = self.queue.pop(head)
             if w is None:
                 break
             self._grant(w)

@@ -148,8 +148,8 @@ class CounterShare:
                                 "replica orders by its own until Redis answers", exc)
                 self.degraded = True
                 return
+            q.elsewhere = elsewhere  # before adopt: who waits elsewhere is not forgotten
             q.adopt(shared)
-            q.elsewhere = elsewhere
             # how far ahead of a tenant waiting elsewhere one waiting here may be served: what
             # a replica serves in about one interval, so that two replicas each seeing the
             # other's counter one interval late never both hold back
