@@ -48,7 +48,7 @@ from benchmarks.common import write
 from benchmarks.sim_fairness_confirm import ADMIN_KEY, MODEL, Sent, drive, running
 from gateway.config.flow import FlowControl
 from gateway.flow.share import INTERVAL_S
-from simulator.fairness import Tenant, noisy_neighbour
+from simulator.fairness import Gap, Tenant, noisy_neighbour
 from simulator.vtc_suites import SUITES, flood, suite_requests
 
 FLOW = FlowControl(mode="fair", queue_depth=1, tpot_threshold_ms=40.0)
@@ -92,16 +92,14 @@ def shares(service: dict[str, list[float]], weights: dict[str, float]) -> dict[s
 
 class Sampler:
     """Every replica's fair-share counters and waiting requests, every ``SAMPLE_S``; the
-    service gap of every pair of ``flows`` while both wait at every replica."""
+    service gap of every pair of ``flows`` while both wait (at any replica)."""
 
     def __init__(self, admins: list[str], flows: list[str], scale: float,
                  window: float) -> None:
         self.admins, self.flows, self.scale, self.window = admins, flows, scale, window
-        self.worst = 0.0
-        self.by_window: dict[int, float] = {}
+        self.gap = Gap(flows, window)  # the simulator's measure, on the replicas' counters
         self.samples = 0
-        self._range: dict[tuple[str, str], tuple[float, float]] = {}
-        # per window, each flow's counter (the mean of the replicas' views) when it began
+        # per window, each flow's counter (its highest over the replicas' views) when it began
         self.marks: dict[int, dict[str, float]] = {}
 
     async def run(self, http: aiohttp.ClientSession, t0: float) -> None:
@@ -120,22 +118,11 @@ class Sampler:
         served = [{f["flow"]: f["served"] for f in v.get("flows", [])} for v in views]
         # each replica's counters: the shared totals with its own unsent changes (counters
         # only grow; a replica may have forgotten a tenant idle there, below its floor)
-        mean = {f: max((x[f] for x in served if f in x), default=0.0) for f in self.flows}
-        self.marks.setdefault(int(now // self.window), mean)
-        for i, a in enumerate(self.flows):
-            for b in self.flows[i + 1:]:
-                # backlogged: waiting at some replica (a tenant may reach one replica only)
-                if not (any(w.get(a, 0) > 0 for w in waiting) and
-                        any(w.get(b, 0) > 0 for w in waiting)):
-                    self._range.pop((a, b), None)
-                    continue
-                diff = mean[a] - mean[b]
-                lo, hi = self._range.get((a, b), (diff, diff))
-                lo, hi = min(lo, diff), max(hi, diff)
-                self._range[(a, b)] = lo, hi
-                w = int(now // self.window)
-                self.by_window[w] = max(self.by_window.get(w, 0.0), hi - lo)
-                self.worst = max(self.worst, hi - lo)
+        highest = {f: max((x[f] for x in served if f in x), default=0.0) for f in self.flows}
+        self.marks.setdefault(int(now // self.window), highest)
+        # backlogged: waiting at some replica (a tenant may reach one replica only)
+        self.gap.sample(now, {f for f in self.flows if any(w.get(f, 0) > 0 for w in waiting)},
+                        highest)
 
 
 def real(suite: str, cap: float, duration: float, seed: int, scale: float, replicas: int,
@@ -165,8 +152,8 @@ def real(suite: str, cap: float, duration: float, seed: int, scale: float, repli
              for t in weights}
     model_s = run["wall_s"] / scale
     per_replica = sum(sum(v) for v in service.values()) / min(duration, model_s) / replicas
-    return {"service_gap": sampler.worst,
-            "gap_by_window": [sampler.by_window.get(w) for w in range(n)],
+    return {"service_gap": sampler.gap.worst,
+            "gap_by_window": [sampler.gap.by_window.get(w) for w in range(n)],
             "replica_term": (replicas - 1) * per_replica * INTERVAL_S,
             "samples": sampler.samples, "utilisation": run["busy_s"] / (BACKENDS * model_s),
             "lag_max_ms": run["lag_max_ms"], "errors": sum(1 for s in sent if s.status != 200),

@@ -114,7 +114,7 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
         engines = engines_for(m, loop, root, 0.03, scheduling_policy="priority"
                               if flow is not None and flow.engine_priority else "fcfs")
         gw = SimGateway(m, route, loop, engines, OnlinePredictor(TrainConfig()))
-        gap = _Gap(gap_flows or [t.name for t in tenants
+        gap = Gap(gap_flows or [t.name for t in tenants
                                   if t.rate == max(x.rate for x in tenants)], window_s)
         if mode != "fcfs":
             gw.use_flow(flow or FlowControl(mode=mode), mode)
@@ -204,7 +204,7 @@ def anatomy(reqs: list[SimRequest]) -> dict[str, float | None]:
     return {n: 1e3 * sum(p[i] for p in parts) / len(parts) for i, n in enumerate(names)}
 
 
-class _Gap:
+class Gap:
     """The largest difference in weighted service between two flows over any stretch of
     time during which both were backlogged throughout (VTC's bound applies to it), measured
     on the fair-share counters at every pump (no lift happens to a backlogged flow), for
