@@ -37,7 +37,7 @@ async def _prompt_ids(state: BackendState, g: GenerationRequest) -> list[int]:
     tok = state.tokenizer
     m = state.hosted.get(g.model, state.model)
     if g.prompt_ids is not None:
-        return g.prompt_ids
+        return list(g.prompt_ids)
     size = len(g.prompt_text or "") + sum(len(x["content"]) for x in g.messages)
 
     def run() -> list[int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +39,7 @@ class _Codec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
+    def encode_ids(self, text: str, prompt: bool) -> array[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def max_token_chars(self) -> int: ...
 
@@ -57,6 +59,14 @@ class _Tiktoken:
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self._enc.encode_ordinary(text))
+
+    def encode_ids(self, text: str, prompt: bool) -> array[int]:
+        # the same ids as encode_ordinary (no text is taken for a special token), through a
+        # buffer: the GIL is held for a copy, not for building a list of ints
+        ids = array("I")
+        ids.frombytes(self._enc.encode_to_numpy(text, allowed_special=set(),
+                                                disallowed_special=()).tobytes())
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes:
         try:
@@ -86,6 +96,9 @@ class _HFTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def encode_ids(self, text: str, prompt: bool) -> array[int]:
+        return array("I", self._tok.encode(text, add_special_tokens=prompt).ids)
 
     def added_tokens(self) -> dict[str, int]:
         """Added (special) tokens that split text before pre-tokenization, when none of them
@@ -187,6 +200,12 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """A completion prompt's ids, as the engine encodes it (special tokens added)."""
         return self._codec.encode_prompt(text)
+
+    def encode_ids(self, text: str, prompt: bool = False) -> array[int]:
+        """``encode`` (``encode_prompt`` when ``prompt``) as an ``array("I")``: for long texts
+        counted in a worker thread, which then holds the GIL for a copy rather than for
+        building a list of a million ints while the event loop waits for it."""
+        return self._codec.encode_ids(text, prompt)
 
     def word_text(self, token_id: int) -> str:
         """Text of an output word (only ids from ``output_words``)."""

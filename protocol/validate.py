@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import binascii
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ class GenerationRequest:
     model: str
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt_text: str | None = None
-    prompt_ids: list[int] | None = None
+    prompt_ids: Sequence[int] | None = None
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None

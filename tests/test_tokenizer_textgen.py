@@ -79,6 +79,9 @@ def test_hugging_face_tokenizer_json(tmp_path: object) -> None:
     assert len(tok.output_words) >= 256
     ids = [rng.choice(tok.output_words) for _ in range(300)]
     assert tok.encode("".join(tok.word_text(i) for i in ids)) == ids
+    text = "".join(tok.word_text(i) for i in ids)
+    assert list(tok.encode_ids(text)) == tok.encode(text)
+    assert list(tok.encode_ids(text, prompt=True)) == tok.encode_prompt(text)
     msgs = [{"role": "user", "content": "hello there"}]
     assert len(tok.chat_ids(msgs)) == 3 + len(tok.encode("user")) \
         + len(tok.encode("hello there")) + 2 + len(tok.encode("assistant"))

@@ -142,9 +142,10 @@ class TokenCounter:
         tokenizing it."""
         return chars // self.tokenizer.max_token_chars
 
-    async def _encode(self, text: str, offload: bool = False) -> list[int]:
-        return await self.in_pool(offload or len(text) >= OFFLOAD_CHARS, self.tokenizer.encode,
-                                  text)
+    async def _encode(self, text: str, offload: bool = False) -> array[int]:
+        if not offload and len(text) < OFFLOAD_CHARS:
+            return array("I", self.tokenizer.encode(text))
+        return await self.in_pool(True, self.tokenizer.encode_ids, text)
 
     @staticmethod
     def key(m: Mapping[str, Any]) -> MessageKey:
@@ -191,7 +192,7 @@ class TokenCounter:
             self.hits += 1
             return hit[1]  # type: ignore[no-any-return]
         self.misses += 1
-        ids = array("I", await self._encode(text, offload))
+        ids = await self._encode(text, offload)
         self._cache.put(key, ids, len(ids) + 1)
         return ids
 
@@ -275,18 +276,24 @@ class TokenCounter:
         """Tokens of generated text (no special tokens added)."""
         return len(await self._encode(text))
 
-    async def text_ids(self, prompt: str) -> list[int]:
+    async def text_ids(self, prompt: str) -> Sequence[int]:
         """A completion prompt's ids, as the engine encodes it."""
-        return await self.in_pool(len(prompt) >= OFFLOAD_CHARS, self.tokenizer.encode_prompt,
-                                  prompt)
+        if len(prompt) < OFFLOAD_CHARS:
+            return self.tokenizer.encode_prompt(prompt)
+        return await self.in_pool(True, self.tokenizer.encode_ids, prompt, True)
 
     async def inputs(self, texts: Sequence[str | Sequence[int]], offload: bool
-                     ) -> tuple[list[int], tuple[int, ...]]:
-        """Embeddings inputs' ids, all in one list, and each input's count (token arrays as
-        they are), in one trip to the worker pool when ``offload``."""
-        def encode() -> tuple[list[int], tuple[int, ...]]:
-            enc = self.tokenizer.encode
-            each = [enc(x) if isinstance(x, str) else list(x) for x in texts]
+                     ) -> tuple[Sequence[int], tuple[int, ...]]:
+        """Embeddings inputs' ids, all in one sequence, and each input's count (token arrays
+        as they are), in one trip to the worker pool when ``offload``."""
+        def encode() -> tuple[Sequence[int], tuple[int, ...]]:
+            enc = self.tokenizer.encode_ids if offload else self.tokenizer.encode
+            each = [enc(x) if isinstance(x, str) else x for x in texts]
+            if all(isinstance(x, array) for x in each):
+                flat = array("I")
+                for x in each:
+                    flat.extend(x)  # a memcpy each
+                return flat, tuple(len(x) for x in each)
             return [t for x in each for t in x], tuple(len(x) for x in each)
 
         return await self.in_pool(offload, encode)

@@ -4,7 +4,7 @@ step and hands it to the attempt, migration and settlement code."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,7 @@ class RequestContext:
     raw: bytes
     slo: tuple[float | None, float | None] = (None, None)
     priority: str = "standard"
-    text_ids: dict[str, list[int]] = field(default_factory=dict)  # model -> prompt ids
+    text_ids: dict[str, Sequence[int]] = field(default_factory=dict)  # model -> prompt ids
     chat_prompts: dict[str, ChatPrompt] = field(default_factory=dict)  # model -> rendered
     prompt_tokens: dict[str, int] = field(default_factory=dict)  # model -> counted prompt
     output_limit: dict[str, int] = field(default_factory=dict)  # model -> max_tokens reserved
