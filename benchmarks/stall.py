@@ -6,7 +6,10 @@ huge requests in flight (3 MB embeddings inputs, chats of 180 messages of
 16,000 characters: each counted, then served) and a tenant whose quota is 3,000 tokens a minute
 sends a 3 MB embeddings input once a second (refused: how long that takes is reported).
 
-    python -m benchmarks.stall [--seconds 10] [--heavy 10] [--out DIR]
+    python -m benchmarks.stall [--seconds 10] [--heavy 10] [--via serve|epp] [--out DIR]
+
+``--via epp``: the same through Envoy with ``tokengate epp`` as its endpoint picker (the EPP
+counts and admits; ``/health`` is the EPP's own).
 
 Reports p50/p99/max of ``/health`` and of the light tenant's requests in both phases, the tiny
 tenant's refusal times and statuses, and the heavy tenant's statuses.
@@ -35,6 +38,7 @@ import yaml
 
 from benchmarks.common import write
 from benchmarks.proxy import stop_all
+from gateway.epp.envoy import Envoy, epp_front
 from loadtests.client import wait_for
 from protocol.loopback import free_port
 
@@ -124,8 +128,8 @@ def _heavy_process(base: str, heavy: int, go: Any, done: Any) -> None:
     done.put(status)
 
 
-async def phase(base: str, seconds: float, heavy: int, big: list[tuple[str, bytes]] | None
-                ) -> dict[str, Any]:
+async def phase(base: str, health_url: str, seconds: float, heavy: int,
+                big: list[tuple[str, bytes]] | None) -> dict[str, Any]:
     stop = asyncio.Event()
     health: list[float] = []
     light: list[float] = []
@@ -137,7 +141,7 @@ async def phase(base: str, seconds: float, heavy: int, big: list[tuple[str, byte
 
     async def probes(s: aiohttp.ClientSession) -> None:
         while not stop.is_set():
-            dt, _ = await _timed(s, base + "/health", None, None)
+            dt, _ = await _timed(s, health_url, None, None)
             health.append(dt)
             await asyncio.sleep(0.02)
 
@@ -183,37 +187,58 @@ async def phase(base: str, seconds: float, heavy: int, big: list[tuple[str, byte
     return out
 
 
+def start(via: str, work: Path, procs: list[Any], envoys: list[Envoy]) -> tuple[str, str]:
+    """The gateway under test in front of one echo upstream: (API base, health URL)."""
+    up = free_port()
+    procs.append(subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
+                                   str(up)]))
+    (work / "policy.yaml").write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1")))
+    tg = [sys.executable, "-m", "tokengate"]
+    if via == "serve":
+        gw = free_port()
+        procs.append(subprocess.Popen([*tg, "serve", "--policy", str(work / "policy.yaml"),
+                                       "--port", str(gw), "--log-level", "error"]))
+        return f"http://127.0.0.1:{gw}", f"http://127.0.0.1:{gw}/health"
+    grpc, http, listen, admin = free_port(), free_port(), free_port(), free_port()
+    procs.append(subprocess.Popen([*tg, "epp", "--policy", str(work / "policy.yaml"),
+                                   "--port", str(grpc), "--http-port", str(http),
+                                   "--log-level", "error"]))
+    envoy = Envoy(epp_front(admin_port=admin, listen_host="127.0.0.1", listen_port=listen,
+                            epp_host="127.0.0.1", epp_port=grpc,
+                            endpoints=[f"127.0.0.1:{up}"]), admin, work / "envoy.log")
+    envoys.append(envoy)
+    envoy.start()
+    return f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http}/health"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--heavy", type=int, default=10, help="huge requests kept in flight")
+    ap.add_argument("--via", choices=("serve", "epp"), default="serve")
     ap.add_argument("--out", default="benchmarks/results/stall")
     ns = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tokengate-stall-"))
-    up, gw = free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "loadtests.echo_upstream", "--port",
-                               str(up)])]
-    (work / "policy.yaml").write_text(yaml.safe_dump(policy(f"http://127.0.0.1:{up}/v1")))
-    gateway = subprocess.Popen([sys.executable, "-m", "tokengate", "serve", "--policy",
-                                str(work / "policy.yaml"), "--port", str(gw), "--log-level",
-                                "error"])
-    procs.append(gateway)
-    base = f"http://127.0.0.1:{gw}"
+    procs: list[Any] = []
+    envoys: list[Envoy] = []
     big = bodies(random.Random(0))
 
     async def run() -> dict[str, Any]:
-        await wait_for(base + "/health", timeout_s=60)
-        quiet = await phase(base, ns.seconds, 0, None)
+        base, health = start(ns.via, work, procs, envoys)
+        await wait_for(health, timeout_s=60)
+        quiet = await phase(base, health, ns.seconds, 0, None)
         print(json.dumps({"quiet": quiet}), flush=True)
-        heavy = await phase(base, ns.seconds, ns.heavy, big)
+        heavy = await phase(base, health, ns.seconds, ns.heavy, big)
         print(json.dumps({"heavy": heavy}), flush=True)
-        return {"seconds": ns.seconds, "heavy_in_flight": ns.heavy,
+        return {"via": ns.via, "seconds": ns.seconds, "heavy_in_flight": ns.heavy,
                 "heavy_bodies_bytes": [len(b) for _, b in big], "quiet": quiet, "heavy": heavy}
 
     try:
         out = asyncio.run(run())
         write(ns.out, out)
     finally:
+        for e in envoys:
+            e.stop()
         stop_all(procs)
 
 
