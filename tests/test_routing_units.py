@@ -414,6 +414,43 @@ def test_router_builds_features_from_live_and_scraped_state() -> None:
     assert row["hw_tflops"] == pytest.approx(989.0)
 
 
+def test_hashing_a_long_prompt_takes_a_slot_of_its_tenant(tokenizer: Tokenizer) -> None:
+    """A long prompt is hashed in the worker pool inside its tenant's counting slots, so one
+    tenant's huge prompts (counted, then hashed) cannot hold the whole pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.counting.slots import CountingSlots
+    from gateway.routing.router import HASH_OFFLOAD_TOKENS
+    from predictor.online import OnlinePredictor
+
+    pool, fleet = pool_policy(["both"])
+    router = Router(pool, fleet, OnlinePredictor())
+    ids = list(range(HASH_OFFLOAD_TOKENS + 64))
+    slots = CountingSlots(2)  # one slot per tenant
+
+    async def go() -> None:
+        with ThreadPoolExecutor(2) as pool_:
+            counter = TokenCounter(tokenizer, executor=pool_)
+
+            def prepare(tenant: str) -> Any:
+                return router.prepare(counter, chat=None, prompt_ids=ids, prompt_text=None,
+                                      salt=None, prompt_tokens=len(ids), expected_output=8,
+                                      slo_ttft_ms=None, slo_tpot_ms=None, priority="standard",
+                                      slots=slots, tenant=tenant)
+
+            async with slots.slot("heavy"):  # its one slot is counting another prompt
+                other = await prepare("light")  # another tenant's goes on
+                held = asyncio.ensure_future(prepare("heavy"))
+                for _ in range(20):
+                    await asyncio.sleep(0.005)
+                assert not held.done()
+            info = await held
+            assert list(info.hashes) == list(other.hashes) and len(info.hashes) == len(ids) // 16
+            assert slots.tenants == 0
+
+    asyncio.run(go())
+
+
 def test_pd_decider_prefills_remotely_unless_decode_caches_the_prompt() -> None:
     from predictor.online import OnlinePredictor
 

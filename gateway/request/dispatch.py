@@ -119,7 +119,8 @@ async def route(state: GatewayState, ctx: RequestContext, m: Model, prompt_token
         prompt_ids=g.prompt_ids if g.prompt_ids is not None else ctx.text_ids.get(m.name),
         prompt_text=g.prompt_text, salt=g.cache_salt,
         prompt_tokens=prompt_tokens, expected_output=reserved,
-        slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority)
+        slo_ttft_ms=ctx.slo[0], slo_tpot_ms=ctx.slo[1], priority=ctx.priority,
+        slots=state.counting, tenant=ctx.tenant)
     turn = await flow_turn(state, ctx, m, info.prompt_tokens, reserved)
     try:
         first = await slo.decide(state, ctx.route, m, router, info,

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway import clock as clk
 from gateway.config.policy import Model
+from gateway.counting.slots import CountingSlots
 from gateway.counting.tokenize import ChatPrompt, TokenCounter
 from gateway.routing import plugins
 from gateway.routing.endpoints import EndpointPool, EndpointState
@@ -44,6 +45,7 @@ _DECODE = Profile(("tpot_slo",), {"predicted_tpot": 2.0, "kv_free": 1.0, "prefix
 
 # a prompt with this many tokens still to hash is hashed in the worker pool (~3 ms at the rate
 # measured: 700,000 tokens in 135 ms)
+T = TypeVar("T")
 HASH_OFFLOAD_TOKENS = 16_384
 
 @dataclass(slots=True)
@@ -130,7 +132,10 @@ class Router:
                       prompt_ids: Sequence[int] | None, prompt_text: str | None,
                       salt: str | None, prompt_tokens: int, expected_output: int,
                       slo_ttft_ms: float | None, slo_tpot_ms: float | None,
-                      priority: str) -> RequestInfo:
+                      priority: str, slots: CountingSlots | None = None,
+                      tenant: str = "") -> RequestInfo:
+        """``slots``: hashing a long prompt in the worker pool takes one of ``tenant``'s
+        counting slots, as counting it did (one tenant's huge prompts cannot fill the pool)."""
         h = self.hasher()
         if prompt_tokens < h.block_size:  # no full block: nothing any cache could hold
             return RequestInfo(prompt_tokens, expected_output, (), h.block_size, slo_ttft_ms,
@@ -138,12 +143,14 @@ class Router:
         hashes: Sequence[int]
         if chat is not None:
             job = h.resume(chat, salt)
-            stable = await counter.in_pool(job.tokens >= HASH_OFFLOAD_TOKENS, job.run)
+            stable = await _hashed(counter, job.tokens >= HASH_OFFLOAD_TOKENS, slots, tenant,
+                                   job.run)
             hashes = h.finish(job, stable)
         else:
             ids = prompt_ids if prompt_ids is not None else await counter.text_ids(
                 prompt_text or "")
-            hashes = await counter.in_pool(len(ids) >= HASH_OFFLOAD_TOKENS, h.tokens, ids, salt)
+            hashes = await _hashed(counter, len(ids) >= HASH_OFFLOAD_TOKENS, slots, tenant,
+                                   h.tokens, ids, salt)
         return RequestInfo(prompt_tokens, expected_output, hashes, h.block_size, slo_ttft_ms,
                            slo_tpot_ms, priority)
 
@@ -292,3 +299,11 @@ class Router:
             computed = d.prefill if d.prefill is not None else d.endpoint
             self.fleet.tiers.record(computed.ep.url, computed.ep.engine, req.hashes,
                                     self.kv_pool)
+
+
+async def _hashed(counter: TokenCounter, offload: bool, slots: CountingSlots | None,
+                  tenant: str, fn: Callable[..., T], *args: Any) -> T:
+    if not offload or slots is None:
+        return await counter.in_pool(offload, fn, *args)
+    async with slots.slot(tenant):
+        return await counter.in_pool(True, fn, *args)
