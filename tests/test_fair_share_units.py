@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.flow.delta import Delta
-from gateway.flow.fair import MAX_SUBFLOWS, OVERFLOW, FairQueue
+from gateway.flow.fair import FairQueue
+from gateway.flow.subflows import MAX_SUBFLOWS, OVERFLOW
 from gateway.flow.waiter import Waiter
 
 

@@ -26,10 +26,8 @@ other tenants as one flow. The order:
    equal counters, one just lifted goes first (lifted to the least-served waiting tenant's
    counter, it would otherwise wait behind that tenant's older requests).
 
-A tenant has at most ``max_subflows`` sub-flows waiting at once; requests naming further ids
-share one more sub-flow (``OVERFLOW``), and the counters of idle sub-flows are forgotten (a
-return is lifted to the floor, as if it had none), so what a tenant's ids cost is bounded
-whatever the client sends.
+Sub-flows, their counters and their bound (``max_subflows`` waiting per tenant) are kept by
+``gateway.flow.subflows``.
 
 Counters shared by replicas (``gateway.flow.share``) are the tenants' only. What a replica
 changed since its last exchange is a ``Delta``: charges and lifts composed exactly
@@ -54,14 +52,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.flow.delta import Delta
+from gateway.flow.subflows import MAX_SUBFLOWS, SubFlows
 from gateway.flow.waiter import BANDS, Waiter, tenant_of
 
 Mode = Literal["fcfs", "priority", "round_robin", "fair"]
 MODES: tuple[Mode, ...] = ("fcfs", "priority", "round_robin", "fair")
 _BAND_RANK = {b: i for i, b in enumerate(BANDS)}
 FORGET_EVERY = 256  # tenants becoming backlogged between sweeps of idle tenants' counters
-MAX_SUBFLOWS = 64  # sub-flows of one tenant waiting at once; further ids share OVERFLOW
-OVERFLOW = "~more"  # the sub-flow of a tenant's requests beyond MAX_SUBFLOWS ids
 
 
 def vtc_bound(w_in: float, w_out: float, max_input: float, max_batch_tokens: float) -> float:
@@ -85,15 +82,6 @@ class _Tenant:
     live: int = 0
 
 
-@dataclass(slots=True)
-class _Subs:
-    """A tenant's sub-flow counters (this replica's: service within the tenant)."""
-
-    counters: dict[str, float] = field(default_factory=dict)
-    last_left: float = 0.0
-    waiting: dict[str, int] = field(default_factory=dict)  # queued requests per sub-flow
-
-
 class FairQueue:
     def __init__(self, mode: Mode = "fair", *, max_queued: int = 1024, w_in: float = 1.0,
                  w_out: float = 2.0, max_subflows: int = MAX_SUBFLOWS) -> None:
@@ -101,13 +89,12 @@ class FairQueue:
             raise ValueError(f"unknown flow-control mode {mode!r}")
         self.mode = mode
         self.max_queued = max_queued
-        self.max_subflows = max_subflows
         self.w_in, self.w_out = w_in, w_out
         self.counters: dict[str, float] = {}  # virtual service per tenant (weighted, /weight)
         # every change to the counters since ``take_deltas`` (charges and lifts): what a
         # replica sends to the counters it shares with the others (``gateway.flow.share``)
         self.deltas: dict[str, Delta] = {}
-        self.subs: dict[str, _Subs] = {}  # per tenant: its sub-flows' counters
+        self.subs = SubFlows(max_subflows)  # per tenant: its sub-flows' counters
         self._bands: dict[str, dict[str, _Tenant]] = {b: {} for b in BANDS}
         self._rr: dict[str, list[str]] = {b: [] for b in BANDS}  # round-robin order
         self._last_left = 0.0  # counter of the tenant that left the backlog last
@@ -135,11 +122,7 @@ class FairQueue:
         amount = self.service(cost_in, cost_out, weight)
         self.counters[tenant] = self.counters.get(tenant, 0.0) + amount
         self._delta(tenant).add(amount)
-        subs = self.subs.get(tenant)
-        if subs is not None:
-            sub = sub or flow
-            if sub in subs.counters:
-                subs.counters[sub] += amount * max(weight, 1e-9)
+        self.subs.charge(tenant, sub or flow, amount * max(weight, 1e-9))
 
     def _delta(self, tenant: str) -> Delta:
         d = self.deltas.get(tenant)
@@ -178,8 +161,7 @@ class FairQueue:
         """Take over ``old``'s counters and what it has not sent yet (a reload)."""
         self.counters.update(old.counters)
         self.give_back(old.take_deltas())
-        for t, subs in old.subs.items():
-            self.subs.setdefault(t, _Subs()).counters.update(subs.counters)
+        self.subs.inherit(old.subs)
         self._last_left = old._last_left
 
     def _floor(self, anywhere: bool = True) -> float:
@@ -242,7 +224,7 @@ class FairQueue:
                 self._forget_idle()
             self._pushes += 1
             self._lift(w.tenant, self._floor())
-        w.sub = self._enter_sub(w.tenant, w.flow)
+        w.sub = self.subs.enter(w.tenant, w.flow)
         tenants = self._bands[w.band]
         t = tenants.get(w.tenant)
         if t is None:
@@ -258,35 +240,6 @@ class FairQueue:
         self.size += 1
         return shed
 
-    def _enter_sub(self, tenant: str, flow: str) -> str:
-        """The sub-flow ``flow`` waits in (lifted within its tenant when it becomes
-        backlogged), at most ``max_subflows`` of a tenant's at once."""
-        subs = self.subs.get(tenant)
-        if subs is None:
-            subs = self.subs[tenant] = _Subs()
-        sub = flow
-        if sub not in subs.waiting and len(subs.waiting) >= self.max_subflows:
-            sub = OVERFLOW
-        if sub not in subs.waiting:
-            if len(subs.counters) >= 4 * self.max_subflows:
-                self._forget_subs(subs)
-            floor = min((subs.counters.get(s, 0.0) for s in subs.waiting),
-                        default=subs.last_left)
-            subs.counters[sub] = max(subs.counters.get(sub, 0.0), floor)
-        subs.waiting[sub] = subs.waiting.get(sub, 0) + 1
-        return sub
-
-    def _forget_subs(self, subs: _Subs) -> None:
-        """Keep a tenant's sub-flow counters few: drop the idle ones at or below the floor,
-        then, still too many, the least served idle ones (a return is lifted to the floor)."""
-        floor = min((subs.counters.get(s, 0.0) for s in subs.waiting), default=subs.last_left)
-        idle = sorted((c, s) for s, c in subs.counters.items() if s not in subs.waiting)
-        extra = len(subs.counters) - 2 * self.max_subflows
-        for c, s in idle:
-            if c <= floor or extra > 0:
-                del subs.counters[s]
-                extra -= 1
-
     def remove(self, w: Waiter) -> None:
         """``w`` stops waiting (it gave up, timed out or was shed); no-op when not queued."""
         if not w.queued:
@@ -297,13 +250,7 @@ class FairQueue:
         q = t.subs[w.sub]
         q.live -= 1
         t.live -= 1
-        subs = self.subs[w.tenant]
-        n = subs.waiting[w.sub] - 1
-        if n:
-            subs.waiting[w.sub] = n
-        else:
-            del subs.waiting[w.sub]
-            subs.last_left = subs.counters.get(w.sub, 0.0)
+        self.subs.leave(w.tenant, w.sub)
         self._tidy(w.band, w.tenant, w.sub, t, q)
 
     def peek(self) -> Waiter | None:
@@ -374,9 +321,7 @@ class FairQueue:
             self._rr[band].remove(tenant)
             if not any(tenant in tenants for tenants in self._bands.values()):
                 self._last_left = self.counters.get(tenant, 0.0)
-                subs = self.subs.get(tenant)
-                if subs is not None and not subs.waiting and len(subs.counters) <= 1:
-                    del self.subs[tenant]  # nothing to remember within it
+                self.subs.left_backlog(tenant)
 
     def _worse(self, a: Waiter, b: Waiter) -> bool:
         """Is ``a`` a worse candidate to keep than ``b``?"""
@@ -412,23 +357,15 @@ class FairQueue:
 
     def waiting_of(self, tenant: str) -> int:
         """Requests ``tenant`` has waiting (all bands)."""
-        subs = self.subs.get(tenant)
-        return sum(subs.waiting.values()) if subs is not None else 0
+        return self.subs.waiting_of(tenant)
 
     def waiting_by_flow(self) -> dict[str, int]:
-        """Requests waiting per sub-flow (all bands), named ``tenant`` or ``tenant/ID``
-        (``tenant/~more`` for the ids beyond ``max_subflows``)."""
-        out: dict[str, int] = {}
-        for tenant, subs in self.subs.items():
-            for sub, n in subs.waiting.items():
-                name = f"{tenant}/{OVERFLOW}" if sub == OVERFLOW else sub
-                out[name] = out.get(name, 0) + n
-        return out
+        """Requests waiting per sub-flow (``SubFlows.waiting_by_flow``)."""
+        return self.subs.waiting_by_flow()
 
     def sub_counters(self) -> dict[str, float]:
         """Each remembered sub-flow's service within its tenant (this replica's)."""
-        return {(f"{t}/{OVERFLOW}" if s == OVERFLOW else s): c
-                for t, subs in self.subs.items() for s, c in subs.counters.items() if s != t}
+        return self.subs.counters()
 
     def waiting(self) -> Mapping[str, int]:
         """Requests waiting per band."""
