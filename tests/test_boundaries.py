@@ -21,10 +21,11 @@ PACKAGES = ("tokengate", "protocol", "roofline", "gateway", "backend", "predicto
             "engines", "simulator", "stack", "benchmarks")
 # Micro-benchmarks of one component may import that component (the brief allows it).
 # (servers puts the gateway's UpstreamClient behind each candidate inbound server;
-# envoy and path run Envoy with gateway.epp.envoy's configurations and drive it over HTTP.)
+# envoy, path and stall (--via epp) run Envoy with gateway.epp.envoy's configurations and drive
+# it over HTTP.)
 COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
                         "benchmarks.servers", "benchmarks.envoy", "benchmarks.flow_overhead",
-                        "benchmarks.path"}
+                        "benchmarks.path", "benchmarks.stall"}
 # The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
