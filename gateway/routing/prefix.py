@@ -240,9 +240,10 @@ class ApproxIndex:
         start = 0
         if matched and seen.get(hashes[matched - 1], 0) > self._tick - self.REFRESH_EVERY:
             start = matched
-        self._store_soon(seen, endpoint, hashes[start:])
+        fresh = hashes[start:]
+        self._store_soon(seen, endpoint, fresh)
         if self.on_record is not None:
-            self.on_record(endpoint, hashes[start:])
+            self.on_record(endpoint, fresh)
 
     def record_remote(self, endpoint: str, hashes: Sequence[int]) -> None:
         """Another gateway replica sent these blocks to ``endpoint`` (``routing.prefix_hints``)."""
