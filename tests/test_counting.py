@@ -14,7 +14,8 @@ from gateway.counting.tokenize import ChatPrompt
 from gateway.quota.ledger import never_fits
 from gateway.quota.limiter.bucket import Limit
 from gateway.quota.limiter.store import Charge
-from gateway.routing.prefix import ApproxIndex, PromptHasher
+from gateway.routing.approx_index import ApproxIndex
+from gateway.routing.prefix import PromptHasher
 from protocol.tokenizer import Tokenizer
 
 

@@ -15,6 +15,7 @@ from conftest import scrape_once
 from gateway.config.policy import parse_policy
 from gateway.counting.tokenize import TokenCounter
 from gateway.routing import plugins
+from gateway.routing.approx_index import ApproxIndex
 from gateway.routing.endpoints import STEP_TAU_S, EndpointPool, EndpointState, EngineView, LiveLoad
 from gateway.routing.fleet import Fleet, parse_vllm_metrics
 from gateway.routing.kv_events import (
@@ -25,7 +26,7 @@ from gateway.routing.kv_events import (
     engine_binds,
 )
 from gateway.routing.plugins import Candidate, PluginConfig, RequestInfo
-from gateway.routing.prefix import ApproxIndex, PreciseIndex, PromptHasher, block_hashes
+from gateway.routing.prefix import PreciseIndex, PromptHasher, block_hashes
 from gateway.routing.router import Router
 from predictor.features import FEATURES, EndpointSnapshot, build_matrix
 from protocol.kv_hash import extend_block_hashes, root_hash

@@ -24,10 +24,11 @@ import aiohttp
 
 from gateway.config.endpoint import KVEvents, KVPool
 from gateway.routing.adapters import AdapterLoader
+from gateway.routing.approx_index import ApproxIndex
 from gateway.routing.endpoints import EndpointState, base_url
 from gateway.routing.kv_events import KVEventFollowers
 from gateway.routing.placement import read_residency
-from gateway.routing.prefix import ApproxIndex, PreciseIndex
+from gateway.routing.prefix import PreciseIndex
 from gateway.routing.tiers import TierIndex, read_pool_capacity, read_tier_info
 
 log = logging.getLogger("tokengate.routing")

@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Sequence
 
 from gateway.redis_clients import Executor
-from gateway.routing.prefix import ApproxIndex
+from gateway.routing.approx_index import ApproxIndex
 
 log = logging.getLogger("tokengate.routing")
 STREAM = "{tokengate:routing}:prefix-hints"

@@ -22,10 +22,11 @@ from gateway.config.policy import Model
 from gateway.counting.slots import CountingSlots
 from gateway.counting.tokenize import ChatPrompt, TokenCounter
 from gateway.routing import plugins
+from gateway.routing.approx_index import ApproxIndex
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.fleet import Fleet
 from gateway.routing.plugins import Candidate, PluginConfig, Profile, RequestInfo
-from gateway.routing.prefix import ApproxIndex, PromptHasher
+from gateway.routing.prefix import PromptHasher
 from predictor.features import DEFAULT_PREFILL_RATE, EndpointSnapshot, build_matrix
 from predictor.online import OnlinePredictor
 from predictor.prior import RooflinePrior

@@ -29,8 +29,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.routing.approx_index import ApproxIndex
 from gateway.routing.endpoints import EngineView
-from gateway.routing.prefix import ApproxIndex, PreciseIndex, continued
+from gateway.routing.prefix import PreciseIndex, continued
 
 CPU = "CPU"
 POOL = "POOL"
