@@ -36,6 +36,7 @@ from backend.config import KVPOOL_TOKEN_ENV
 from backend.events import KVEventPublisher, KVEventsConfig
 from backend.kvpool_store import PoolBlock, PoolStore
 from protocol.errors import APIError, Handler, bad, errors
+from protocol.runtime import freeze_startup_heap
 
 log = logging.getLogger("tokengate.kvpool")
 MAX_HASH = 2**64
@@ -218,6 +219,8 @@ async def serve(host: str, port: int, capacity_bytes: int,
         site = web.TCPSite(runner, host, port)
         await site.start()
         log.info("KV pool on http://%s:%d, %.1f GB", host, port, capacity_bytes / 1e9)
+        if handle_signals:  # the process is this server's own
+            freeze_startup_heap()
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -25,6 +25,7 @@ from backend.config import BackendConfig
 from backend.lora import runtime_updates_allowed
 from backend.state import STATE, BackendState
 from protocol.errors import APIError, errors
+from protocol.runtime import freeze_startup_heap
 from protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("tokengate.backend")
@@ -142,6 +143,8 @@ async def serve(config: BackendConfig, *, ready: asyncio.Event | None = None,
         await web.SockSite(runner, sock, backlog=1024).start()
         log.info("listening on http://%s:%d (loading %s for %.2fs)", config.host, config.port,
                  config.name, state.load_seconds)
+        if handle_signals:  # the process is this server's own
+            freeze_startup_heap()
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -31,6 +31,7 @@ from gateway.config.endpoint import Endpoint, KVEvents
 from gateway.config.policy import Model, Policy, Settings
 from gateway.front.process import ServeConfig, serve
 from protocol.loopback import DEMO_KEY, free_port
+from protocol.runtime import freeze_startup_heap
 from stack.behind_envoy import behind_envoy
 from stack.pool_shape import PoolShape, loopback, port_free, resolve_ports
 
@@ -271,6 +272,7 @@ async def up(cfg: UpConfig) -> None:
                            return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
+        freeze_startup_heap()  # the gateway started in this process, which is the program's
         key = (DEMO_KEY if hashlib.sha256(DEMO_KEY.encode()).hexdigest() in policy.key_index
                else "<a key of your policy>")
         print(f"OPENAI_BASE_URL=http://{cfg.host}:{serve_cfg.port}/v1", flush=True)

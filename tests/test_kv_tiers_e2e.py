@@ -5,6 +5,7 @@ drained) from the pool, with the TTFT of a load instead of a recompute."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,12 @@ def ttft_direct(b: RunningBackend, prompt: str) -> float:
 POOL_TOKEN = "kv-pool-token-for-the-e2e-test"
 
 
+def engine_ttft(b: RunningBackend) -> float:
+    """Seconds of TTFT the engine has measured so far (arrival to first token, summed): what
+    a KV tier saves, without the client's and the gateway's share of the time."""
+    return metric(b, "vllm:time_to_first_token_seconds_sum")
+
+
 def tier_hits(b: RunningBackend, medium: str) -> float:
     return metric(b, f'tokengate_backend_kv_tier_hit_tokens_total{{engine="0",medium="{medium}"')
 
@@ -78,9 +85,8 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
     pool_url = f"http://127.0.0.1:{pool_port}"
     evs = [events(), events()]
     # 300 GPU blocks (4,800 tokens): two other 3,000-token prompts evict a conversation.
-    # Kernel times ×3: a load goes through the gateway (tens of ms on a busy 2-core machine),
-    # the recompute it is compared with does not; at ×1 that fixed cost alone took the pool's
-    # TTFT to 0.51 of a recompute in one CI run.
+    # Kernel times ×3; the TTFTs compared are the engine's own (``engine_ttft``), and the
+    # load through the gateway must also beat the recompute sent to the engine directly.
     bs = [backend_factory(served_model_name="llama-3-8b", time_scale=3.0, num_gpu_blocks=300,
                           kv_offload_bytes=2e9, kv_pool_url=pool_url,
                           kv_pool_token=POOL_TOKEN, kv_events=ev,
@@ -93,6 +99,11 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
     d["models"]["big"]["kv_pool"] = {"url": pool_url, "kv_events": {
         "endpoint": pool_events.endpoint, "replay": pool_events.replay_endpoint}}
     gw = start_gateway(write_policy(tmp_path / "policy.yaml", d))
+    # the engines run in this process: its startup heap is frozen, as a backend's own process
+    # does (``freeze_startup_heap``), or one full collection (~0.1 s here) lands inside a
+    # measured TTFT
+    gc.collect()
+    gc.freeze()
     try:
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0)
         ttft_chat(c, [{"role": "user", "content": "warm up"}])
@@ -103,16 +114,22 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
         other = next(b for b in bs if b is not home)
         # other traffic on its instance evicts the conversation from GPU memory; each of
         # these prompts is a recompute of ~3,000 tokens there: the TTFT to beat
-        recompute = min(ttft_direct(home, f"Report {i}: " + DOCUMENT) for i in range(2))
+        recompute_e2e, recompute = [], []
+        for i in range(2):
+            e0 = engine_ttft(home)
+            recompute_e2e.append(ttft_direct(home, f"Report {i}: " + DOCUMENT))
+            recompute.append(engine_ttft(home) - e0)
         time.sleep(0.5)  # the KV events reach the gateway's index
         conv += [{"role": "assistant", "content": reply},
                  {"role": "user", "content": "And the dog?"}]
-        before = tier_hits(home, "CPU")
+        before, e0 = tier_hits(home, "CPU"), engine_ttft(home)
         t2, h2, cached2, reply2 = ttft_chat(c, conv)
+        e2 = engine_ttft(home) - e0
         assert h2["x-tokengate-endpoint"] == f"{home.url}/v1"  # priced by where it is
         # a host-memory hit is only looked for past the GPU hit: the GPU had lost it
         assert tier_hits(home, "CPU") - before >= 2900 and cached2 >= 2900
-        assert t2 < 0.5 * recompute, (t2, recompute)
+        assert e2 < 0.5 * min(recompute), (e2, recompute)
+        assert t2 < min(recompute_e2e), (t2, recompute_e2e)
         rows = httpx.get(f"{gw.url}/admin/endpoints", headers=ADMIN).json()["big"]["endpoints"]
         tiers = next(r for r in rows if r["url"] == f"{home.url}/v1")["engine"]["kv_tiers"]
         assert tiers["host_blocks"] == int(2e9 // (131072 * 16)) and tiers["pool"]
@@ -123,16 +140,21 @@ def test_evicted_history_is_loaded_from_host_memory_then_fetched_from_the_pool(
         assert r.status_code == 200, r.text
         conv += [{"role": "assistant", "content": reply2},
                  {"role": "user", "content": "Who is lazy?"}]
+        e0 = engine_ttft(other)
         t3, h3, cached3, _ = ttft_chat(c, conv)
+        e3 = engine_ttft(other) - e0
         assert h3["x-tokengate-endpoint"] == f"{other.url}/v1"
         assert tier_hits(other, "POOL") >= 2900 and cached3 >= 2900
-        assert t3 < 0.5 * recompute, (t3, recompute)
-        print(f"{index}: TTFT recompute {recompute * 1e3:.1f} ms, from host memory "
-              f"{t2 * 1e3:.1f} ms, from the pool {t3 * 1e3:.1f} ms")
+        assert e3 < 0.5 * min(recompute), (e3, recompute)
+        assert t3 < min(recompute_e2e), (t3, recompute_e2e)
+        print(f"{index}: engine's TTFT: recompute {min(recompute) * 1e3:.1f} ms, from host "
+              f"memory {e2 * 1e3:.1f} ms, from the pool {e3 * 1e3:.1f} ms; the client's: "
+              f"{min(recompute_e2e) * 1e3:.1f} (direct), {t2 * 1e3:.1f}, {t3 * 1e3:.1f} ms")
         pm = httpx.get(f"{pool_url}/metrics").text
         assert metric_line(pm, "tokengate_kvpool_fetched_blocks_total") >= 2900 / 16
         assert metric_line(pm, "tokengate_kvpool_puts_total") > 0
     finally:
+        gc.unfreeze()
         gw.close()
         pool.close()
 

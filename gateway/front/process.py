@@ -35,6 +35,7 @@ from gateway.scaling.autoscaler import PoolScaler
 from gateway.scaling.launcher import LocalLauncher
 from gateway.state import GatewayState, Tokenizers, build_view, sync_tracer, tokenize_pool
 from predictor.online import OnlinePredictor
+from protocol.runtime import freeze_startup_heap
 
 RECORD_STEP_BLOCKS = 1_024  # prefix-index blocks recorded per event-loop step (≤ ~1 ms)
 # Python's default is 5 ms: the counting threads (``gateway.counting.slots``) then hold the event
@@ -106,11 +107,12 @@ def announce(stop: asyncio.Event | None, watcher: PolicyWatcher, handle_signals:
     """The event that stops the server (with ``handle_signals``, SIGTERM and SIGINT set it and
     SIGHUP reloads the policy); ``ready`` is set: the server is listening."""
     stop = stop or asyncio.Event()
-    if handle_signals:
+    if handle_signals:  # the process is this server's own
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+        freeze_startup_heap()
     if ready is not None:
         ready.set()
     return stop
