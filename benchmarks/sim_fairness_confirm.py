@@ -254,9 +254,9 @@ def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: P
 
 
 def isolation_live(label: str, duration: float, scale: float, seed: int,
-                   replicas: int) -> dict[str, Any]:
+                   replicas: int, rotating: bool = True) -> dict[str, Any]:
     """``sim_fairness.isolation`` in real time: B (the victim) at half its fair share, A at
-    exactly its share, then at ten times it, then at ten times it with a new
+    exactly its share, then at ten times it, then (``rotating``) at ten times it with a new
     ``x-fairness-id`` per request; B's TTFT under each flood over its TTFT with A at its
     share."""
     _, cfg = MODES[label]
@@ -265,15 +265,16 @@ def isolation_live(label: str, duration: float, scale: float, seed: int,
     share = cap / 2
     out: dict[str, Any] = {"seed": seed, "mode": label, "capacity_rps": cap,
                            "share_rps": share, "replicas": replicas}
-    for name, rate, rotate in (("at_share", share, None), ("at_10x", share * 10, None),
-                               ("at_10x_rotating_ids", share * 10, "A")):
+    runs = [("at_share", share, None), ("at_10x", share * 10, None),
+            ("at_10x_rotating_ids", share * 10, "A")][:3 if rotating else 2]
+    for name, rate, rotate in runs:
         tenants = [Tenant("A", rate), Tenant("B", share / 2)]
         out[name] = live(tenants, cfg, duration, scale, seed,
                          Path(tempfile.mkdtemp(prefix=f"tokengate-isolation-{name}-")),
                          replicas, rotate)
         print(json.dumps({"mode": label, "run": name, **out[name]}), flush=True)
     base = out["at_share"]
-    for name in ("at_10x", "at_10x_rotating_ids"):
+    for name, _, _ in runs[1:]:
         for q in ("p90", "p99"):
             out[f"{name}_{q}_ratio"] = (out[name][f"victim_ttft_{q}_ms"] /
                                         base[f"victim_ttft_{q}_ms"])
@@ -308,10 +309,13 @@ def main() -> None:
                     help="the isolation scenario instead: B at half its fair share, A at its "
                          "share, at ten times it, and at ten times it with a new "
                          "x-fairness-id per request")
+    ap.add_argument("--no-rotating", action="store_true",
+                    help="with --isolation: leave out the run with rotating x-fairness-ids")
     ap.add_argument("--out", default="benchmarks/results/fairness-live")
     ns = ap.parse_args()
     if ns.isolation:
-        runs = [isolation_live(label, ns.duration, ns.time_scale, seed, ns.replicas)
+        runs = [isolation_live(label, ns.duration, ns.time_scale, seed, ns.replicas,
+                               not ns.no_rotating)
                 for seed in range(ns.seeds) for label in ns.modes.split(",")]
         write(ns.out, {"runs": runs, "duration_s": ns.duration, "time_scale": ns.time_scale,
                        "replicas": ns.replicas})

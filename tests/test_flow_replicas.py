@@ -26,6 +26,7 @@ from gateway.flow.share import KEY, WAITING, WAITING_LIFE_MS, CounterShare
 from gateway.flow.waiter import Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.redis_clients import coordination_client
+from gateway.routing.endpoints import EndpointState
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 
@@ -102,6 +103,51 @@ def test_replicas_learn_who_waits_at_the_others_and_a_dead_replica_holds_nobody_
             await s1.exchange()  # nothing waits at one any more: its list is gone
             raw = await s2.redis.execute("HGETALL", WAITING + "m")
             assert s1.replica.encode() not in raw[::2]
+        finally:
+            await s1.redis.aclose()
+            await s2.redis.aclose()
+    asyncio.run(main())
+
+
+def test_a_tenant_running_at_one_replica_holds_a_heavier_one_to_a_smaller_batch_at_the_other(
+        redis: RedisServer) -> None:
+    """``isolation_step_ms`` across replicas: both replicas send to one engine decoding at 30
+    ms a step (under the 40 ms threshold, over the 25 ms isolation step). The light tenant's
+    request runs through replica one; once the replicas have exchanged, replica two holds the
+    heavier tenant to the smaller batch though nothing of the light tenant runs at two, and
+    lets it through once the light request has settled and been exchanged."""
+    engine = EndpointState("http://127.0.0.1:9000/v1")
+    engine.live.step_ms, engine.live.step_mark = 30.0, (0.0, 0, 0.0)
+
+    def isolating() -> FlowGates:
+        gates = FlowGates(GatewayMetrics())
+        gates.get("m", FlowControl(mode="fair", queue_depth=4, tpot_threshold_ms=40.0,
+                                   isolation_step_ms=25.0), lambda: [engine])
+        return gates
+
+    async def main() -> None:
+        one, two = isolating(), isolating()
+        s1 = CounterShare(coordination_client(redis.url), one)
+        s2 = CounterShare(coordination_client(redis.url), two)
+        g1, g2 = one.gates["m"].gate, two.gates["m"].gate
+        try:
+            light = Waiter("light", "standard", 0.0, 100, 10)
+            assert g1.offer(light, 0.0).go
+            g1.sent()
+            queue(two).charge("heavy", 10_000, 0)  # served far more than light
+            assert g2.offer(Waiter("heavy", "standard", 0.0, 100, 10), 0.0).go  # not known yet
+            g2.sent()
+            for s in (s1, s2, s1, s2):
+                await s.exchange()
+            assert g2.running_elsewhere == {"light"} and g1.running_elsewhere == {"heavy"}
+            heavy = Waiter("heavy", "standard", 0.0, 100, 10)
+            assert not g2.offer(heavy, 0.0).go and heavy.queued
+            assert g2.pump(0.0) == []
+            g1.settled(light, 100, 10)
+            for s in (s1, s2):
+                await s.exchange()
+            assert g2.running_elsewhere == frozenset()
+            assert g2.pump(0.0) == [heavy]
         finally:
             await s1.redis.aclose()
             await s2.redis.aclose()

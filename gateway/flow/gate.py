@@ -47,6 +47,8 @@ class Gate:
         self.endpoints = endpoints
         self.let_through = 0  # granted, not yet sent
         self.running: dict[str, int] = {}  # requests granted and not settled, by tenant
+        # tenants with requests running through other replicas (``share.CounterShare``)
+        self.running_elsewhere: frozenset[str] = frozenset()
         # the tighter step for a tenant served more than one with requests running
         self._isolating = Thresholds(cfg.queue_depth, cfg.kv_threshold, cfg.isolation_step_ms) \
             if cfg.isolation_step_ms is not None and self.mode == "fair" else None
@@ -68,10 +70,12 @@ class Gate:
         return free_slots(self.endpoints(), t, self.let_through, now)
 
     def _over(self, w: Waiter) -> bool:
-        """Has ``w``'s tenant been served more than another tenant with requests running?"""
+        """Has ``w``'s tenant been served more than another tenant with requests running
+        (through this replica or another)?"""
         counters, mine = self.queue.counters, _tenant(w)
         served = counters.get(mine, 0.0)
-        return any(counters.get(t, 0.0) < served for t in self.running if t != mine)
+        return any(counters.get(t, 0.0) < served
+                   for ts in (self.running, self.running_elsewhere) for t in ts if t != mine)
 
     def offer(self, w: Waiter, now: float) -> Offer:
         if not self.queues:

@@ -20,8 +20,11 @@ compete. A replica lets its least-served tenant through only while no tenant wai
 another replica has been served less by more than what a replica serves in about one
 interval (``FairQueue.behind_elsewhere``); the other replica, whose tenant is behind, takes
 the room. Two replicas never both hold back for long: each sees the other's counter at most
-one interval late, and the margin covers that. A replica's list lives one second unless
-renewed, so one that dies holds nobody back.
+one interval late, and the margin covers that. The list also names the tenants with
+requests running at the replica, so that ``isolation_step_ms`` holds a tenant served more than
+another to a smaller batch even at a replica where the other has nothing running (its
+requests run through another replica, on the same engines). A replica's list lives one second
+unless renewed, so one that dies holds nobody back.
 
 If Redis cannot be reached, each replica goes on with its own counters (fairness per replica,
 not across them), keeps what it could not send, and sends it when Redis answers again; no
@@ -34,7 +37,8 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from gateway.flow.control import FlowGates
 from gateway.flow.delta import Delta
@@ -49,10 +53,11 @@ TTL_S = 7 * 86400  # counters of a model nobody sends to any more go after a wee
 WAITING_LIFE_MS = 1000  # a replica's list of waiting tenants, unless renewed (it died)
 
 # KEYS[1]: the model's counters (a hash), KEYS[2]: which tenants wait at which replica (a
-# hash: replica -> cjson [expiry ms, tenants...]); ARGV[1]: the ttl (s), ARGV[2]: this
-# replica, ARGV[3]: how long its list lives (ms), ARGV[4]: how many tenants wait here, then
-# those tenants, then per tenant 4 values: field, before, lift ('' for none), after. Each
-# counter x becomes max(x + before, lift) + after. Answers every counter's value after, and
+# hash: replica -> cjson [expiry ms, entries...]); ARGV[1]: the ttl (s), ARGV[2]: this
+# replica, ARGV[3]: how long its list lives (ms), ARGV[4]: how many entries follow (a tenant
+# waiting here as "rank:tenant", one with requests running here as "r:tenant"), then those,
+# then per tenant 4 values: field, before, lift ('' for none), after. Each counter x becomes
+# max(x + before, lift) + after. Answers every counter's value after, and
 # the other replicas' live lists (expired ones are deleted).
 _APPLY = """
 local t = redis.call('TIME')
@@ -92,13 +97,20 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+class Exchanged(NamedTuple):
+    counters: dict[str, float]  # every tenant's shared counter
+    elsewhere: dict[str, int]  # tenants waiting at other replicas: their highest band's rank
+    running_elsewhere: frozenset[str]  # tenants with requests running at other replicas
+
+
 async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
-                       replica: str = "", waiting: Mapping[str, int] | None = None
-                       ) -> tuple[dict[str, float], dict[str, int]]:
+                       replica: str = "", waiting: Mapping[str, int] | None = None,
+                       running: Iterable[str] = ()) -> Exchanged:
     """Apply each tenant's ``Delta`` to the shared counters and say which tenants wait at
-    this ``replica`` (with the rank of their highest band); answers the totals and the
-    tenants waiting at the other replicas (each with its highest band's rank there)."""
+    this ``replica`` (with the rank of their highest band) and which have requests running
+    here; answers the totals and the same of the other replicas."""
     entries = [f"{rank}:{t}" for t, rank in (waiting or {}).items()]
+    entries += [f"r:{t}" for t in running]
     args: list[str] = [str(TTL_S), replica, str(WAITING_LIFE_MS), str(len(entries)),
                        *entries]
     for f, d in deltas.items():
@@ -106,11 +118,16 @@ async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
     counters, others = await redis.execute("EVAL", _APPLY, "2", key, WAITING + key[len(KEY):],
                                            *args)
     elsewhere: dict[str, int] = {}
+    running_elsewhere: set[str] = set()
     for e in map(_text, others):
         rank, _, tenant = e.partition(":")
-        elsewhere[tenant] = min(int(rank), elsewhere.get(tenant, 9))
-    return ({_text(counters[i]): float(counters[i + 1]) for i in range(0, len(counters) - 1, 2)},
-            elsewhere)
+        if rank == "r":
+            running_elsewhere.add(tenant)
+        else:
+            elsewhere[tenant] = min(int(rank), elsewhere.get(tenant, 9))
+    return Exchanged(
+        {_text(counters[i]): float(counters[i + 1]) for i in range(0, len(counters) - 1, 2)},
+        elsewhere, frozenset(running_elsewhere))
 
 
 class CounterShare:
@@ -137,11 +154,13 @@ class CounterShare:
                 continue
             deltas = q.take_deltas()
             try:
-                shared, elsewhere = await apply_deltas(self.redis, KEY + model, deltas,
-                                                       self.replica, q.bands_waiting())
+                shared, elsewhere, running = await apply_deltas(
+                    self.redis, KEY + model, deltas, self.replica, q.bands_waiting(),
+                    mg.gate.running)
             except Exception as exc:  # any Redis failure: go on alone
                 q.give_back(deltas)
                 q.elsewhere = {}
+                mg.gate.running_elsewhere = frozenset()
                 self.failures += 1
                 if not self.degraded:
                     log.warning("fair-share counters are not shared (Redis: %s): each "
@@ -149,6 +168,7 @@ class CounterShare:
                 self.degraded = True
                 return
             q.elsewhere = elsewhere  # before adopt: who waits elsewhere is not forgotten
+            mg.gate.running_elsewhere = running
             q.adopt(shared)
             # how far ahead of a tenant waiting elsewhere one waiting here may be served: what
             # a replica serves in about one interval, so that two replicas each seeing the
