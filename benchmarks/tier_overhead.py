@@ -1,7 +1,8 @@
 """What capacity tiers add to a request when nothing queues, measured side by side: one
 gateway (fair flow control on, quotas in a real Redis) in front of an echo upstream, and the
 same chat request sent in turn by a tenant without a reservation (``payg``: no tier bucket),
-a tenant with one (``reserved``: a reservation in Redis before routing, settled after) and
+a tenant with one (``reserved``: its tier bucket an optional charge of its quota's own
+reservation, settled with it) and
 the first tenant as ``flex``, one at a time.
 
     python -m benchmarks.tier_overhead [--requests 2000] [--rounds 3] [--lease F] [--out DIR]

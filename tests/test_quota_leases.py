@@ -165,6 +165,42 @@ async def test_near_the_limit_a_lease_shrinks_to_the_request(
     await other.close()
 
 
+async def test_optional_charges_are_leased_never_over_taken_and_never_refuse(
+        redis_server: RedisServer) -> None:
+    """A tier bucket leased as an optional charge, by three replicas at once: every request
+    is admitted (its quota has room), the tier is taken no more than its bucket holds, and
+    near its end the lease shrinks to the request before it is left out; a request whose
+    tier is taken is settled locally with it."""
+    quota, tier = _scope(), _scope().replace("tenant:", "reserved:")
+    q, t = Limit("tokens", 1_000_000, HOUR, 1_000_000), Limit("tokens", 2_000, HOUR, 2_000)
+    replicas = [LeasedStore(RedisStore.from_url(redis_server.url), 0.1) for _ in range(3)]
+    taken, admitted = [0], [0]
+
+    async def client(store: LeasedStore) -> None:
+        for _ in range(40):
+            d = await store.reserve([Charge(quota, q, 40.0)], _rid(),
+                                    optional=[Charge(tier, t, 40.0)])
+            admitted[0] += d.allowed
+            taken[0] += d.optional
+
+    await asyncio.gather(*(client(s) for s in replicas for _ in range(2)))
+    assert admitted[0] == 240
+    assert taken[0] * 40 <= 2_000 + 20  # the bucket (and what refills meanwhile)
+    held = sum(s.leases[(tier, "tokens")].balance for s in replicas if (tier, "tokens")
+               in s.leases)
+    assert taken[0] * 40 + held >= 2_000 - 3 * 40  # short of it by what replicas hold
+    store, fresh = replicas[0], _scope().replace("tenant:", "reserved:")
+    d = await store.reserve([Charge(quota, q, 10.0)], _rid(), optional=[Charge(fresh, t, 10.0)])
+    assert d.optional and d.reservation is not None
+    lease = store.leases[(fresh, "tokens")]
+    trips = store.stats.round_trips
+    assert await store.adjust(d.reservation, {(fresh, "tokens"): -6.0}, "final")  # 4 served
+    assert lease.balance == pytest.approx(200.0 - 4.0)  # back into the lease, no round trip
+    assert store.stats.round_trips == trips
+    for s in replicas:
+        await s.close()
+
+
 async def test_an_outage_keeps_the_leases_admitting_then_falls_back(tmp_path: Path) -> None:
     server = RedisServer(tmp_path)
     scope = _scope()

@@ -15,7 +15,7 @@ from redis_servers import RedisCluster, RedisServer
 from gateway.quota.limiter.bucket import Limit, spend_cap
 from gateway.quota.limiter.memory import MemoryStore
 from gateway.quota.limiter.redis_store import RedisStore
-from gateway.quota.limiter.store import Charge, RateStore, Settlement
+from gateway.quota.limiter.store import Charge, RateStore, Reservation, Settlement
 
 HOUR = 3600.0  # slow refill: a test's own duration adds well under one token of credit
 _ids = itertools.count()
@@ -172,6 +172,70 @@ async def test_concurrent_reservations_never_over_admit(store: RateStore) -> Non
                Charge(a, requests(10_000), 1)]
     results = await asyncio.gather(*(store.reserve(charges, f"c{i}") for i in range(300)))
     assert sum(r.allowed for r in results) == 100
+
+
+async def test_optional_charges_ride_the_reservation_and_never_refuse(store: RateStore
+                                                                       ) -> None:
+    """A tier bucket as an optional charge: taken with the request while it has room (then
+    settled with it, like any charge of the reservation), left untouched when it has not,
+    never the reason for a refusal, and never taken by a refused request."""
+    quota, tier = scope("tenant:q"), scope("reserved:q|model:m")
+    q, t = tokens(10_000), tokens(150)
+    d = await store.reserve([Charge(quota, q, 100)], "o1", optional=[Charge(tier, t, 100)])
+    assert d.allowed and d.optional and d.reservation is not None
+    assert {c.scope for c in d.reservation.charges} == {quota, tier}
+    assert [s.scope for s in d.states] == [quota]  # headers: the quota's buckets only
+    no = await store.reserve([Charge(quota, q, 100)], "o2", optional=[Charge(tier, t, 100)])
+    assert no.allowed and not no.optional  # 50 left of the tier: payg, admitted all the same
+    assert no.reservation is not None and [c.scope for c in no.reservation.charges] == [quota]
+    # settled with the request: 40 served of the 100 reserved, 60 back to the tier bucket
+    st = Settlement(d.reservation)
+    assert await store.adjust(d.reservation, st.deltas_to({"tokens": 40}), "final")
+    ok = await store.reserve([Charge(quota, q, 100)], "o3", optional=[Charge(tier, t, 100)])
+    assert ok.optional  # 150 - 40 = 110 left
+    (left,) = await store.peek([Charge(tier, t, 0)])
+    assert 9 <= left.remaining <= 11
+    # a refused request takes nothing, optional or not
+    full = await store.reserve([Charge(quota, q, 20_000)], "o4", optional=[Charge(tier, t, 5)])
+    assert not full.allowed and not full.optional
+    assert full.denied is not None and full.denied.scope == quota
+    (after,) = await store.peek([Charge(tier, t, 0)])
+    assert after.remaining == pytest.approx(left.remaining, abs=0.5)
+    # optional charges alone (no limit on the request's own scopes)
+    alone = scope("reserved:z|model:m")
+    solo = await store.reserve([], "o5", optional=[Charge(alone, t, 100)])
+    assert solo.allowed and solo.optional
+
+
+async def test_concurrent_optional_charges_never_over_take(store: RateStore) -> None:
+    quota, tier = scope("tenant:cq"), scope("reserved:cq|model:m")
+    results = await asyncio.gather(*(
+        store.reserve([Charge(quota, tokens(100_000), 10)], f"co{i}",
+                      optional=[Charge(tier, tokens(500), 10)]) for i in range(120)))
+    assert all(r.allowed for r in results)
+    assert sum(r.optional for r in results) == 50
+
+
+async def test_a_lost_answer_voids_optional_charges_only_if_they_were_taken(
+        redis_server: RedisServer) -> None:
+    """The void of a reservation whose answer was lost gives back its optional charges only
+    when the script took them (it cannot know from the caller's side)."""
+    st = RedisStore.from_url(redis_server.url)
+    try:
+        quota, tier = scope("tenant:v"), scope("reserved:v|model:m")
+        q, t = Charge(quota, tokens(1000), 100), Charge(tier, tokens(150), 100)
+        assert (await st.reserve([q], "v1", optional=[t])).optional
+        assert await st.void(Reservation("v1", (q, t), optional=1)) == 1
+        left = await st.peek([Charge(quota, tokens(1000), 0), Charge(tier, tokens(150), 0)])
+        assert [round(b.remaining) for b in left] == [1000, 150]  # both back
+        assert (await st.reserve([], "fill", optional=[Charge(tier, tokens(150), 120)])
+                ).optional
+        assert not (await st.reserve([q], "v2", optional=[t])).optional  # 30 left: not taken
+        assert await st.void(Reservation("v2", (q, t), optional=1)) == 1
+        left = await st.peek([Charge(quota, tokens(1000), 0), Charge(tier, tokens(150), 0)])
+        assert [round(b.remaining) for b in left] == [1000, 30]  # the tier as it was
+    finally:
+        await st.close()
 
 
 async def test_rollback_of_partial_reservations_on_a_cluster(redis_cluster: RedisCluster) -> None:

@@ -13,12 +13,14 @@ from typing import Any
 import httpx
 from conftest import RunningBackend
 from gateway_stack import start_gateway, write_policy
+from redis_servers import RedisServer
 from test_gateway_e2e import sha
 
 from gateway.config.flow import FlowControl
 from gateway.config.policy import Model
 from gateway.flow.gate import Gate
 from gateway.flow.waiter import Waiter
+from gateway.quota.limiter.redis_store import RedisStore
 from gateway.routing.endpoints import EndpointPool, EndpointState
 
 
@@ -62,6 +64,53 @@ def test_tiers_are_said_and_priced(backend_factory: Callable[..., RunningBackend
         assert 'tokengate_tier_requests_total{model="m",tier="reserved"} 2.0' in metrics
     finally:
         gw.close()
+
+
+def _redis_store(store: Any) -> RedisStore:
+    while not isinstance(store, RedisStore):
+        store = getattr(store, "primary", None) or store.shared
+    return store
+
+
+def test_two_replicas_share_the_reserved_throughput_in_the_quotas_own_round_trip(
+        backend_factory: Callable[..., RunningBackend], tmp_path: Path) -> None:
+    """Two replicas sharing a real Redis, without quota leases: the reserved throughput is
+    one bucket for both (two requests of ~51 tokens fit in 150, whichever replica takes
+    them), and a request with a reservation costs as many Redis calls as one of a tenant
+    without (``p``): the tier charge rides the quota's own reservation and settlement."""
+    b = backend_factory()
+    redis = RedisServer(tmp_path / "redis")
+    d = doc(f"{b.url}/v1")
+    d["settings"]["quota_lease"] = 0
+    d["tenants"]["r"]["limits"] = {"tpm": 100_000}
+    d["tenants"]["p"] = {"keys": [{"sha256": sha("key-p")}], "limits": {"tpm": 100_000}}
+    d["routes"]["x"]["tenants"].append("p")
+    pol = write_policy(tmp_path / "p.yaml", d)
+    gws = [start_gateway(pol, redis.url) for _ in range(2)]
+    try:
+        stores = [_redis_store(g.state.store) for g in gws]
+
+        def ask(gw: Any, key: str) -> tuple[str, int]:
+            before = sum(s.stats.round_trips for s in stores)
+            r = httpx.post(f"{gw.url}/v1/completions", timeout=30,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "m", "prompt": "word " * 40, "max_tokens": 10})
+            assert r.status_code == 200
+            time.sleep(0.3)  # its settlement runs after the answer
+            return r.headers["x-tokengate-tier"], sum(s.stats.round_trips
+                                                      for s in stores) - before
+
+        runs = [ask(gws[i % 2], key) for i in range(4) for key in ("key-r", "key-p")]
+        tiers = [t for t, _ in runs[::2]]
+        # ~51 tokens reserved each (what was not served goes back, and 2.5 a second refill):
+        # the bucket is one, whichever replica asks
+        assert tiers[:2] == ["reserved", "reserved"] and tiers[-1] == "payg", tiers
+        assert {t for t, _ in runs[1::2]} == {"payg"}
+        assert [n for _, n in runs[::2]] == [n for _, n in runs[1::2]], runs
+    finally:
+        for g in gws:
+            g.close()
+        redis.stop()
 
 
 def test_reserved_capacity_is_reclaimed_on_the_next_decision() -> None:

@@ -138,11 +138,13 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
                 count_prompt: Callable[[Model], Awaitable[int]],
                 expected_output: Callable[[Model], int],
                 session: str | None = None,
-                floor_prompt: Callable[[Model], int] | None = None) -> Admission:
+                floor_prompt: Callable[[Model], int] | None = None,
+                optional: Callable[[Model, int], Sequence[Charge]] | None = None) -> Admission:
     """Reserve on the model or, when its quota refuses, on the first fallback that admits.
     ``floor_prompt``: a lower bound on the prompt's tokens, known without tokenizing it: a
     model whose context or whose limits could never take that many is passed over before the
-    prompt is counted (``never_fits``)."""
+    prompt is counted (``never_fits``). ``optional``: a candidate's optional charges for a
+    request of that many tokens (``tier_charges``), taken in the same call when they fit."""
     chain: list[Model] = [model]
     if route.failover:
         chain += [policy.models[n] for n in model.fallback if n in route.models]
@@ -166,10 +168,11 @@ async def admit(store: RateStore, policy: Policy, tenant: str, route: Route, mod
             continue  # a fallback with a shorter context (or no images) cannot take it
         out = expected_output(candidate)
         cs = charges(policy, tenant, route, candidate, prompt, out, session)
+        extra = optional(candidate, prompt + out) if optional is not None else ()
         rid = uuid.uuid4().hex
         # No limits on any scope: nothing to reserve, no store round trip.
         life = reservation_life_s(route)
-        d = (await store.reserve(cs, rid, life_s=life) if cs else
+        d = (await store.reserve(cs, rid, life_s=life, optional=extra) if cs or extra else
              Decision(True, Reservation(rid, (), life)))
         adm = Admission(candidate, prompt, out, d,
                         model.name if candidate is not model else None, refused=refused)
@@ -195,38 +198,27 @@ def never_fits(cs: list[Charge]) -> Decision | None:
     return None
 
 
-async def classify(store: RateStore, policy: Policy, tenant: str, model: Model, priority: str,
-                   tokens: int, endpoints: int) -> tuple[str, Settlement | None]:
-    """The request's capacity tier: ``flex`` (its band), ``reserved`` while the tenant's
-    reserved throughput on ``model`` covers its tokens (a bucket in the rate store, so exact
-    across replicas, held until settled; a share of the pool is sized on the ``endpoints``
-    healthy now), else ``payg``. A store that cannot be reached makes it ``payg``: the tier
-    orders and prices the request, it never refuses it."""
+def tier_charges(policy: Policy, tenant: str, model: Model, priority: str, tokens: int,
+                 endpoints: int) -> list[Charge]:
+    """The optional charge that makes a request ``reserved``: ``tokens`` on the tenant's
+    reserved throughput on ``model`` (a bucket in the rate store, so exact across replicas;
+    a share of the pool is sized on the ``endpoints`` healthy now), taken in the quota's own
+    reservation when it has room and settled with it (``RateStore.reserve``'s ``optional``).
+    None for ``flex`` (its band) or without a reservation."""
     if priority == "flex":
-        return "flex", None
+        return []
     tpm = policy.tenants[tenant].reserved_tpm(model, endpoints)
     if not tpm:
-        return "payg", None
-    c = Charge(f"reserved:{tenant}|model:{model.name}", Limit("tokens", tpm, 60.0, tpm),
-               float(tokens))
-    try:
-        d = await store.reserve([c], uuid.uuid4().hex)
-    except StoreUnavailable:
-        return "payg", None
-    if not d.allowed or d.reservation is None:
-        return "payg", None
-    return "reserved", Settlement(d.reservation)
+        return []
+    return [Charge(f"reserved:{tenant}|model:{model.name}", Limit("tokens", tpm, 60.0, tpm),
+                   float(tokens))]
 
 
-async def settle_tier(store: RateStore, held: Settlement, tokens: int) -> None:
-    """Bring a reserved-tier hold to the tokens served (0: all of it back), once."""
-    if held.final:
-        return
-    held.final = True
-    deltas = held.deltas_to({"tokens": float(tokens)})
-    if deltas:
-        with contextlib.suppress(StoreUnavailable):
-            await store.adjust(held.reservation, deltas, "final")
+def tier_of(priority: str, d: Decision) -> str:
+    """The request's capacity tier: ``flex`` (its band), ``reserved`` when its reservation
+    took the tier charge (the tenant's reserved throughput covered its tokens), else
+    ``payg``. The tier orders and prices a request, it never refuses one."""
+    return "flex" if priority == "flex" else "reserved" if d.optional else "payg"
 
 
 def reservation_life_s(route: Route) -> float:

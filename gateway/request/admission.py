@@ -6,10 +6,11 @@ counted in the limiter metrics, and every refusal on the way is counted too."""
 
 from __future__ import annotations
 
+from gateway import clock as clk
 from gateway.config.policy import Model
 from gateway.quota import ledger as quota
 from gateway.quota.limiter.resilient import Uncounted
-from gateway.quota.limiter.store import StoreUnavailable
+from gateway.quota.limiter.store import Charge, StoreUnavailable
 from gateway.request.context import RequestContext
 from gateway.state import GatewayState
 from protocol.errors import APIError
@@ -23,11 +24,15 @@ def limiter_unavailable(message: str = "rate limiting is unavailable") -> APIErr
 async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quota.Admission:
     """``quota.admit`` on ``model`` for this request, counted in the limiter metrics; every
     admission it makes is recorded in ``ctx.admissions`` (settled whatever happens after).
-    Raises the 503 of an unreachable store; returns refusals (``decision.allowed`` False)."""
+    Raises the 503 of an unreachable store; returns refusals (``decision.allowed`` False).
+    The tenant's reserved throughput on the model it lands on rides the same store call
+    (``quota.tier_charges``); ``quota.tier_of`` reads the request's tier off the decision, set
+    by the caller that adopts the admission (``adopt``)."""
     try:
         adm = await quota.admit(state.store, ctx.view.policy, ctx.tenant, ctx.route, model,
                                 ctx.count_prompt, ctx.expected_output, ctx.session,
-                                floor_prompt=ctx.floor_prompt)
+                                floor_prompt=ctx.floor_prompt,
+                                optional=lambda m, tokens: _tier(state, ctx, m, tokens))
     except StoreUnavailable as exc:
         state.metrics.series("limiter", "all", "unavailable").inc()
         # the store's own words only when they are ours to show (never its address)
@@ -47,3 +52,28 @@ async def reserve(state: GatewayState, ctx: RequestContext, model: Model) -> quo
         ctx.admissions.append(adm)
         state.metrics.series("limiter", "all", "admitted").inc()
     return adm
+
+
+def adopt(ctx: RequestContext, adm: quota.Admission) -> quota.Admission:
+    """``adm`` is the one the request goes on with: its tier is the request's."""
+    ctx.tier = quota.tier_of(ctx.priority, adm.decision)
+    return adm
+
+
+def _tier(state: GatewayState, ctx: RequestContext, model: Model, tokens: int
+          ) -> list[Charge]:
+    tenant = ctx.view.policy.tenants[ctx.tenant]
+    if ctx.priority == "flex" or (model.name not in tenant.reserved
+                                  and model.name not in tenant.reserved_share):
+        return []
+    share = model.name in tenant.reserved_share
+    return quota.tier_charges(ctx.view.policy, ctx.tenant, model, ctx.priority, tokens,
+                              healthy_endpoints(state, model.name) if share else 0)
+
+
+def healthy_endpoints(state: GatewayState, model: str) -> int:
+    pool = state.view.pools.get(model)
+    if pool is None:
+        return 0
+    now = clk.now()
+    return sum(1 for e in pool.endpoints if e.healthy(now))

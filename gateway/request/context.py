@@ -24,7 +24,6 @@ from protocol.validate import GenerationRequest, Kind
 if TYPE_CHECKING:
     from gateway.flow.control import Pass
     from gateway.quota.ledger import Admission
-    from gateway.quota.limiter.store import Settlement
 
 
 @dataclass(slots=True)
@@ -51,8 +50,7 @@ class RequestContext:
     recorded: bool = False  # its spend record was written (``spent``: once)
     flow: str = ""  # its flow under flow control: the tenant, or tenant/x-fairness-id
     key_name: str = ""  # the name of the API key it came with (spend records)
-    tier: str = "payg"  # its capacity tier: reserved, payg or flex (``quota.classify``)
-    tier_hold: Settlement | None = None  # the reserved throughput it holds until settled
+    tier: str = "payg"  # its capacity tier: reserved, payg or flex (``quota.tier_of``)
     flow_passes: dict[str, Pass] = field(default_factory=dict)  # model -> its turn, unsettled
     no_spill: bool = False  # its spillover failed: it waits on its own model instead
     responses: Shape | None = None  # a Responses API request, served as this chat request

@@ -339,7 +339,7 @@ async def open_request(state: GatewayState, ctx: RequestContext, adm: quota.Admi
             continue
         state.metrics.series("failovers", reason, adm.model.name, fb.name).inc()
         refund_later(ctx, adm)
-        return nxt, attempt_, reason
+        return admission.adopt(ctx, nxt), attempt_, reason
     return opened
 
 
@@ -361,4 +361,4 @@ async def spill(state: GatewayState, ctx: RequestContext, adm: quota.Admission,
         return None
     state.metrics.series("failovers", "spillover", adm.model.name, target.name).inc()
     refund_later(ctx, adm)
-    return nxt, opened, "spillover"
+    return admission.adopt(ctx, nxt), opened, "spillover"

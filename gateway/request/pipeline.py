@@ -24,11 +24,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import clock as clk
-from gateway.config.policy import Model, Policy
+from gateway.config.policy import Policy
 from gateway.front.http_guard import read_body
 from gateway.quota import ledger as quota
-from gateway.quota.limiter.store import RateStore, Settlement
 from gateway.request import admission, fields, slo
 from gateway.request.context import RequestContext
 from gateway.request.dispatch import open_model, open_request
@@ -265,60 +263,15 @@ async def _reserve(state: GatewayState, ctx: RequestContext) -> quota.Admission:
     if stop is not None:
         raise stop
     model = ctx.view.policy.models[ctx.parsed.model]
-    tenant = ctx.view.policy.tenants[ctx.tenant]
-    early: asyncio.Task[tuple[str, Settlement | None]] | None = None
-    if ctx.priority != "flex" and (model.name in tenant.reserved
-                                   or model.name in tenant.reserved_share):
-        # Its tier bucket is asked in parallel with its quota: one round trip's wait, not two.
-        tokens = await ctx.count_prompt(model) + ctx.expected_output(model)
-        early = asyncio.ensure_future(_classify(state, ctx, model, tokens))
-    try:
-        adm = await admission.reserve(state, ctx, model)
-    except BaseException:
-        if early is not None:
-            state.spawn(_give_back(state.store, early))
-        raise
-    if not adm.decision.allowed or (early is not None and adm.model is not model):
-        if early is not None:  # refused, or served by a fallback: the primary's tier is moot
-            state.spawn(_give_back(state.store, early))
-            early = None
-        if not adm.decision.allowed:
-            raise quota.rate_limit_error(adm.decision)
-    if early is not None:
-        ctx.tier, ctx.tier_hold = await early
-    else:
-        ctx.tier, ctx.tier_hold = await _classify(
-            state, ctx, adm.model, adm.prompt_tokens + adm.expected_output)
+    # the tenant's reserved throughput rides the quota's own reservation (one store call)
+    adm = await admission.reserve(state, ctx, model)
+    if not adm.decision.allowed:
+        raise quota.rate_limit_error(adm.decision)
+    admission.adopt(ctx, adm)
     state.metrics.series("tier_requests", adm.model.name, ctx.tier).inc()
     if adm.failover_from:
         state.metrics.series("failovers", "quota", adm.failover_from, adm.model.name).inc()
     return adm
-
-
-async def _classify(state: GatewayState, ctx: RequestContext, model: Model, tokens: int
-                    ) -> tuple[str, Settlement | None]:
-    share = model.name in ctx.view.policy.tenants[ctx.tenant].reserved_share
-    return await quota.classify(state.store, ctx.view.policy, ctx.tenant, model, ctx.priority,
-                                tokens, healthy_endpoints(state, model.name) if share else 0)
-
-
-async def _give_back(store: RateStore, early: asyncio.Task[tuple[str, Settlement | None]]
-                     ) -> None:
-    """A tier hold taken for a request that will not use it goes back whole."""
-    try:
-        _, hold = await early
-    except Exception:
-        return
-    if hold is not None:
-        await quota.settle_tier(store, hold, 0)
-
-
-def healthy_endpoints(state: GatewayState, model: str) -> int:
-    pool = state.view.pools.get(model)
-    if pool is None:
-        return 0
-    now = clk.now()
-    return sum(1 for e in pool.endpoints if e.healthy(now))
 
 
 def settle_leftovers(ctx: RequestContext) -> None:
@@ -330,6 +283,3 @@ def settle_leftovers(ctx: RequestContext) -> None:
         turn = ctx.flow_passes.pop(adm.model.name, None)
         if turn is not None:  # nothing will be served on it: no fair-share charge
             turn.settled(0, 0)
-    hold = ctx.tier_hold
-    if left and hold is not None and not hold.final:  # its reserved throughput back, whole
-        ctx.state.spawn(quota.settle_tier(ctx.state.store, hold, 0))

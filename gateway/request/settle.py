@@ -198,9 +198,6 @@ async def finish(ctx: RequestContext, adm: quota.Admission, r: RelayResult, sent
     turn = ctx.flow_passes.pop(m, None)
     if turn is not None:  # its fair-share charge becomes what it was served
         turn.settled(*((used.prompt, used.completion) if used is not None else (0, 0)))
-    if ctx.tier_hold is not None:  # reserved throughput: what it served, the rest back
-        await quota.settle_tier(state.store, ctx.tier_hold,
-                                used.prompt + used.completion if used is not None else 0)
     if used is not None and used.rejected:
         _distrust(ctx, sent, used)
     if ctx.trace is not None:

@@ -125,33 +125,48 @@ class LeasedStore:
 
     # -- admission --------------------------------------------------------------------------
     async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
-                      life_s: float = DEFAULT_LIFE_S) -> Decision:
+                      life_s: float = DEFAULT_LIFE_S, optional: Sequence[Charge] = ()
+                      ) -> Decision:
+        """Optional charges are leased like the others while their buckets can spare a
+        chunk (else just what this request lacks); a bucket that cannot leaves them out."""
         self._start_reaper()
-        if not all(self._leasable(c) for c in charges):
-            self.lease_stats.direct += 1
-            d = await self.shared.reserve(charges, reservation_id, life_s=life_s)
-            if d.allowed:
-                self._direct.add(reservation_id)
-            return d
-        decided = self._take(charges, reservation_id, life_s)
+        if not all(self._leasable(c) for c in (*charges, *optional)):
+            return await self._direct_reserve(charges, reservation_id, life_s, optional)
+        every = (*charges, *optional)
+        decided = self._take(every, reservation_id, life_s, len(optional))
         if decided is not None:
             return decided
         async with self._lock:  # renewals one at a time: no two fetch the same shortfall
             whole = True
             for _ in range(4):  # others may spend the leases while a renewal is awaited
-                denied = await self._renew(charges, whole)
+                denied = await self._renew(every, whole)
+                short = denied.denied if denied is not None else None
+                if short is not None and (short.scope, short.limit.kind) in \
+                        {c.key for c in optional}:
+                    if whole:
+                        whole = False  # the optional bucket cannot spare a chunk: the shortfall
+                    else:
+                        optional, every, whole = (), tuple(charges), True  # nor that: left out
+                    continue
                 if denied is not None:
                     if not whole:
                         return denied  # the shared bucket cannot cover even this request
-                    refused = self._refusal(charges, denied)
+                    refused = self._refusal(every, denied)
                     if refused is not None:
                         return refused  # nor would it cover the shortfall: no second call
                     whole = False  # it cannot spare a whole chunk: ask for the shortfall
-                decided = self._take(charges, reservation_id, life_s)
+                decided = self._take(every, reservation_id, life_s, len(optional))
                 if decided is not None:
                     return decided
-        self.lease_stats.direct += 1  # still short after renewing: reserve it as it is
-        d = await self.shared.reserve(charges, reservation_id, life_s=life_s)
+        # still short after renewing: reserve it as it is
+        return await self._direct_reserve(charges, reservation_id, life_s, optional)
+
+    async def _direct_reserve(self, charges: Sequence[Charge], reservation_id: str,
+                              life_s: float, optional: Sequence[Charge]) -> Decision:
+        """On the shared store as it is (a small bucket among the request's, or leases still
+        short after renewing): settled there too."""
+        self.lease_stats.direct += 1
+        d = await self.shared.reserve(charges, reservation_id, life_s=life_s, optional=optional)
         if d.allowed:
             self._direct.add(reservation_id)
         return d
@@ -179,8 +194,10 @@ class LeasedStore:
         lease = self.leases.get(key)
         return lease.balance if lease is not None else 0.0
 
-    def _take(self, charges: Sequence[Charge], rid: str, life_s: float) -> Decision | None:
-        """Debit every charge from its lease if all have room (no await: atomic here)."""
+    def _take(self, charges: Sequence[Charge], rid: str, life_s: float, optional: int = 0
+              ) -> Decision | None:
+        """Debit every charge from its lease if all have room (no await: atomic here); the
+        last ``optional`` of them are the optional ones."""
         for key, (_, cost) in _per_bucket(charges).items():
             if self._balance(key) < cost:
                 return None
@@ -193,7 +210,9 @@ class LeasedStore:
             states.append(BucketState(c.scope, c.limit, lease.shared_remaining + lease.balance,
                                       lease.reset_s, c.cost))
         self.lease_stats.local_admits += 1
-        return Decision(True, Reservation(rid, tuple(charges), life_s), tuple(states))
+        required = len(charges) - optional
+        return Decision(True, Reservation(rid, tuple(charges), life_s), tuple(states[:required]),
+                        optional=optional > 0)
 
     async def _renew(self, charges: Sequence[Charge], whole: bool) -> Decision | None:
         """Fetch what the short leases lack (a whole chunk, or just the shortfall) in one

@@ -26,11 +26,13 @@ class MemoryStore:
         self.stats = StoreStats()
 
     async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
-                      life_s: float = DEFAULT_LIFE_S) -> Decision:
-        return self.reserve_now(charges, reservation_id, self._clock(), life_s)
+                      life_s: float = DEFAULT_LIFE_S, optional: Sequence[Charge] = ()
+                      ) -> Decision:
+        return self.reserve_now(charges, reservation_id, self._clock(), life_s, optional)
 
     def reserve_now(self, charges: Sequence[Charge], reservation_id: str, now: float,
-                    life_s: float = DEFAULT_LIFE_S) -> Decision:
+                    life_s: float = DEFAULT_LIFE_S, optional: Sequence[Charge] = ()
+                    ) -> Decision:
         """The synchronous core (also the local fallback of the Redis store)."""
         self.stats.round_trips += 1
         pending: dict[tuple[str, str], float] = {}
@@ -43,9 +45,19 @@ class MemoryStore:
                                      bucket.reset_after(tat, now), c.cost, r.retry_after_s)
                 return Decision(False, None, states, denied)
             pending[c.key] = r.new_tat
+        taken = dict(pending)
+        for c in optional:
+            r = bucket.check(taken.get(c.key, self._tat.get(c.key, 0.0)), now, c.cost, c.limit)
+            if not r.allowed:
+                break
+            taken[c.key] = r.new_tat
+        else:
+            pending = taken
+        took = bool(optional) and pending is taken
         self._tat.update(pending)
         states = tuple(self._state(c, now) for c in charges)
-        return Decision(True, Reservation(reservation_id, tuple(charges), life_s), states)
+        held = (*charges, *optional) if took else tuple(charges)
+        return Decision(True, Reservation(reservation_id, held, life_s), states, optional=took)
 
     async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
                      step: str) -> bool:

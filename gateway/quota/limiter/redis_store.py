@@ -151,12 +151,14 @@ class RedisStore:
             raise StoreUnavailable(str(exc)) from exc
 
     async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
-                      life_s: float = DEFAULT_LIFE_S) -> Decision:
+                      life_s: float = DEFAULT_LIFE_S, optional: Sequence[Charge] = ()
+                      ) -> Decision:
         if not self._cluster:
             try:
-                return await self._reserve_group(charges, reservation_id, life_s)
+                return await self._reserve_group(charges, reservation_id, life_s, optional)
             except StoreUnavailable:
-                self._void_later(Reservation(reservation_id, tuple(charges), life_s))
+                self._void_later(Reservation(reservation_id, (*charges, *optional), life_s,
+                                             len(optional)))
                 raise
         groups: dict[str, list[Charge]] = defaultdict(list)
         for c in charges:
@@ -181,8 +183,24 @@ class RedisStore:
                     await self.adjust(partial, {c.key: -c.cost for c in done}, "rollback")
                 return Decision(False, None, tuple(states), d.denied)
             done.extend(group)
-        return Decision(True, Reservation(reservation_id, tuple(charges), life_s),
-                        tuple(states))
+        took = await self._optional_group(optional, reservation_id, life_s) if optional \
+            else False
+        held = (*charges, *optional) if took else tuple(charges)
+        return Decision(True, Reservation(reservation_id, held, life_s), tuple(states),
+                        optional=took)
+
+    async def _optional_group(self, optional: Sequence[Charge], reservation_id: str,
+                              life_s: float) -> bool:
+        """A cluster's optional charges, once the others are reserved: one more call (their
+        scope's slot; one scope, the tier's). Not taken when it fails: they never refuse."""
+        if len({c.scope for c in optional}) != 1:
+            raise ValueError("a cluster takes optional charges on one scope")
+        try:
+            return (await self._reserve_group((), reservation_id, life_s, optional)).optional
+        except StoreUnavailable:
+            self._void_later(Reservation(reservation_id, tuple(optional), life_s,
+                                         len(optional)))
+            return False
 
     def _marker(self, reservation_id: str, scope: str) -> str:
         return f"{_key(scope)}:s:{reservation_id}"
@@ -196,6 +214,7 @@ class RedisStore:
         args: list[Any] = [len(cs), max(1, math.ceil(reservation.life_s * 1000))]
         for c in cs:
             args += [c.limit.kind, repr(c.limit.interval), repr(c.cost), _ttl_ms(c)]
+        args.append(reservation.optional)
         return int(await self._eval(self._void_src, keys, args))
 
     def _void_later(self, reservation: Reservation) -> None:
@@ -237,23 +256,28 @@ class RedisStore:
         return True
 
     async def _reserve_group(self, charges: Sequence[Charge], reservation_id: str,
-                             life_s: float) -> Decision:
-        args: list[Any] = [len(charges)]
-        for c in charges:
+                             life_s: float, optional: Sequence[Charge] = ()) -> Decision:
+        every = (*charges, *optional)
+        args: list[Any] = [len(every)]
+        for c in every:
             lim = c.limit
             args += [lim.kind, repr(lim.interval), repr(lim.tolerance), repr(lim.burst),
                      repr(c.cost), _ttl_ms(c)]
-        args.append(max(1, math.ceil(life_s * 1000)))
-        keys = [*(_key(c.scope) for c in charges), self._marker(reservation_id, charges[0].scope)]
+        args += [max(1, math.ceil(life_s * 1000)), len(optional)]
+        keys = [*(_key(c.scope) for c in every), self._marker(reservation_id, every[0].scope)]
         raw = await self._eval(self._reserve_src, keys, args)
         allowed, index, now = int(raw[0]), int(raw[1]), float(raw[2])
-        retry = float(raw[3])
-        tats = [float(x) for x in raw[4:]]
+        retry, took = float(raw[3]), int(raw[4]) == 1
+        tats = [float(x) for x in raw[5:5 + len(charges)]]
         states = tuple(BucketState(c.scope, c.limit, bucket.remaining(t, now, c.limit),
                                    bucket.reset_after(t, now), c.cost)
                        for c, t in zip(charges, tats, strict=True))
         if allowed:
-            return Decision(True, Reservation(reservation_id, tuple(charges), life_s), states)
+            held = every if took else tuple(charges)
+            return Decision(True, Reservation(reservation_id, held, life_s), states,
+                            optional=took)
+        if not charges:  # optional ones alone: a voided reservation (never awaited)
+            return Decision(False, None)
         c = charges[index - 1]
         t = tats[index - 1]
         denied = BucketState(c.scope, c.limit, bucket.remaining(t, now, c.limit),

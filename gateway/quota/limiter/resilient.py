@@ -73,10 +73,12 @@ class ResilientStore:
         self._down_until = self._clock() + self.retry_s
 
     async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
-                      life_s: float = DEFAULT_LIFE_S) -> Decision:
+                      life_s: float = DEFAULT_LIFE_S, optional: Sequence[Charge] = ()
+                      ) -> Decision:
         if not self.degraded:
             try:
-                d = await self.primary.reserve(charges, reservation_id, life_s=life_s)
+                d = await self.primary.reserve(charges, reservation_id, life_s=life_s,
+                                               optional=optional)
                 self.stats.round_trips += 1
                 return d
             except StoreUnavailable as exc:
@@ -89,7 +91,8 @@ class ResilientStore:
                             "having counted the replicas sharing the limits it admits nothing "
                             "on its own")
         self.stats.fallbacks += 1
-        d = await self.local.reserve(self._share(charges), reservation_id, life_s=life_s)
+        d = await self.local.reserve(self._share(charges), reservation_id, life_s=life_s,
+                                     optional=self._share(optional))
         if d.allowed:
             self._local_ids.add(reservation_id)
         return d

@@ -3,10 +3,14 @@
 A *charge* debits one bucket (a scope's limit of one kind) by a cost. ``reserve`` admits a set
 of charges atomically: either every bucket had room and all were debited, or none was, and the
 decision names the bucket that refused (its limit, what it had used, what was asked, when to
-retry). ``adjust`` applies after-the-fact deltas to a reservation's buckets (refunds of unused
-output, charges of overruns, progressive charges of long streams); each ``(reservation, step)``
-is applied at most once, so retries cannot double-count. Every store also reports, per bucket
-touched, what is left and when it is full again, for the ``x-ratelimit-*`` headers.
+retry). *Optional* charges ride the same call: taken, all of them, only when the request is
+admitted and they have room too, never a reason to refuse (a reserved-throughput tier bucket:
+the request is ``reserved`` when it fits, ``payg`` when not); once taken they are ordinary
+charges of the reservation, settled with it. ``adjust`` applies after-the-fact deltas to a
+reservation's buckets (refunds of unused output, charges of overruns, progressive charges of
+long streams); each ``(reservation, step)`` is applied at most once, so retries cannot
+double-count. Every store also reports, per bucket touched, what is left and when it is full
+again, for the ``x-ratelimit-*`` headers.
 """
 
 from __future__ import annotations
@@ -60,14 +64,18 @@ class Reservation:
     # (they only need to outlive the last settlement step), so their number in Redis is
     # bounded by the request rate times this, not by a day of requests.
     life_s: float = DEFAULT_LIFE_S
+    # how many of the last charges were optional and may not have been taken: only a
+    # reservation whose answer was lost has any (voiding it gives back those only if taken)
+    optional: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     allowed: bool
     reservation: Reservation | None
-    states: tuple[BucketState, ...] = ()
+    states: tuple[BucketState, ...] = ()  # the required charges' buckets
     denied: BucketState | None = None
+    optional: bool = False  # the optional charges were taken (in ``reservation.charges``)
 
 
 @dataclass(slots=True)
@@ -83,7 +91,10 @@ class RateStore(Protocol):
     stats: StoreStats
 
     async def reserve(self, charges: Sequence[Charge], reservation_id: str, *,
-                      life_s: float = DEFAULT_LIFE_S) -> Decision: ...
+                      life_s: float = DEFAULT_LIFE_S, optional: Sequence[Charge] = ()
+                      ) -> Decision:
+        """All of ``charges`` or none; then all of ``optional`` if they have room."""
+        ...
 
     async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
                      step: str) -> bool:
