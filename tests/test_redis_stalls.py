@@ -25,7 +25,7 @@ from redis_servers import RedisServer
 from gateway.quota.limiter.bucket import Limit
 from gateway.quota.limiter.redis_store import RedisStore
 from gateway.quota.limiter.resilient import ResilientStore
-from gateway.quota.limiter.store import Charge, Reservation, StoreUnavailable
+from gateway.quota.limiter.store import Charge, Reservation, Settlement, StoreUnavailable
 
 HOUR = 3600.0
 
@@ -142,6 +142,27 @@ def held(port: int, key: str) -> float:
     tat = float(r.hget(key, "tokens_day") or 0.0)
     sec, usec = r.time()
     return max(0.0, tat - (sec + usec / 1e6)) / (86400.0 / TPD)
+
+
+def test_a_local_settlement_during_an_outage_counts_at_the_replicas_share_once(
+        server: RedisServer) -> None:
+    """Redis away, two replicas counted, ``fail_open``: a reservation made by the local
+    limiter (half the limit) is settled there with the deltas the request's settlement
+    computes from it, once: 400 reserved of 500, 300 served, 200 left (not 300: the
+    reservation's charges were scaled to the share a second time, doubling every delta)."""
+    async def main() -> None:
+        st = ResilientStore(RedisStore.from_url(server.url), replicas=2)
+        server.stop()
+        try:
+            d = await st.reserve([Charge("tenant:o", tokens(1000), 400)], "out")
+            assert d.allowed and d.reservation is not None and d.states[0].remaining == 100
+            s = Settlement(d.reservation)
+            assert await st.adjust(d.reservation, s.deltas_to({"tokens": 300}), "final")
+            (left,) = await st.local.peek([Charge("tenant:o", tokens(500), 0)])
+            assert left.remaining == pytest.approx(200, abs=0.5)
+        finally:
+            await st.close()
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -100,11 +100,10 @@ class ResilientStore:
     async def adjust(self, reservation: Reservation, deltas: Mapping[tuple[str, str], float],
                      step: str) -> bool:
         if reservation.id in self._local_ids:
-            local = Reservation(reservation.id, tuple(self._share(reservation.charges)),
-                                reservation.life_s)
+            # made by the local limiter: its charges are this replica's share already
             if step == "final":
                 self._local_ids.discard(reservation.id)
-            return await self.local.adjust(local, deltas, step)
+            return await self.local.adjust(reservation, deltas, step)
         try:
             return await self.primary.adjust(reservation, deltas, step)
         except StoreUnavailable as exc:
