@@ -138,7 +138,7 @@ def isolation(duration: float, seed: int,
         flood = noisy_neighbour([Tenant("A", share * 10), Tenant("B", share / 2)], mode,
                                 duration, seed=seed, flow=cfg)
         base = at["tenants"]["B"]
-        r = {"seed": seed, "mode": f"isolation:{label}", "capacity_rps": capacity,
+        r: dict[str, Any] = {"seed": seed, "mode": f"isolation:{label}", "capacity_rps": capacity,
              "share_rps": share, **row(flood),
              "victim_at_fair_share_ttft_p50_ms": base["ttft_p50_ms"],
              "victim_at_fair_share_ttft_p90_ms": base["ttft_p90_ms"],
@@ -148,6 +148,16 @@ def isolation(duration: float, seed: int,
              "wall_s": time.perf_counter() - t0}
         r["p90_ratio"] = r["victim_ttft_p90_ms"] / max(base["ttft_p90_ms"], 1e-9)
         r["p99_ratio"] = r["victim_ttft_p99_ms"] / max(base["ttft_p99_ms"], 1e-9)
+        if cfg is not None and cfg.mode == "fair":
+            # the same flood with a new x-fairness-id on every request: B's figures move by
+            rot = noisy_neighbour([Tenant("A", share * 10, rotate_ids=True),
+                                   Tenant("B", share / 2)], mode, duration, seed=seed,
+                                  flow=cfg)["tenants"]["B"]
+            for q in ("p50", "p90", "p99"):
+                r[f"rotating_ids_ttft_{q}_ms"] = rot[f"ttft_{q}_ms"]
+                r[f"rotating_ids_change_{q}"] = rot[f"ttft_{q}_ms"] / max(
+                    r[f"victim_ttft_{q}_ms"], 1e-9) - 1.0
+            r["rotating_ids_goodput"] = rot["goodput"]
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
@@ -171,7 +181,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         lines += ["", "Isolation: B at half its fair share; A at its share, then 10x it "
                   "(B TTFT ms, p90 / p99)", "",
                   "| seed | mode | capacity req/s | A at share | A at 10x share | ratio p90 / "
-                  "p99 | B goodput at 10x | utilisation at share / 10x |", "|" + "---|" * 8]
+                  "p99 | B goodput at 10x | utilisation at share / 10x | a new id per request: "
+                  "B p90 / p99 change |", "|" + "---|" * 9]
         for r in iso:
             lines.append(
                 f"| {r['seed']} | {r['mode'].split(':')[1]} | {r['capacity_rps']:.2f} | "
@@ -179,7 +190,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                 f"{r['victim_at_fair_share_ttft_p99_ms']:.0f} | {r['victim_ttft_p90_ms']:.0f} / "
                 f"{r['victim_ttft_p99_ms']:.0f} | {r['p90_ratio']:.2f} / {r['p99_ratio']:.2f} | "
                 f"{r['victim_goodput']:.3f} | {r['utilisation_at_fair_share']:.3f} / "
-                f"{r['utilisation']:.3f} |")
+                f"{r['utilisation']:.3f} | {_change(r)} |")
     for r in runs:
         if r["mode"] == "fair:two-flooders":
             lines.append(f"\nseed {r['seed']}, two flooders {r['flows']}: largest weighted "
@@ -192,6 +203,13 @@ def markdown(runs: list[dict[str, Any]]) -> str:
                          f"ms); R's TTFT p90 {r['victim_ttft_p90_ms']:.0f} ms (alone "
                          f"{r['alone_ttft_p90_ms']:.0f}), goodput {r['victim_goodput']:.3f}")
     return "\n".join(lines) + "\n"
+
+
+def _change(r: dict[str, Any]) -> str:
+    if "rotating_ids_change_p90" not in r:
+        return "-"
+    return (f"{100 * r['rotating_ids_change_p90']:+.1f} % / "
+            f"{100 * r['rotating_ids_change_p99']:+.1f} %")
 
 
 def _ms(v: float | None) -> str:

@@ -23,6 +23,7 @@ from gateway import clock as clk
 from gateway.config.flow import FlowControl
 from gateway.examples import DEMO_POLICY
 from gateway.flow.fair import vtc_bound
+from gateway.flow.waiter import tenant_of
 from loadtests.metrics import SLO
 from loadtests.prompts import PromptMaker
 from loadtests.traces import load_azure
@@ -46,6 +47,7 @@ class Tenant:
     band: str = "standard"
     weight: float = 1.0
     start: float = 0.0  # it is idle until then (a reserved tenant that returns)
+    rotate_ids: bool = False  # a new ``x-fairness-id`` on every request (flow ``name/id-N``)
 
 
 def arrivals(rate: float, duration: float, offset: int, seed: int) -> list[tuple[float, int, int]]:
@@ -83,6 +85,8 @@ def tenant_requests(tenants: list[Tenant], duration: float, seed: int, block_siz
                 continue
             sr = b.request(len(reqs), t_at, b.random(n_in, gen), n_out)
             sr.flow, sr.band, sr.weight = t.name, t.band, t.weight
+            if t.rotate_ids:
+                sr.flow = f"{t.name}/id-{len(reqs)}"
             reqs.append(sr)
     reqs.sort(key=lambda r: r.t)
     return reqs
@@ -144,7 +148,7 @@ def noisy_neighbour(tenants: list[Tenant], mode: str, duration: float, *, backen
                                max(len(r.prompt_ids) for r in reqs),
                                batch_tokens(engines.values(), reqs))}
     for t in tenants:
-        mine = [r for r in reqs if r.flow == t.name]
+        mine = [r for r in reqs if tenant_of(r.flow) == t.name]
         ttfts = sorted(r.result.ttft for r in mine if r.result.ttft is not None
                        and r.result.error is None)
         good = sum(1 for r in mine if _meets(r, slo))

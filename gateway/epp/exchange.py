@@ -277,13 +277,19 @@ class Exchange:
         if self.feed is None or self.relay is None:
             return [messages.body(data, end, response=True)]
         self.feed.push(data, end)
+        assert self.ctx is not None
+        if not self.ctx.parsed.stream and not end:
+            # Nothing goes back before the end: the relay takes the chunk in the background
+            # (its first token, progressive charges and deadlines as it goes) and this
+            # message is answered at once, not after one or more turns of a busy loop. A
+            # relay that broke off is answered now.
+            return self._whole() if self.relay.done() and self.result.broken else []
         drained = asyncio.ensure_future(self.feed.drained.wait())
         await asyncio.wait((drained, self.relay), return_when=asyncio.FIRST_COMPLETED)
         drained.cancel()
         if end:
             with contextlib.suppress(Exception):
                 await self.relay
-        assert self.ctx is not None
         if not self.ctx.parsed.stream:
             # Answered once the engine's stream ended, or at once when it broke off.
             return self._whole() if end or (self.relay.done() and self.result.broken) else []
