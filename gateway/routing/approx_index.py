@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice, repeat
 
-from gateway.routing.prefix import _longest
+from gateway.routing.prefix import longest_held
 
 
 class ApproxIndex:
@@ -47,7 +47,7 @@ class ApproxIndex:
 
     def matched(self, endpoint: str, hashes: Sequence[int]) -> int:
         seen = self._seen.get(endpoint)
-        return _longest(seen, hashes) if seen else 0
+        return longest_held(seen, hashes) if seen else 0
 
     REFRESH_EVERY = 64  # decisions: how stale a cached prefix's recency may get
 

@@ -47,12 +47,18 @@ def extend_hashes(hashes: array[int], tail: array[int], tokens: Iterable[int], b
     del tail[:full * block_size]
 
 
+def hash_all(tokens: Sequence[int], block_size: int, root: int, salt: str | None = None
+             ) -> array[int]:
+    """The chained hashes of every full block of ``tokens``, as an ``array("Q")``."""
+    hashes: array[int] = array("Q")
+    extend_hashes(hashes, array("I"), tokens, block_size, root, (salt or "").encode())
+    return hashes
+
+
 def block_hashes(tokens: Sequence[int], block_size: int, root: int,
                  salt: str | None = None) -> list[BlockHash]:
     """The chained hashes of every full block of ``tokens`` (no caching)."""
-    hashes: array[int] = array("Q")
-    extend_hashes(hashes, array("I"), tokens, block_size, root, (salt or "").encode())
-    return [BlockHash(h) for h in hashes]
+    return [BlockHash(h) for h in hash_all(tokens, block_size, root, salt)]
 
 
 @dataclass(slots=True)
@@ -137,9 +143,7 @@ class PromptHasher:
         return job.hashes
 
     def tokens(self, ids: Sequence[int], salt: str | None = None) -> array[int]:
-        hashes: array[int] = array("Q")
-        extend_hashes(hashes, array("I"), ids, self.block_size, self.root,
-                      (salt or "").encode())
+        hashes = hash_all(ids, self.block_size, self.root, salt)
         self.blocks_hashed += len(hashes)
         return hashes
 
@@ -156,7 +160,7 @@ class Index(Protocol):
     def record(self, endpoint: str, hashes: Sequence[int], matched: int = 0) -> None: ...
 
 
-def _longest(held: Mapping[int, Any] | set[int], hashes: Sequence[int]) -> int:
+def longest_held(held: Mapping[int, Any] | set[int], hashes: Sequence[int]) -> int:
     """Leading blocks of ``hashes`` in ``held`` (binary search over the prefix property)."""
     if not hashes or hashes[0] not in held:
         return 0
@@ -225,7 +229,7 @@ class PreciseIndex:
     def matched(self, endpoint: str, hashes: Sequence[int]) -> int:
         e = self._engines.get(endpoint)
         held = e.held.get(GPU) if e is not None else None
-        return _longest(held, hashes) if held else 0
+        return longest_held(held, hashes) if held else 0
 
     def walk(self, endpoint: str, medium: str, hashes: Sequence[int], start: int, end: int
              ) -> int:
