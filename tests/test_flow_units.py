@@ -303,3 +303,29 @@ def test_isolation_holds_a_heavier_tenant_to_a_smaller_batch_while_a_lighter_one
     plain.sent()
     plain.queue.charge("heavy", 10_000, 0)
     assert plain.offer(w("heavy"), 0.0).go
+
+
+def test_the_request_shed_when_the_queue_is_full_is_the_worst_by_the_shed_order() -> None:
+    """``_worst`` (tenants compared first, then the worst tenants' latest deadlines) picks the
+    very waiter a scan of every waiter by ``_shed_key`` picks, through pushes, removals,
+    charges, sub-flows, bands and tenants tied on queue length and service."""
+    rng = random.Random(7)
+    q = FairQueue("fair", max_queued=10_000)
+    live: list[Waiter] = []
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.6 or not live:
+            tenant = rng.choice(["a", "b", "c", "d"])
+            flow = tenant if rng.random() < 0.5 else f"{tenant}/s{rng.randrange(5)}"
+            x = w(flow, rng.choice(["critical", "standard", "standard", "flex"]),
+                  deadline=float(rng.randrange(50)))
+            q.push(x)
+            live.append(x)
+        elif r < 0.85:
+            x = live.pop(rng.randrange(len(live)))
+            q.remove(x)
+        else:
+            q.charge(rng.choice(["a", "b", "c", "d"]), rng.choice([0, 100]), 0)
+        queued = [x for x in live if x.queued]
+        want = max(queued, key=q._shed_key) if queued else None
+        assert q._worst() is want, step

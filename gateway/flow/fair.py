@@ -335,11 +335,27 @@ class FairQueue:
                 self.counters.get(w.tenant or tenant_of(w.flow), 0.0), w.deadline, w.seq)
 
     def _worst(self) -> Waiter | None:
+        """The waiter ``_shed_key`` puts last: the lowest band's tenant (or tenants, tied)
+        with the longest queue and the most service, then its latest deadline. The tenants
+        are compared first, so only the worst tenant's waiters are scanned."""
         for band in reversed(BANDS):
             tenants = self._bands[band]
             if tenants:
-                return max((w for t in tenants.values() for q in t.subs.values()
-                            for _, _, w in q.heap if w.queued), key=self._shed_key)
+                counters = self.counters
+                top = max((t.live, counters.get(name, 0.0)) for name, t in tenants.items())
+                worst = [t for name, t in tenants.items()
+                         if (t.live, counters.get(name, 0.0)) == top]
+                best: tuple[float, int, Waiter] | None = None
+                for t in worst:
+                    for q in t.subs.values():
+                        if not q.live:
+                            continue
+                        e = max(q.heap)  # (deadline, seq, waiter): seq decides, in C
+                        if not e[2].queued:  # one that left lazily: the queued ones only
+                            e = max(x for x in q.heap if x[2].queued)
+                        if best is None or e[:2] > best[:2]:
+                            best = e
+                return best[2] if best is not None else None
         return None
 
     def has_waiting(self, flow: str, band: str) -> bool:
