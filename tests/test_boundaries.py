@@ -25,7 +25,7 @@ PACKAGES = ("tokengate", "protocol", "roofline", "gateway", "backend", "predicto
 # it over HTTP.)
 COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
                         "benchmarks.servers", "benchmarks.envoy", "benchmarks.flow_overhead",
-                        "benchmarks.path", "benchmarks.stall"}
+                        "benchmarks.path", "benchmarks.stall", "benchmarks.flow_shed"}
 # The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",

@@ -68,13 +68,16 @@ def test_replicas_share_prefix_hints(backend_factory: Factory, tmp_path: Path) -
         redis.stop()
 
 
-def _node_with_keys(cluster: RedisCluster) -> RedisServer:
+def _node_with_keys(cluster: RedisCluster, required: bool = True) -> Any:
+    """The node holding the tenant's buckets (None, when not ``required``, if none does)."""
     for node in cluster.nodes:
         out = subprocess.run(["redis-cli", "-p", str(node.port), "--scan", "--pattern",
                               "*tenant:t*"], capture_output=True, text=True).stdout
         if out.strip():
             return node
-    raise AssertionError("no node holds the tenant's buckets")
+    if required:
+        raise AssertionError("no node holds the tenant's buckets")
+    return None
 
 
 @pytest.mark.parametrize("mode", ["fail_closed", "fail_open"])
@@ -108,7 +111,16 @@ def test_gateway_on_a_redis_cluster_survives_a_master(mode: str, backend_factory
             time.sleep(0.2)
         print(f"\ncluster {mode}: back on Redis {time.monotonic() - back:.1f} s after the "
               "master restarted")
-        assert _node_with_keys(cluster) is node  # the buckets live in Redis again
+        # the buckets live in Redis again (the 200 above may still have been served by the
+        # local share, its outage window ending as it was: the next requests reserve there)
+        holder = None
+        for _ in range(25):
+            holder = _node_with_keys(cluster, required=False)
+            if holder is not None:
+                break
+            assert ask(gw).status_code == 200
+            time.sleep(0.2)
+        assert holder is node
     finally:
         gw.close()
         cluster.stop()
