@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from gateway.epp import messages
+from gateway.epp import messages, order
 from gateway.epp.feed import Collected, LineFeed
 from gateway.epp.pick import Picked, embeddings_picker, picker
 from gateway.epp.proto import ext_proc_pb2 as pb
@@ -51,25 +51,11 @@ KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "co
 EMBEDDINGS = "/v1/embeddings"  # answered whole by the engine (no stream)
 RESPONSES = "/v1/responses"  # served as the chat request it translates to (Envoy sends chat)
 
-# The order ext_proc sends one HTTP exchange in: each message kind is taken only in the phases
-# listed, and moves the exchange to the phase after it (a body or trailers that end a side
-# move on; a body that does not stays).
-_NEW, _REQUEST, _PROXIED, _RESPONSE, _ENDED = range(5)
-_ALLOWED = {"request_headers": (_NEW,), "request_body": (_REQUEST,),
-            "request_trailers": (_REQUEST,), "response_headers": (_PROXIED,),
-            "response_body": (_RESPONSE,), "response_trailers": (_RESPONSE,)}
-
 # Envoy's router stamps this on every response an upstream sent; a 5xx without it is
 # Envoy's own local reply (the endpoint could not be reached, or reset before answering).
 UPSTREAM_TIME = "x-envoy-upstream-service-time"
 
 log = logging.getLogger("tokengate.epp")
-
-
-class OutOfOrder(Exception):
-    """A message ext_proc does not send at this point of an exchange (a second headers
-    message, a body after the end of its stream, a response before the request was
-    proxied...): the stream is refused and closed, nothing is admitted again."""
 
 
 class Exchange:
@@ -96,21 +82,15 @@ class Exchange:
         self.done = False  # an immediate response went out: Envoy ends the exchange
         self.finished = False  # settlement started
         self.traced = False  # the root span was ended
-        self.phase = _NEW
+        self.phase = order.NEW
 
     def _advance(self, which: str | None, end: bool) -> None:
         """Check ``which`` comes in order (else ``OutOfOrder``) and move the phase on."""
-        if which not in _ALLOWED or self.phase not in _ALLOWED[which]:
-            self.phase = _ENDED
-            raise OutOfOrder(f"ext_proc message {which} out of order")
-        if which == "request_headers":
-            self.phase = _PROXIED if end else _REQUEST
-        elif which == "request_trailers" or (which == "request_body" and end):
-            self.phase = _PROXIED
-        elif which == "response_headers":
-            self.phase = _ENDED if end else _RESPONSE
-        elif which == "response_trailers" or (which == "response_body" and end):
-            self.phase = _ENDED
+        try:
+            self.phase = order.advance(self.phase, which, end)
+        except order.OutOfOrder:
+            self.phase = order.ENDED
+            raise
 
     async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         which = req.WhichOneof("request")

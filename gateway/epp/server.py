@@ -22,7 +22,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.epp.exchange import Exchange, OutOfOrder
+from gateway.epp.exchange import Exchange
+from gateway.epp.order import OutOfOrder
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.epp.service import SERVICE, handler
 from gateway.front.process import ServeConfig, announce, drain, in_flight, make_state

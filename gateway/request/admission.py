@@ -62,11 +62,9 @@ def adopt(ctx: RequestContext, adm: quota.Admission) -> quota.Admission:
 
 def _tier(state: GatewayState, ctx: RequestContext, model: Model, tokens: int
           ) -> list[Charge]:
-    tenant = ctx.view.policy.tenants[ctx.tenant]
-    if ctx.priority == "flex" or (model.name not in tenant.reserved
-                                  and model.name not in tenant.reserved_share):
-        return []
-    share = model.name in tenant.reserved_share
+    """The tier charge (``quota.tier_charges``), the pool's healthy endpoints counted only
+    for a reservation given as a share of it."""
+    share = model.name in ctx.view.policy.tenants[ctx.tenant].reserved_share
     return quota.tier_charges(ctx.view.policy, ctx.tenant, model, ctx.priority, tokens,
                               healthy_endpoints(state, model.name) if share else 0)
 

@@ -45,15 +45,15 @@ class MemoryStore:
                                      bucket.reset_after(tat, now), c.cost, r.retry_after_s)
                 return Decision(False, None, states, denied)
             pending[c.key] = r.new_tat
-        taken = dict(pending)
+        took, taken = bool(optional), dict(pending)
         for c in optional:
             r = bucket.check(taken.get(c.key, self._tat.get(c.key, 0.0)), now, c.cost, c.limit)
             if not r.allowed:
+                took = False
                 break
             taken[c.key] = r.new_tat
-        else:
+        if took:
             pending = taken
-        took = bool(optional) and pending is taken
         self._tat.update(pending)
         states = tuple(self._state(c, now) for c in charges)
         held = (*charges, *optional) if took else tuple(charges)

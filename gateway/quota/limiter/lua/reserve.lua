@@ -16,31 +16,28 @@ local k = tonumber(ARGV[3 + n * 6] or '0')
 local required = n - k
 local marker = KEYS[n + 1]
 local voided = redis.call('HEXISTS', marker, 'void') == 1
-local pending = {}
-local tats = {}
-local denied, retry = 0, 0
-if voided then denied, retry = 1, -1 end
-for i = 1, required do
+-- The i-th charge against ``held`` (the TATs it and the charges before it would leave):
+-- its bucket's new TAT, or nil and how long until it fits (-1: never, it exceeds the burst).
+local function charge(i, held)
   local b = 2 + (i - 1) * 6
   local id = KEYS[i] .. '|' .. ARGV[b]
-  local tat = pending[id]
+  local tat = held[id]
   if tat == nil then tat = tonumber(redis.call('HGET', KEYS[i], ARGV[b]) or '0') end
   local interval, tol = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local burst, cost = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  tats[i] = tat
-  if denied == 0 then
-    if cost > burst then
-      denied, retry = i, -1
-    else
-      local new_tat = math.max(tat, now) + cost * interval
-      if new_tat - tol > now then
-        denied, retry = i, new_tat - tol - now
-      else
-        pending[id] = new_tat
-        tats[i] = new_tat
-      end
-    end
-  end
+  if cost > burst then return nil, -1 end
+  local new_tat = math.max(tat, now) + cost * interval
+  if new_tat - tol > now then return nil, new_tat - tol - now end
+  held[id] = new_tat
+  return new_tat
+end
+local pending = {}
+local denied, retry = 0, 0
+if voided then denied, retry = 1, -1 end
+for i = 1, required do
+  if denied ~= 0 then break end
+  local fits, wait = charge(i, pending)
+  if not fits then denied, retry = i, wait end
 end
 local took = 0
 if k > 0 and denied == 0 then
@@ -48,18 +45,10 @@ if k > 0 and denied == 0 then
   local trial = {}
   for id, v in pairs(pending) do trial[id] = v end
   for i = required + 1, n do
-    local b = 2 + (i - 1) * 6
-    local id = KEYS[i] .. '|' .. ARGV[b]
-    local tat = trial[id]
-    if tat == nil then tat = tonumber(redis.call('HGET', KEYS[i], ARGV[b]) or '0') end
-    local interval, tol = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
-    local burst, cost = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-    local new_tat = math.max(tat, now) + cost * interval
-    if cost > burst or new_tat - tol > now then
+    if not charge(i, trial) then
       took = 0
       break
     end
-    trial[id] = new_tat
   end
   if took == 1 then pending = trial end
 end
