@@ -9,7 +9,7 @@ ARGS ?=
 
 .PHONY: install vllm run test checks lint typecheck unit redis-server matrix validate-sim confirm bench-backend bench-gateway bench-relay bench-limiter bench-peers bench-servers bench-routing bench-tiers bench-models bench-models-live bench-fairness bench-fairness-live bench-fairness-vtc bench-fairness-ids bench-stall bench-path lean bench-predictor bench-accuracy bench-vllm calibration soak conformance clean
 
-$(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto
+$(BIN)/tokengate: pyproject.toml setup.py gateway/epp/proto/ext_proc.proto protocol/_kvhash.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'

@@ -6,6 +6,10 @@ the first block only. A hash therefore names a whole prefix, not just 16 tokens,
 sequences share a block hash exactly when they share every token up to the end of that block.
 Only full blocks are hashed. The hash is BLAKE2b-64 over a fixed binary layout, so every
 process (backend instances, gateway replicas) computes the same value for the same tokens.
+
+A run of blocks is hashed by the compiled ``protocol._kvhash`` when the install built it (it
+gives up the GIL for long runs, so a thread hashing a huge prompt does not hold up the event
+loop); otherwise by ``hashlib`` here, the same hashes, slower (``NATIVE`` says which).
 """
 
 from __future__ import annotations
@@ -13,9 +17,16 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from typing import NewType
+from typing import Any, NewType
+
+_native: Any  # the compiled chain_hash_bytes, or None
+try:
+    from protocol._kvhash import chain_hash_bytes as _native
+except ImportError:  # built without a C compiler: the same scheme through hashlib
+    _native = None
 
 BlockHash = NewType("BlockHash", int)
+NATIVE = _native is not None  # the compiled hashing is in use
 
 
 def root_hash(namespace: str) -> BlockHash:
@@ -30,8 +41,27 @@ def hash_block(parent: int, tokens: Sequence[int], extra: bytes = b"") -> BlockH
     return BlockHash(chain_hashes(parent, data, len(data), extra)[0])
 
 
+def chain_hash_array(parent: int, data: bytes, block_bytes: int, first_extra: bytes = b""
+                     ) -> array[int]:
+    """``chain_hashes`` as an ``array("Q")`` (no Python int per block with the compiled
+    hashing)."""
+    if _native is not None:
+        out: array[int] = array("Q")
+        out.frombytes(_native(parent, data, block_bytes, first_extra))
+        return out
+    return array("Q", _chain_hashes_py(parent, data, block_bytes, first_extra))
+
+
 def chain_hashes(parent: int, data: bytes, block_bytes: int, first_extra: bytes = b""
                  ) -> list[int]:
+    """The chained hashes of a run of full blocks (``_chain_hashes_py`` says how)."""
+    if _native is not None:
+        return chain_hash_array(parent, data, block_bytes, first_extra).tolist()
+    return _chain_hashes_py(parent, data, block_bytes, first_extra)
+
+
+def _chain_hashes_py(parent: int, data: bytes, block_bytes: int, first_extra: bytes = b""
+                     ) -> list[int]:
     """The chained hashes of a run of full blocks: ``data`` is their tokens as ``array("I")``
     bytes, ``block_bytes`` one block's bytes, ``first_extra`` the first block's extra (the
     cache salt). Each is BLAKE2b-64 of the parent's 8 bytes, the extra's length (2 bytes) and

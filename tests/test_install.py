@@ -86,6 +86,9 @@ def test_every_command_starts(venv: Path) -> None:
         assert command in listed
         assert "usage: tokengate " + command in run([tg, command, "--help"], 60).stdout
     run([str(venv / "python"), "-c", "import gateway.epp.server"], 60)  # the EPP's gRPC stubs
+    # the compiled KV block hashing was built into the wheel (this machine has a C compiler)
+    native = "from protocol import native; print(native.missing())"
+    assert run([str(venv / "python"), "-c", native], 60).stdout.strip() == "{}"
 
 
 def test_no_installed_file_belongs_to_two_distributions(venv: Path) -> None:

@@ -35,6 +35,7 @@ from gateway.scaling.autoscaler import PoolScaler
 from gateway.scaling.launcher import LocalLauncher
 from gateway.state import GatewayState, Tokenizers, build_view, sync_tracer, tokenize_pool
 from predictor.online import OnlinePredictor
+from protocol import native
 from protocol.runtime import freeze_startup_heap
 
 RECORD_STEP_BLOCKS = 1_024  # prefix-index blocks recorded per event-loop step (≤ ~1 ms)
@@ -113,6 +114,8 @@ def announce(stop: asyncio.Event | None, watcher: PolicyWatcher, handle_signals:
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, watcher.reload)
         freeze_startup_heap()
+    if (slower := native.warning()) is not None:
+        log.warning("%s", slower)
     if ready is not None:
         ready.set()
     return stop

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.counting.tokenize import ChatPrompt
-from protocol.kv_hash import BlockHash, chain_hashes, hash_block, root_hash
+from protocol.kv_hash import BlockHash, chain_hash_array, hash_block, root_hash
 
 
 def extend_hashes(hashes: array[int], tail: array[int], tokens: Iterable[int], block_size: int,
@@ -41,9 +41,9 @@ def extend_hashes(hashes: array[int], tail: array[int], tokens: Iterable[int], b
     if not full:
         return
     have = len(hashes)
-    hashes.extend(chain_hashes(hashes[-1] if have else root,
-                               tail[:full * block_size].tobytes(), block_size * 4,
-                               b"" if have else salt))
+    hashes.extend(chain_hash_array(hashes[-1] if have else root,
+                                   tail[:full * block_size].tobytes(), block_size * 4,
+                                   b"" if have else salt))
     del tail[:full * block_size]
 
 
