@@ -1,4 +1,5 @@
-"""Operator endpoints: state, convertible roles (TokenScale), fault injection.
+"""Operator endpoints: state, the latest requests' times, convertible roles (TokenScale),
+fault injection.
 
 ``POST /admin/role {"role": "prefill"|"decode"|"both", "wait": true, "timeout_s": 30}`` flips
 the role at once for new requests (a converted decoder takes prefill work within milliseconds)
@@ -91,6 +92,21 @@ def pooling(state: BackendState) -> dict[str, Any]:
 
 async def get_state(request: web.Request) -> web.Response:
     return web.json_response(snapshot(request.app[STATE]), dumps=_dumps)
+
+
+async def get_requests(request: web.Request) -> web.Response:
+    """The latest finished requests (up to ``metrics.RECENT``), each by its ``X-Request-Id``:
+    when it reached the engine (``arrival``), was first scheduled in a step (``scheduled``: the
+    engine's queue before, its prefill after), its first token left the engine
+    (``first_token``) and it finished (``finished``), in seconds of the host's monotonic clock
+    (``time.monotonic``, the same in every process of the host, and real seconds whatever
+    ``--time-scale``), so a client on the host can tell its own time from the engine's."""
+    recent = request.app[STATE].metrics.recent
+    return web.json_response(
+        {"clock": "monotonic", "requests": [
+            {"id": rid, "arrival": arrival, "scheduled": scheduled, "first_token": first,
+             "finished": done} for rid, arrival, scheduled, first, done in recent]},
+        dumps=_dumps)
 
 
 async def set_role(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ by one app (no process globals), labelled ``model_name`` and ``engine`` as vLLM 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -164,6 +165,9 @@ class _EngineGauges(Collector):
             yield c
 
 
+RECENT = 4096  # finished requests whose times ``/admin/requests`` keeps
+
+
 class BackendMetrics:
     """The registry of one backend instance and the observer that feeds it."""
 
@@ -222,6 +226,9 @@ class BackendMetrics:
                                             "KV pulls that failed (prompt recomputed).").labels(*lv)
         r.register(_EngineGauges(engine, labels, role))
         self._engine = engine
+        # the latest finished requests' times on the engine's clock (``/admin/requests``)
+        self.recent: deque[tuple[str, float, float | None, float | None, float]] = deque(
+            maxlen=RECENT)
         self._last_queries = 0
         self._last_hits = 0
 
@@ -251,6 +258,8 @@ class BackendMetrics:
     def _on_finish(self, req: Request, now: float) -> None:
         if req.status is Status.FINISHED_ABORTED:
             return
+        self.recent.append((req.request_id, req.arrival_time, req.first_scheduled_time,
+                            req.first_token_time, now))
         reason = "stop" if req.status is Status.FINISHED_STOPPED else "length"
         self._success.labels(*self._labels.values(), reason).inc()
         self.e2e.observe(now - req.arrival_time)

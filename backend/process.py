@@ -111,6 +111,7 @@ def build_app(state: BackendState) -> web.Application:
     r.add_post("/kv/pull", pd.pull)
     r.add_post("/kv/release", pd.release)
     r.add_get("/admin/state", admin.get_state)
+    r.add_get("/admin/requests", admin.get_requests)
     r.add_post("/admin/role", admin.set_role)
     r.add_get("/admin/faults", admin.get_faults)
     r.add_post("/admin/faults", admin.set_faults)

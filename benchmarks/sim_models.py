@@ -27,6 +27,12 @@ that ships in ``loadtests/data/traces/`` (arrivals and lengths as recorded, prom
 tokens on average), spread over 32 models with Zipf(1.1) popularity, served by Llama-3.1-8B
 (128K context) on H100s; ``--max-input T`` caps every prompt at T tokens (0: as recorded).
 
+``--causes G[,G…]`` (with ``--mooncake``): instead of the search, ``token`` and the bound run
+on exactly G GPUs each, to the end, and ``causes.md`` says where the requests' time went
+(``simulator.causes``: switches, other models' prefill and decode steps, the own model's
+queue, the own prefill; the gaps between tokens that other models' steps add; the busiest
+instance over the mean), over every request and over those that missed the SLO.
+
 Every run is reported (``report.json``, ``report.md``); nothing is kept or dropped by result.
 """
 
@@ -151,6 +157,9 @@ def main() -> None:
                     help="instead: the first N requests of the Mooncake trace over 32 models")
     ap.add_argument("--max-input", type=int, default=32768,
                     help="with --mooncake: prompts capped at this many tokens (0: as recorded)")
+    ap.add_argument("--causes", default="", metavar="G[,G]",
+                    help="with --mooncake: token and the bound on these GPU counts, to the "
+                         "end, and where the time went (causes.md)")
     ns = ap.parse_args()
     if ns.mooncake:
         mooncake(ns)
@@ -175,12 +184,48 @@ def main() -> None:
     print(md)
 
 
+def causes(reqs: list[ModelRequest], gpus: list[int], model: str, out: Path) -> None:
+    """``token`` and the bound on each of ``gpus``, to the end: where the time went."""
+    rows: list[dict[str, Any]] = []
+    for n in gpus:
+        for mode in ("token", "bound"):
+            cfg = config("token", n, model=model)
+            if mode == "bound":
+                cfg.switch = SwitchCost(prefetched=True)
+            s = run_fleet(reqs, cfg).summary(2.0, 0.05)
+            rows.append({"gpus": n, "mode": mode, **s})
+            print(f"  {mode:5} {n:3} GPUs: attainment {s['attainment']:.3f}", flush=True)
+    head = ("switch", "other_prefill", "other_decode", "own_queue", "own_prefill")
+    lines = ["| GPUs | mode | attainment | requests | " + " | ".join(head) +
+             " | TPOT: other models per token | busiest / mean |",
+             "|---|---|---|---|" + "---:|" * (len(head) + 2)]
+    for r in rows:
+        for who in ("all", "missed"):
+            c = r["causes_ms"][who]
+            if not c:
+                continue
+            n = r["requests"] if who == "all" else r["causes_ms"]["missed_requests"]
+            lines.append(f"| {r['gpus']} | {r['mode']} | {r['attainment']:.3f} | {who} ({n}) | "
+                         + " | ".join(f"{c[k]:,.0f}" for k in head)
+                         + f" | {c['decode_other_per_token']:.1f} | "
+                         f"{r['busy_max_over_mean']:.2f} |")
+    md = ("Mean ms per request by cause (TTFT), and the decode gap other models add per "
+          "token (ms):\n\n" + "\n".join(lines) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "causes.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "causes.md").write_text(md)
+    print(md)
+
+
 def mooncake(ns: argparse.Namespace) -> None:
     """The long-prompt workload: dedicated, request, token and the bound on the same requests,
     and how many prompts could not meet the TTFT SLO even alone on an idle GPU."""
     from roofline.timing import TimingModel
 
     reqs = mooncake_zipf(ns.mooncake, ns.max_input)
+    if ns.causes:
+        causes(reqs, [int(g) for g in ns.causes.split(",")], "llama-3.1-8b", Path(ns.out))
+        return
     tm = TimingModel(MODELS["llama-3.1-8b"], HARDWARE["h100-sxm"], jitter=0.0)
     alone = sum(tm.prefill_seconds(r.prompt_tokens, 8192) > 2.0 for r in reqs) / len(reqs)
     print(f"{len(reqs)} requests, mean prompt {sum(r.prompt_tokens for r in reqs) / len(reqs):,.0f}"

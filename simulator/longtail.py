@@ -37,6 +37,7 @@ class ModelRequest:
     done: float | None = None
     tokens: int = 0
     times: list[float] = field(default_factory=list)
+    lost: dict[str, float] = field(default_factory=dict)  # seconds by cause (simulator.causes)
 
     @property
     def ttft(self) -> float | None:

@@ -25,6 +25,7 @@ from gateway.routing.placement import InstanceView, pick, placement
 from protocol.kv_hash import root_hash
 from roofline.profiles import HardwareProfile, ModelProfile
 from roofline.switching import SwitchCost
+from simulator import causes
 from simulator.events import EventLoop
 from simulator.longtail import ModelRequest
 
@@ -44,6 +45,11 @@ class FleetConfig:
     gpu_memory_utilization: float = 0.9
     jitter: float = 0.03
     seed: int = 0
+    # the fixed path between a client and the engine (its HTTP, the gateway, event loops): a
+    # request reaches the engine ``path_in_s`` after it is sent, and each token the client
+    # ``path_out_s`` after the engine emits it (TTFT counts both; the SLO is the client's)
+    path_in_s: float = 0.0
+    path_out_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,9 +78,12 @@ class SimInstance:
                                tpot_slo_s=cfg.tpot_slo_s)
         self.busy = False
         self.busy_s = 0.0
+        # the step under way: (its switch ends, it ends, its model, it computes prompt tokens)
+        self.current: tuple[float, float, str, bool] = (0.0, 0.0, "", False)
         self.steps = 0
         self.live: dict[str, ModelRequest] = {}
         self.slo = (cfg.ttft_slo_s, cfg.tpot_slo_s)
+        self.path = (cfg.path_in_s, cfg.path_out_s)
         self.misses = misses if misses is not None else [0]  # requests known to miss the SLO
 
     def view(self) -> InstanceView:
@@ -92,11 +101,17 @@ class SimInstance:
                             {m: self.mux.wait_seconds(m) for m in self.mux.by_name}, queued)
 
     def submit(self, mr: ModelRequest) -> None:
+        now = self.loop.now
+        causes.charge(mr.lost, "path", now - mr.t)
+        if self.busy:  # what is left of the step under way
+            switch_end, end, model, prompt = self.current
+            causes.step([(mr, mr.lost, mr.model == model, False)],
+                        max(0.0, switch_end - now), end - max(now, switch_end), prompt)
         req = Request(str(mr.rid), [0] * mr.prompt_tokens, mr.output_tokens, mr.output_tokens,
                       self.loop.now, model=mr.model)
         mr.instance = self.name
         self.live[req.request_id] = mr
-        self.loop.after(self.slo[0], self._late, mr)
+        self.loop.after(max(0.0, self.slo[0] - self.path[0] - self.path[1]), self._late, mr)
         self.mux.by_name[mr.model].scheduler.add(req)
         if not self.busy:
             self._step()
@@ -113,25 +128,39 @@ class SimInstance:
             return
         self.busy = True
         plan = turn.plan
-        dur = turn.switch_s
+        compute = 0.0
         if not plan.empty:
-            dur += turn.slot.timing.step_seconds(plan.work(), plan.num_sampled())
+            compute = turn.slot.timing.step_seconds(plan.work(), plan.num_sampled())
+        dur = turn.switch_s + compute
         self.busy_s += dur
         self.steps += 1
+        self._charge(turn, compute)
         self.loop.after(dur, self._done, turn)
+
+    def _charge(self, turn: Turn, compute: float) -> None:
+        """This step's time, to each live request's causes (``simulator.causes``)."""
+        model = turn.slot.name
+        ids = {r.request_id for r, _, _ in turn.plan.scheduled}
+        prompt = any(ctx < r.num_prompt_tokens for r, _, ctx in turn.plan.scheduled)
+        now = self.loop.now
+        self.current = (now + turn.switch_s, now + turn.switch_s + compute, model, prompt)
+        causes.step(((mr, mr.lost, mr.model == model, rid in ids)
+                     for rid, mr in self.live.items()), turn.switch_s, compute, prompt)
 
     def _done(self, turn: Turn) -> None:
         now = self.loop.now
+        seen = now + self.path[1]  # when the client has the tokens
         sched = turn.slot.scheduler
         for req in sched.update(turn.plan):
             mr = self.live[req.request_id]
             status = req.append_output(0)
             if mr.first_token is None:
-                mr.first_token = req.first_token_time = now
+                req.first_token_time = now
+                mr.first_token = seen
             mr.tokens += 1
             if status is not None:
                 sched.finish(req, status)
-                mr.done = now
+                mr.done = seen
                 del self.live[req.request_id]
                 tpot = mr.tpot
                 if mr.ttft is not None and mr.ttft <= self.slo[0] and tpot is not None \
@@ -177,7 +206,11 @@ class FleetResult:
             "switch_s": sum(i.mux.stats.switch_s for i in self.instances),
             "kv_drops": sum(i.mux.stats.kv_drops for i in self.instances),
             "utilisation": sum(i.busy_s for i in self.instances) / span / len(self.instances),
+            # placement's imbalance: the busiest instance's busy time over the mean's
+            "busy_max_over_mean": max(i.busy_s for i in self.instances) / max(
+                sum(i.busy_s for i in self.instances) / len(self.instances), 1e-12),
             "models_per_instance": max(len(h) for h in self.hosts),
+            "causes_ms": causes.summary(reqs, ttft_s, tpot_s),
         }
 
     @property
@@ -221,7 +254,7 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig,
         insts[int(inst.name[1:])].submit(mr)
 
     for mr in reqs:
-        loop.at(mr.t, arrive, mr)
+        loop.at(mr.t + cfg.path_in_s, arrive, mr)
     over = (lambda: misses[0] > max_misses) if max_misses is not None else None
     loop.run(stop=over)
     end = max((r.done for r in reqs if r.done is not None), default=0.0)

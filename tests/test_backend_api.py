@@ -160,6 +160,29 @@ def test_cold_start_health_answers_503_until_weights_load(backend_factory: Facto
     assert 0.4 < time.monotonic() - t0 < 2.0
 
 
+def test_admin_requests_gives_each_requests_times_on_the_hosts_clock(
+        backend_factory: Factory) -> None:
+    """``/admin/requests``: by ``X-Request-Id``, when the request reached the engine, its
+    first token left it and it finished, on the host's monotonic clock (the client's too), in
+    real seconds whatever ``--time-scale``."""
+    b = backend_factory(time_scale=2.0)
+    body = {"model": "llama-3-8b", "prompt": "x", "max_tokens": 5, "ignore_eos": True,
+            "stream": True}
+    sent = time.monotonic()
+    first = None
+    with httpx.stream("POST", f"{b.url}/v1/completions", json=body, timeout=30,
+                      headers={"X-Request-Id": "timed-1"}) as r:
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.monotonic()
+    done = time.monotonic()
+    got = {x["id"]: x for x in get_json(f"{b.url}/admin/requests")["requests"]}
+    t = got["timed-1"]
+    assert first is not None
+    assert sent <= t["arrival"] <= t["scheduled"] < t["first_token"] <= first
+    assert t["first_token"] < t["finished"] <= done
+
+
 def test_client_disconnect_frees_the_request(backend_factory: Factory) -> None:
     b = backend_factory(time_scale=1.0)
     body = {"model": "llama-3-8b", "prompt": "a long one", "max_tokens": 2000,

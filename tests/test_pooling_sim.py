@@ -14,7 +14,8 @@ import pytest
 
 from gateway.routing.placement import InstanceView, pick, placement, read_residency
 from roofline.profiles import HARDWARE, MODELS
-from simulator.longtail import from_jsonl, longtail
+from simulator.causes import TPOT_CAUSES, TTFT_CAUSES
+from simulator.longtail import ModelRequest, from_jsonl, longtail
 from simulator.multimodel import FleetConfig, run_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +88,66 @@ def test_routing_prefers_where_the_model_waits_least() -> None:
             'tokengate_backend_model_resident{engine="0",model_name="x"} 0.0\n'
             'tokengate_backend_model_resident{engine="0",model_name="y"} 1.0\n')
     assert read_residency(text) == ({"x": 0.33}, frozenset({"y"}))
+
+
+def test_the_path_to_the_engine_delays_arrival_and_delivery_not_the_engines_work() -> None:
+    """``path_in_s``/``path_out_s`` (the client's, the gateway's and the HTTP path's fixed
+    cost, measured by ``benchmarks.sim_models_confirm``): a lone request's TTFT grows by
+    both, its TPOT not at all; a request whose engine time alone fits the TTFT SLO but not
+    with the path misses it."""
+    h100, llama = HARDWARE["h100-sxm"], MODELS["llama-3-8b"]
+    one = [ModelRequest(0, "m0", 1.0, 6000, 20)]
+    bare = run_fleet(one, FleetConfig(1, "token", llama, h100, jitter=0.0)).requests[0]
+    cfg = FleetConfig(1, "token", llama, h100, jitter=0.0, path_in_s=0.004, path_out_s=0.002)
+    pathed = run_fleet(one, cfg).requests[0]
+    assert bare.ttft is not None and pathed.ttft is not None
+    assert pathed.ttft == pytest.approx(bare.ttft + 0.006, abs=1e-9)
+    assert pathed.tpot == pytest.approx(bare.tpot, abs=1e-12)
+    tight = FleetConfig(1, "token", llama, h100, jitter=0.0, ttft_slo_s=bare.ttft + 0.003,
+                        path_in_s=0.004, path_out_s=0.002)
+    assert bare.meets(bare.ttft + 0.003, 1.0)
+    late = run_fleet(one, tight)
+    assert not late.requests[0].meets(tight.ttft_slo_s, 1.0)
+    assert late.instances[0].misses[0] == 1  # counted as the engine's deadline passed
+
+
+def test_every_requests_time_is_put_down_to_its_causes_exactly() -> None:
+    """``simulator.causes``: on a pooled fleet each request's TTFT is the sum of its causes
+    plus the way back to the client, and its decode time the sum of its decode causes; the
+    summary reports them per request and over the missed ones."""
+    reqs = longtail(8, 2.0, 120, seed=3)
+    cfg = FleetConfig(2, "token", MODELS["llama-3-8b"], HARDWARE["h100-sxm"],
+                      path_in_s=0.003, path_out_s=0.002)
+    res = run_fleet(reqs, cfg)
+    done = [r for r in res.requests if r.done is not None]
+    assert len(done) == len(reqs)
+    for r in done:
+        assert r.ttft is not None and r.first_token is not None
+        waited = sum(v for k, v in r.lost.items() if k in TTFT_CAUSES)
+        decoded = sum(v for k, v in r.lost.items() if k in TPOT_CAUSES)
+        assert waited + 0.002 == pytest.approx(r.ttft, abs=1e-9)
+        assert decoded == pytest.approx(r.done - r.first_token, abs=1e-9)
+        assert r.lost["path"] == pytest.approx(0.003)
+    summary = res.summary(2.0, 0.05)["causes_ms"]
+    assert set(summary["all"]) == set(TTFT_CAUSES) | {c + "_per_token" for c in TPOT_CAUSES}
+    assert summary["all"]["switch"] > 0 and summary["all"]["other_decode"] > 0
+
+
+def test_a_long_prompt_of_one_model_is_charged_to_the_others_waiting_behind_it() -> None:
+    """One instance, two resident models: a 30K-token prompt of m0, then a short one of m1
+    arriving during its prefill: m1's request waits on m0's prompt chunk under way
+    (``other_prefill``), not on its own model's queue; m0's prefill, chunked, then waits on
+    m1's steps, which token-level sharing puts between its chunks."""
+    reqs = [ModelRequest(0, "m0", 0.0, 30_000, 10), ModelRequest(1, "m1", 0.05, 100, 10),
+            ModelRequest(2, "m1", 5.0, 100, 2)]  # m1's later request keeps it a home
+    res = run_fleet(reqs, FleetConfig(1, "token", MODELS["llama-3-8b"], HARDWARE["h100-sxm"],
+                                      per_instance=2, jitter=0.0))
+    short = res.requests[1]
+    assert short.lost.get("other_prefill", 0.0) > 0.1
+    assert short.lost.get("own_queue", 0.0) == 0.0
+    long = res.requests[0].lost
+    assert long.get("other_prefill", 0.0) + long.get("other_decode", 0.0) > 0.0
+    assert long["own_prefill"] > 1.0
 
 
 def test_token_pooling_holds_the_slo_where_request_pooling_cannot() -> None:
