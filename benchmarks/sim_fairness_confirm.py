@@ -99,6 +99,9 @@ class Sent:
     done: float | None = None
     replica: int | None = None  # which gateway it goes to (None: the next in turn)
     fairness_id: str | None = None  # sent as x-fairness-id
+    rid: str = ""  # its X-Request-Id (streamed requests: the engine reports its times)
+    sent: float | None = None  # when it was sent, host monotonic clock
+    first: float | None = None  # when its first chunk arrived, host monotonic clock
 
 
 async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> None:
@@ -114,6 +117,9 @@ async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> No
         headers = {"Authorization": f"Bearer {key(r.tenant)}"}
         if r.fairness_id is not None:
             headers["x-fairness-id"] = r.fairness_id
+        if r.rid:
+            headers["X-Request-Id"] = r.rid
+        r.sent = time.monotonic()
         async with http.post(f"{base}/completions", json=body, headers=headers) as resp:
             r.status = resp.status
             if resp.status != 200:
@@ -135,6 +141,7 @@ async def send(http: aiohttp.ClientSession, base: str, r: Sent, t0: float) -> No
                 now = time.perf_counter() - start
                 if r.ttft is None:
                     r.ttft = now
+                    r.first = time.monotonic()
                 r.times.append(now)
             r.done = time.perf_counter() - start
     except aiohttp.ClientError:
@@ -170,7 +177,34 @@ async def drive(reqs: list[Sent], bases: list[str], ports: list[int],
             side.cancel()
             await asyncio.gather(side, return_exceptions=True)
         busy1, lag = await scrape()
-    return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3}
+        engine: dict[str, Any] = {}
+        for p in ports:  # each request's times on the engine that served it
+            async with http.get(f"http://127.0.0.1:{p}/admin/requests") as resp:
+                engine.update((e["id"], e) for e in (await resp.json())["requests"])
+    return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3,
+            "engine": engine}
+
+
+def stages(reqs: list[Sent], engine: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The streamed requests' TTFT in stages, model ms (p50, p90, p99, mean): ``in`` (the
+    send to the engine: the gateway's wait and the path), ``queue`` (the engine's queue),
+    ``prefill`` (first scheduled to first token, in whatever batch it shared) and ``out``
+    (back to the client), from the engines' ``/admin/requests``."""
+    rows = []
+    for r in reqs:
+        e = engine.get(r.rid) if r.rid else None
+        if e is None or r.sent is None or r.first is None or e["first_token"] is None \
+                or e["scheduled"] is None:
+            continue
+        rows.append((e["arrival"] - r.sent, e["scheduled"] - e["arrival"],
+                     e["first_token"] - e["scheduled"], r.first - e["first_token"]))
+    out: dict[str, Any] = {"requests": len(rows)}
+    if rows:
+        a = np.array(rows) / scale * 1e3
+        for k, name in enumerate(("in", "queue", "prefill", "out")):
+            out[name] = [float(np.percentile(a[:, k], q)) for q in (50, 90, 99)] + \
+                [float(a[:, k].mean())]
+    return out
 
 
 def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
@@ -202,7 +236,8 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
                                         if r.tenant == flooder and r.status == 200) / model_s,
             "utilisation": run["busy_s"] / (backends * model_s),
             "lag_max_ms": run["lag_max_ms"], "wall_s": run["wall_s"],
-            "errors": sum(1 for r in reqs if r.status != 200)}
+            "errors": sum(1 for r in reqs if r.status != 200),
+            "victim_stages_ms": stages(v, run["engine"], scale)}
 
 
 def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
@@ -212,7 +247,8 @@ def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale
     ``x-fairness-id`` with every request."""
     with running([t.name for t in tenants], flow, scale, log_dir, replicas) as (bases, ports):
         reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens,
-                     fairness_id=f"id-{i}" if r.flow == rotate else None)
+                     fairness_id=f"id-{i}" if r.flow == rotate else None,
+                     rid=f"{r.flow}-{i}" if r.flow in STREAMED else "")
                 for i, r in enumerate(tenant_requests(tenants, duration, seed))]
         run = asyncio.run(drive(reqs, bases, ports))
         return {**figures(reqs, run, scale, len(ports)), "replicas": len(bases)}

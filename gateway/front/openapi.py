@@ -37,6 +37,15 @@ _COMMON: dict[str, Any] = {
     "stop": _STOP,
     "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**64 - 1},
     "user": {"type": "string"},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    # vLLM's extras, checked as vLLM checks them
+    "priority": {"type": ["integer", "null"], "minimum": -(2**31), "maximum": 2**31 - 1,
+                 "description": "the engine queue's priority (vLLM's priority scheduling, "
+                                "lower first), within the tenant's ceiling"},
+    "min_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**31 - 1},
+    "ignore_eos": {"type": ["boolean", "null"]},
+    "cache_salt": {"type": ["string", "null"], "minLength": 1},
 }
 # strict base64: whole quanta, the last one padded or not (``protocol.validate``)
 _DATA_URL = ("^data:image/(png|jpeg|jpg|gif|webp);base64,(?:[A-Za-z0-9+/]{4})*"
