@@ -1,6 +1,7 @@
-"""What every benchmark shares: its command line's common flags, the time stamp of a run, and
+"""What every benchmark shares: its command line's common flags, the time stamp of a run,
 writing its report (``report.json`` or a named file under ``--out``) and printing its summary,
-so each script holds only what it measures."""
+and reading a reference backend's per-request times, so each script holds only what it
+measures."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 
 def parser(doc: str | None, name: str | None = None) -> argparse.ArgumentParser:
@@ -50,3 +53,11 @@ def write(out: str | Path, data: Any, name: str = "report.json") -> Path:
 def show(data: Any) -> None:
     """Print a summary as indented JSON."""
     print(json.dumps(data, indent=2))
+
+
+async def engine_requests(http: aiohttp.ClientSession, port: int) -> dict[str, Any]:
+    """The latest finished requests of the reference backend on ``port``, by their
+    ``X-Request-Id`` (its ``/admin/requests``: arrival, scheduled, first_token, finished on
+    the host's monotonic clock)."""
+    async with http.get(f"http://127.0.0.1:{port}/admin/requests") as resp:
+        return {e["id"]: e for e in (await resp.json())["requests"]}

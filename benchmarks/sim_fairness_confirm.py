@@ -41,7 +41,7 @@ import aiohttp
 import numpy as np
 import yaml
 
-from benchmarks.common import write
+from benchmarks.common import engine_requests, write
 from benchmarks.routing import stop_stack, wait_stack
 from benchmarks.sim_fairness import LIGHT, MODES, NORMAL, row
 from gateway.config.flow import FlowControl
@@ -179,8 +179,7 @@ async def drive(reqs: list[Sent], bases: list[str], ports: list[int],
         busy1, lag = await scrape()
         engine: dict[str, Any] = {}
         for p in ports:  # each request's times on the engine that served it
-            async with http.get(f"http://127.0.0.1:{p}/admin/requests") as resp:
-                engine.update((e["id"], e) for e in (await resp.json())["requests"])
+            engine.update(await engine_requests(http, p))
     return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3,
             "engine": engine}
 

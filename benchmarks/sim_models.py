@@ -62,6 +62,13 @@ def config(mode: str, instances: int = 1, seed: int = 0, model: str = "llama-3-8
                        per_instance=8, seed=seed)
 
 
+def bound_config(instances: int = 1, model: str = "llama-3-8b") -> FleetConfig:
+    """``token`` with every switch prefetched, so free: the perfect-foresight bound."""
+    cfg = config("token", instances, model=model)
+    cfg.switch = SwitchCost(prefetched=True)
+    return cfg
+
+
 def mooncake_zipf(requests: int, max_input: int) -> list[ModelRequest]:
     """The first ``requests`` of the Mooncake synthetic trace over 32 Zipf(1.1) models."""
     reqs = zipf_models(from_trace(TRACES / "mooncake_synthetic.jsonl", "m0")[:requests], 32,
@@ -91,9 +98,8 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]],
             k: at[k] for k in ("attainment", "goodput_tokens_per_s_per_gpu", "switches",
                                "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                                "utilisation")} if at else {})}
-    free = config("token", model=model)
-    free.switch = SwitchCost(prefetched=True)
-    best, trials = fewest_gpus(reqs, free, TARGET, row["token"]["gpus"] or pooled_max or n)
+    best, trials = fewest_gpus(reqs, bound_config(model=model), TARGET,
+                               row["token"]["gpus"] or pooled_max or n)
     for t in trials:
         log.append({"models": n, "mode": "bound", **t})
     row["bound"] = {"gpus": best}
@@ -189,9 +195,7 @@ def causes(reqs: list[ModelRequest], gpus: list[int], model: str, out: Path) -> 
     rows: list[dict[str, Any]] = []
     for n in gpus:
         for mode in ("token", "bound"):
-            cfg = config("token", n, model=model)
-            if mode == "bound":
-                cfg.switch = SwitchCost(prefetched=True)
+            cfg = bound_config(n, model) if mode == "bound" else config("token", n, model=model)
             s = run_fleet(reqs, cfg).summary(2.0, 0.05)
             rows.append({"gpus": n, "mode": mode, **s})
             print(f"  {mode:5} {n:3} GPUs: attainment {s['attainment']:.3f}", flush=True)

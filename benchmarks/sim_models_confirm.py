@@ -52,7 +52,7 @@ import aiohttp
 import numpy as np
 import yaml
 
-from benchmarks.common import write
+from benchmarks.common import engine_requests, write
 from benchmarks.routing import stop_stack, wait_stack
 from protocol.loopback import free_port
 from roofline.profiles import HARDWARE, MODELS
@@ -205,8 +205,7 @@ async def measure_path(base: str, port: int, model: str, probes: int = PROBES
                         first = time.monotonic()
             if resp.status == 200 and first is not None:
                 sent[rid] = (t, first)
-        async with http.get(f"http://127.0.0.1:{port}/admin/requests") as resp:
-            engine = {r["id"]: r for r in (await resp.json())["requests"]}
+        engine = await engine_requests(http, port)
     ins = [engine[k]["arrival"] - t for k, (t, _) in sent.items() if k in engine]
     outs = [f - engine[k]["first_token"] for k, (_, f) in sent.items()
             if k in engine and engine[k]["first_token"] is not None]
@@ -225,8 +224,7 @@ async def drive(live: list[ModelRequest], gw_port: int, port: int, scale: float
         await asyncio.gather(*(send(http, base, r, t0, scale, stamps) for r in live))
         async with http.get(f"http://127.0.0.1:{port}/admin/state") as resp:
             state: dict[str, Any] = await resp.json()
-        async with http.get(f"http://127.0.0.1:{port}/admin/requests") as resp:
-            engine = {e["id"]: e for e in (await resp.json())["requests"]}
+        engine = await engine_requests(http, port)
     return {**state, "stages": stages(stamps, engine, scale)}
 
 

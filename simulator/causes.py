@@ -31,24 +31,22 @@ def charge(lost: dict[str, float], cause: str, seconds: float) -> None:
         lost[cause] = lost.get(cause, 0.0) + seconds
 
 
-def step(waiting: Iterable[tuple[Any, dict[str, float], bool, bool]], switch_s: float,
-         compute_s: float, with_prompt: bool) -> None:
-    """Charge one step to each ``(request, its causes, of the step's model, scheduled in
-    it)``: ``switch_s`` of weight loading, then ``compute_s``; ``with_prompt``: the step
-    computed prompt tokens."""
-    for mr, lost, same, scheduled in waiting:
+def step(waiting: Iterable[tuple[Any, bool, bool]], switch_s: float, compute_s: float,
+         with_prompt: bool) -> None:
+    """Charge one step to each ``(request, of the step's model, scheduled in it)``'s causes
+    (``request.lost``): ``switch_s`` of weight loading, then ``compute_s``;
+    ``with_prompt``: the step computed prompt tokens."""
+    for mr, same, scheduled in waiting:
+        lost = mr.lost
         if mr.first_token is None:
             charge(lost, "switch", switch_s)
             if not same:
                 charge(lost, "other_prefill" if with_prompt else "other_decode", compute_s)
             else:
                 charge(lost, "own_prefill" if scheduled else "own_queue", compute_s)
-        elif not same:
-            charge(lost, "decode_switch", switch_s)
-            charge(lost, "decode_other", compute_s)
         else:
             charge(lost, "decode_switch", switch_s)
-            charge(lost, "decode_own", compute_s)
+            charge(lost, "decode_own" if same else "decode_other", compute_s)
 
 
 def summary(reqs: Sequence[Any], ttft_s: float, tpot_s: float) -> dict[str, Any]:

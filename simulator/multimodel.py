@@ -105,7 +105,7 @@ class SimInstance:
         causes.charge(mr.lost, "path", now - mr.t)
         if self.busy:  # what is left of the step under way
             switch_end, end, model, prompt = self.current
-            causes.step([(mr, mr.lost, mr.model == model, False)],
+            causes.step([(mr, mr.model == model, False)],
                         max(0.0, switch_end - now), end - max(now, switch_end), prompt)
         req = Request(str(mr.rid), [0] * mr.prompt_tokens, mr.output_tokens, mr.output_tokens,
                       self.loop.now, model=mr.model)
@@ -144,7 +144,7 @@ class SimInstance:
         prompt = any(ctx < r.num_prompt_tokens for r, _, ctx in turn.plan.scheduled)
         now = self.loop.now
         self.current = (now + turn.switch_s, now + turn.switch_s + compute, model, prompt)
-        causes.step(((mr, mr.lost, mr.model == model, rid in ids)
+        causes.step(((mr, mr.model == model, rid in ids)
                      for rid, mr in self.live.items()), turn.switch_s, compute, prompt)
 
     def _done(self, turn: Turn) -> None:
