@@ -240,7 +240,7 @@ class Multiplexer:
         head = min((r for r in s.scheduler.waiting if r.first_token_time is None),
                    key=lambda r: r.arrival_time, default=None)
         if head is not None:
-            est = s.timing.prefill_seconds(head.num_prompt_tokens,
+            est = s.timing.prefill_seconds(_to_prefill(head),
                                            s.scheduler.config.max_num_batched_tokens)
             due = head.arrival_time + (self.ttft_slo_s - est) * self.k
             if due < now:
@@ -256,8 +256,7 @@ class Multiplexer:
 
     def _prefill_estimate(self, s: ModelSlot) -> float:
         budget = s.scheduler.config.max_num_batched_tokens
-        tokens = sum(r.num_prompt_tokens for r in s.scheduler.waiting
-                     if r.first_token_time is None)
+        tokens = sum(_to_prefill(r) for r in s.scheduler.waiting if r.first_token_time is None)
         return s.timing.prefill_seconds(tokens, budget)
 
     def _stays_resident(self, keep: ModelSlot, incoming: ModelSlot) -> bool:
@@ -341,3 +340,9 @@ class Multiplexer:
         for s in self.slots:
             if self.free_bytes() - s.weight_bytes >= self._kv_floor(s):
                 s.resident = True
+
+
+def _to_prefill(r: Request) -> int:
+    """Prompt tokens ``r`` will compute here: one when its KV comes from a prefill instance
+    (the last prompt token is recomputed for the first output token), else its prompt."""
+    return 1 if r.remote_prefill is not None else r.num_prompt_tokens

@@ -33,6 +33,10 @@ on exactly G GPUs each, to the end, and ``causes.md`` says where the requests' t
 queue, the own prefill; the gaps between tokens that other models' steps add; the busiest
 instance over the mean), over every request and over those that missed the SLO.
 
+``--disaggregate`` (either workload) adds ``token P/D``: token-level scheduling on separate
+prefill and decode instances (Aegaeon's layout), the split searched at each size
+(``fewest_gpus(split=True)``).
+
 Every run is reported (``report.json``, ``report.md``); nothing is kept or dropped by result.
 """
 
@@ -51,6 +55,7 @@ from simulator.longtail import ModelRequest, from_trace, longtail, zipf_models
 from simulator.multimodel import FleetConfig, fewest_gpus, run_fleet
 
 MODES = ("dedicated", "request", "token")
+PD = "token P/D"  # token-level on separate prefill and decode instances (--disaggregate)
 RATE_PER_MODEL = 0.25  # requests/s per model, on average (Zipf: the head far more)
 TARGET = 0.95
 FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0)
@@ -81,7 +86,7 @@ def mooncake_zipf(requests: int, max_input: int) -> list[ModelRequest]:
 
 def sizes(n: int, duration: float, log: list[dict[str, Any]],
           reqs: list[ModelRequest] | None = None, model: str = "llama-3-8b",
-          pooled_max: int | None = None) -> dict[str, Any]:
+          pooled_max: int | None = None, disaggregate: bool = False) -> dict[str, Any]:
     reqs = reqs if reqs is not None else longtail(n, RATE_PER_MODEL * n, duration, seed=n)
     row: dict[str, Any] = {"models": n, "requests": len(reqs)}
     for mode in MODES:
@@ -98,6 +103,21 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]],
             k: at[k] for k in ("attainment", "goodput_tokens_per_s_per_gpu", "switches",
                                "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                                "utilisation")} if at else {})}
+    if disaggregate:  # token, on prefill instances and decode instances
+        best, trials = fewest_gpus(reqs, config("token", model=model), TARGET,
+                                   pooled_max or n, split=True)
+        for t in trials:
+            log.append({"models": n, "mode": PD, **t})
+            print(f"  N={n} {PD} {t['instances']:4} GPUs ({t['prefill_instances']} prefill): "
+                  f"attainment {'<=' if t['stopped_early'] else '  '}{t['attainment']:.3f} "
+                  f"misses: TTFT {t['ttft_misses']} ({t['ttft_misses_in_prefill']} in prefill), "
+                  f"TPOT {t['tpot_misses']}", flush=True)
+        at = max((t for t in trials if t["instances"] == best), default=None,
+                 key=lambda t: t["attainment"])
+        row[PD] = {"gpus": best, **({k: at[k] for k in (
+            "prefill_instances", "attainment", "goodput_tokens_per_s_per_gpu", "switches",
+            "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "utilisation")}
+            if at else {})}
     best, trials = fewest_gpus(reqs, bound_config(model=model), TARGET,
                                row["token"]["gpus"] or pooled_max or n)
     for t in trials:
@@ -131,7 +151,9 @@ def markdown(rows: list[dict[str, Any]], rate: dict[str, Any] | None) -> str:
     lines = ["| models | requests | mode | GPUs | attainment | goodput tok/s/GPU | switches "
              "| switch s | TTFT p50 ms | TTFT p99 ms |", "|" + "---|" * 10]
     for row in rows:
-        for mode in MODES:
+        for mode in (*MODES, PD):
+            if mode not in row:
+                continue
             m = row[mode]
             lines.append(
                 f"| {row['models']} | {row['requests']} | {mode} | {m['gpus']} | "
@@ -163,6 +185,9 @@ def main() -> None:
                     help="instead: the first N requests of the Mooncake trace over 32 models")
     ap.add_argument("--max-input", type=int, default=32768,
                     help="with --mooncake: prompts capped at this many tokens (0: as recorded)")
+    ap.add_argument("--disaggregate", action="store_true",
+                    help="also token-level pooling on separate prefill and decode instances "
+                    "(the split searched per size)")
     ap.add_argument("--causes", default="", metavar="G[,G]",
                     help="with --mooncake: token and the bound on these GPU counts, to the "
                          "end, and where the time went (causes.md)")
@@ -178,7 +203,7 @@ def main() -> None:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     for n in ns_models:
-        rows.append(sizes(n, duration, log))
+        rows.append(sizes(n, duration, log, disaggregate=ns.disaggregate))
         if n == 32 and rows[-1]["request"]["gpus"]:
             rate = rates(duration, rows[-1]["request"]["gpus"], log)
         # written after each size: a long run that is stopped keeps what it measured
@@ -235,7 +260,8 @@ def mooncake(ns: argparse.Namespace) -> None:
     print(f"{len(reqs)} requests, mean prompt {sum(r.prompt_tokens for r in reqs) / len(reqs):,.0f}"
           f" tokens; {alone:.1%} cannot meet a 2 s TTFT even alone on an idle GPU", flush=True)
     log: list[dict[str, Any]] = []
-    row = sizes(32, 0.0, log, reqs, "llama-3.1-8b", pooled_max=64)
+    row = sizes(32, 0.0, log, reqs, "llama-3.1-8b", pooled_max=64,
+                disaggregate=ns.disaggregate)
     row["alone_over_slo"] = alone
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,10 @@ Every engine step of an instance is charged to each of its requests that is wait
   another model's (the gaps between its tokens that sharing the GPU adds), else
   ``decode_own``.
 
-The path before the engine (``FleetConfig.path_in_s``) is ``path``. A request's TTFT causes sum
-to its TTFT less the time its first token took to reach the client (``path_out_s``).
+The path before the engine (``FleetConfig.path_in_s``) is ``path``; in a disaggregated fleet,
+the KV's crossing from the prefill instance to the decode instance is ``transfer``. A request's
+TTFT causes sum to its TTFT less the time its first token took to reach the client
+(``path_out_s``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-TTFT_CAUSES = ("path", "switch", "other_prefill", "other_decode", "own_queue", "own_prefill")
+TTFT_CAUSES = ("path", "switch", "other_prefill", "other_decode", "own_queue", "own_prefill",
+               "transfer")
 TPOT_CAUSES = ("decode_switch", "decode_other", "decode_own")
 
 

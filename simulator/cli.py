@@ -64,6 +64,12 @@ def add_pooling_args(p: argparse.ArgumentParser) -> None:
                    help="where switched-in weights come from")
     g.add_argument("--naive-switch", action="store_true",
                    help="re-initialise the engine on every switch")
+    g.add_argument("--prefill-instances", type=int, default=0, metavar="N",
+                   help="simulate: that many of --backends only prefill, the others only "
+                   "decode (the KV crosses between them); 0: every instance does both")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="plan: also search fleets of prefill and decode instances, and "
+                   "recommend the fewer GPUs of the two layouts")
 
 
 def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -180,7 +186,9 @@ def _simulate_pooled(ns: argparse.Namespace) -> int:
         return 2
     path = pooled_run.write(Path(ns.out), "report.json", rep)
     print(f"simulated {rep['requests']} requests of {rep['models']} models on {rep['gpus']} "
-          f"GPU(s), {rep['pooling']} pooling: {pooled_run.summary_line(rep)}")
+          f"GPU(s)" + (f" ({rep['prefill_instances']} prefill only)"
+                        if rep["prefill_instances"] else "")
+          + f", {rep['pooling']} pooling: {pooled_run.summary_line(rep)}")
     print(f"report: {path}")
     return 0
 
@@ -191,7 +199,8 @@ def _plan_pooled(ns: argparse.Namespace) -> int:
 
     try:
         doc = pooled_run.plan(ns, log=lambda mode, t: print(
-            f"  {mode:9} {t['instances']} instance(s): "
+            f"  {mode:9} {t['instances']} instance(s)"
+            + (f" ({t['prefill_instances']} prefill)" if t["prefill_instances"] else "") + ": "
             + (f"stopped early (attainment at most {t['attainment']:.1%})"
                if t["stopped_early"] else f"attainment {t['attainment']:.1%}")
             + f", {t['switches']} switches", flush=True))
@@ -200,8 +209,13 @@ def _plan_pooled(ns: argparse.Namespace) -> int:
         return 2
     path = pooled_run.write_plan(Path(ns.out), doc)
     rec, bound = doc["recommended_gpus"], doc["bound_gpus"]
-    print(f"recommended: {rec} GPUs ({ns.pooling} pooling)" if rec is not None
+    print(f"recommended: {rec} GPUs ({ns.pooling} pooling, {doc['layout']})" if rec is not None
           else f"no fleet of up to {ns.max_gpus} instances met the target")
+    if "disaggregated_gpus" in doc:
+        print("  " + ", ".join(f"{label}: " + (f"{g} GPUs" if g is not None else
+                                                     f"more than {ns.max_gpus} GPUs")
+                               for label, g in (("aggregated", doc["aggregated_gpus"]),
+                                                ("prefill/decode", doc["disaggregated_gpus"]))))
     print(f"perfect-foresight bound: {bound} GPUs" if bound is not None
           else "perfect-foresight bound: not reached within the sizes tried")
     print(f"plan: {path} (table: {path.parent / 'plan.md'})")

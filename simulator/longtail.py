@@ -38,6 +38,7 @@ class ModelRequest:
     tokens: int = 0
     times: list[float] = field(default_factory=list)
     lost: dict[str, float] = field(default_factory=dict)  # seconds by cause (simulator.causes)
+    prefilled: float | None = None  # a disaggregated fleet: when its prompt left prefill
 
     @property
     def ttft(self) -> float | None:

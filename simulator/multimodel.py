@@ -7,12 +7,22 @@ One event per engine step: the instance asks its multiplexer for the next turn, 
 switch time plus the step's modelled time (``TimingModel``, seeded jitter as the backend's),
 then applies the step (tokens sampled, finished requests freed) and plans the next one.
 Prompts carry no content, so prefix caching is off: this measures sharing GPUs, not reuse.
+
+With ``FleetConfig.prefill_instances`` the fleet is disaggregated, as Aegaeon's is: that many
+instances only prefill (each for the several models it hosts, the same token-level choice of
+model per step), the others only decode. A prompt is prefilled on a prefill instance hosting its
+model, its KV crosses the link (``latency + prompt KV bytes / bandwidth``), and a decode
+instance hosting the model pulls it in (the scheduler's remote-prefill path: the whole prompt
+allocated at once, the last prompt token recomputed for the first output token, as vLLM's
+P/D does). The client's first token is the decode instance's. The two groups are placed
+separately: prefill instances by the models' prompt tokens per second, decode instances by
+their output tokens per second.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +30,7 @@ import numpy as np
 
 from backend.model_slot import capacity_bytes, new_slot, pool_blocks
 from backend.pooling import MODES, Mode, Multiplexer, Turn
-from backend.request import Request
+from backend.request import RemotePrefill, Request
 from gateway.routing.placement import InstanceView, pick, placement
 from protocol.kv_hash import root_hash
 from roofline.profiles import HardwareProfile, ModelProfile
@@ -50,19 +60,34 @@ class FleetConfig:
     # ``path_out_s`` after the engine emits it (TTFT counts both; the SLO is the client's)
     path_in_s: float = 0.0
     path_out_s: float = 0.0
+    # prefill/decode disaggregation: this many of ``instances`` only prefill, the rest only
+    # decode (0: every instance does both); the KV link between them
+    prefill_instances: int = 0
+    kv_link_bps: float = 200e9
+    kv_link_latency_s: float = 100e-6
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"pooling must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.prefill_instances and not 0 < self.prefill_instances < self.instances:
+            raise ValueError("prefill/decode disaggregation needs at least one prefill and "
+                             f"one decode instance, not {self.prefill_instances} of "
+                             f"{self.instances}")
 
 
 class SimInstance:
     """One pooled instance on the event loop."""
 
     def __init__(self, name: str, models: Sequence[str], cfg: FleetConfig,
-                 loop: EventLoop, seed: int, misses: list[int] | None = None) -> None:
+                 loop: EventLoop, seed: int, misses: list[int] | None = None,
+                 handoff: Callable[[ModelRequest], None] | None = None,
+                 decodes: bool = False) -> None:
+        """``handoff``: a prefill instance, which hands each prompt it has prefilled to it;
+        ``decodes``: a decode instance, whose requests arrive prefilled."""
         self.name = name
         self.loop = loop
+        self.handoff = handoff
+        self.decodes = decodes
         cap = capacity_bytes(cfg.hardware, cfg.gpu_memory_utilization)
         blocks = pool_blocks(cfg.profile, cap, 16)
         if blocks <= 0:
@@ -100,18 +125,27 @@ class SimInstance:
                             frozenset(self.mux.resident()),
                             {m: self.mux.wait_seconds(m) for m in self.mux.by_name}, queued)
 
-    def submit(self, mr: ModelRequest) -> None:
+    def submit(self, mr: ModelRequest, since: float | None = None) -> None:
+        """``mr`` arrives (on a decode instance: prefilled elsewhere, its KV in transit
+        since ``since``)."""
         now = self.loop.now
-        causes.charge(mr.lost, "path", now - mr.t)
+        if since is None:
+            causes.charge(mr.lost, "path", now - mr.t)
+        else:
+            causes.charge(mr.lost, "transfer", now - since)
         if self.busy:  # what is left of the step under way
             switch_end, end, model, prompt = self.current
             causes.step([(mr, mr.model == model, False)],
                         max(0.0, switch_end - now), end - max(now, switch_end), prompt)
-        req = Request(str(mr.rid), [0] * mr.prompt_tokens, mr.output_tokens, mr.output_tokens,
-                      self.loop.now, model=mr.model)
+        out = 1 if self.handoff is not None else mr.output_tokens  # prefill: the first token
+        req = Request(str(mr.rid), [0] * mr.prompt_tokens, out, out, mr.t + self.path[0],
+                      model=mr.model)
+        if self.decodes:
+            req.remote_prefill = RemotePrefill({})
         mr.instance = self.name
         self.live[req.request_id] = mr
-        self.loop.after(max(0.0, self.slo[0] - self.path[0] - self.path[1]), self._late, mr)
+        if not self.decodes:
+            self.loop.after(max(0.0, self.slo[0] - self.path[0] - self.path[1]), self._late, mr)
         self.mux.by_name[mr.model].scheduler.add(req)
         if not self.busy:
             self._step()
@@ -123,6 +157,14 @@ class SimInstance:
 
     def _step(self) -> None:
         turn = self.mux.next(self.loop.now)
+        if turn is not None and turn.plan.transfers:
+            # a decode instance: the KV was on its way when the request arrived (the link's
+            # time is charged before); the pull completes as its blocks are allocated
+            for req in turn.plan.transfers:
+                turn.slot.scheduler.remote_kv_ready(req, True)
+            if turn.plan.empty and not turn.switch_s:
+                self._step()  # they can be scheduled now
+                return
         if turn is None or (turn.plan.empty and not turn.switch_s):
             self.busy = False
             return
@@ -154,6 +196,12 @@ class SimInstance:
         for req in sched.update(turn.plan):
             mr = self.live[req.request_id]
             status = req.append_output(0)
+            if self.handoff is not None:  # prefilled: on to a decode instance
+                assert status is not None
+                sched.finish(req, status)
+                del self.live[req.request_id]
+                self.handoff(mr)
+                continue
             if mr.first_token is None:
                 req.first_token_time = now
                 mr.first_token = seen
@@ -176,6 +224,7 @@ class FleetResult:
     hosts: list[list[str]]
     virtual_s: float
     stopped: bool = False  # given up once more requests missed the SLO than allowed
+    clock: float = 0.0  # when the simulation ended (given up: then, not at the last arrival)
 
     def summary(self, ttft_s: float, tpot_s: float) -> dict[str, Any]:
         reqs = self.requests
@@ -192,6 +241,18 @@ class FleetResult:
         misses = self.instances[0].misses[0] if self.instances else 0
         attainment = 1.0 - misses / len(reqs) if self.stopped and reqs else (
             float(np.mean(met)) if met else 1.0)
+        # which SLO the misses broke: the first token's (its deadline passed without it, or
+        # it came late) or the pace of the others'
+        late = [r for r in reqs if (r.ttft is None and r.t + ttft_s <= self.clock)
+                or (r.ttft is not None and r.ttft > ttft_s)]
+        slow = sum(1 for r in reqs if r.ttft is not None and r.ttft <= ttft_s
+                   and r.tpot is not None and r.tpot > tpot_s)
+        # disaggregated: a late first token is the prefill side's when it waited longer there
+        # (beyond its own prefill) than at the decode side (beyond the KV's crossing)
+        at_prefill = sum(1 for r in late if r.prefilled is None
+                         or r.prefilled - r.t - r.lost.get("own_prefill", 0.0)
+                         > (r.first_token or self.clock) - r.prefilled
+                         - r.lost.get("transfer", 0.0))
         return {
             "instances": len(self.instances),
             "requests": len(reqs),
@@ -210,6 +271,13 @@ class FleetResult:
             "busy_max_over_mean": max(i.busy_s for i in self.instances) / max(
                 sum(i.busy_s for i in self.instances) / len(self.instances), 1e-12),
             "models_per_instance": max(len(h) for h in self.hosts),
+            "ttft_misses": len(late), "tpot_misses": slow, "ttft_misses_in_prefill":
+                at_prefill if any(i.handoff is not None for i in self.instances) else None,
+            "prefill_instances": sum(i.handoff is not None for i in self.instances),
+            # disaggregated: each group's busy share
+            "utilisation_prefill": _busy([i for i in self.instances if i.handoff is not None],
+                                         span),
+            "utilisation_decode": _busy([i for i in self.instances if i.decodes], span),
             "causes_ms": causes.summary(reqs, ttft_s, tpot_s),
         }
 
@@ -219,12 +287,19 @@ class FleetResult:
                                          .tensor_parallel, 1)
 
 
-def velocities(requests: Sequence[ModelRequest]) -> dict[str, float]:
-    """Tokens per second each model is asked for over the workload."""
+def _busy(group: Sequence[SimInstance], span: float) -> float | None:
+    return sum(i.busy_s for i in group) / span / len(group) if group else None
+
+
+def velocities(requests: Sequence[ModelRequest], tokens: str = "all") -> dict[str, float]:
+    """Tokens per second each model is asked for over the workload: prompt and output
+    ``tokens``, or only the ``"prompt"`` or only the ``"output"`` ones."""
     span = max((r.t for r in requests), default=0.0) or 1.0
     v: dict[str, float] = {}
     for r in requests:
-        v[r.model] = v.get(r.model, 0.0) + (r.prompt_tokens + r.output_tokens) / span
+        n = (r.prompt_tokens if tokens != "output" else 0) \
+            + (r.output_tokens if tokens != "prompt" else 0)
+        v[r.model] = v.get(r.model, 0.0) + n / span
     return v
 
 
@@ -236,22 +311,46 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig,
     reqs = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
             for r in requests]
     per = 1 if cfg.mode == "dedicated" else cfg.per_instance
-    hosts = placement(velocities(reqs), cfg.instances, per)
     loop = EventLoop()
     misses = [0]  # shared by every instance
-    insts = [SimInstance(f"i{k}", h or [next(iter(velocities(reqs)))], cfg, loop,
-                         cfg.seed * 1000 + k, misses) for k, h in enumerate(hosts)]
+    first = next(iter(velocities(reqs)))
+    pre = cfg.prefill_instances
+    if pre:
+        hosts = placement(velocities(reqs, "prompt"), pre, per) \
+            + placement(velocities(reqs, "output"), cfg.instances - pre, per)
+    else:
+        hosts = placement(velocities(reqs), cfg.instances, per)
+    kv_bits = cfg.profile.kv_bytes_per_token * 8
 
-    homes: dict[str, list[SimInstance]] = {}
-    for inst_, hosted in zip(insts, hosts, strict=True):
-        for m in hosted:
-            homes.setdefault(m, []).append(inst_)
+    def handoff(mr: ModelRequest) -> None:  # a prompt prefilled: its KV to a decode instance
+        now = mr.prefilled = loop.now
+        link = cfg.kv_link_latency_s + mr.prompt_tokens * kv_bits / cfg.kv_link_bps
+        loop.after(link, route, mr, decoders, now)
 
-    def arrive(mr: ModelRequest) -> None:
-        inst = pick(mr.model, [i.view() for i in homes.get(mr.model, ())])
+    insts = [SimInstance(f"i{k}", h or [first], cfg, loop, cfg.seed * 1000 + k, misses,
+                         handoff=handoff if k < pre else None, decodes=pre > 0 and k >= pre)
+             for k, h in enumerate(hosts)]
+
+    def homes(group: Sequence[SimInstance], hosted: Sequence[list[str]]
+              ) -> dict[str, list[SimInstance]]:
+        out: dict[str, list[SimInstance]] = {}
+        for inst_, models in zip(group, hosted, strict=True):
+            for m in models:
+                out.setdefault(m, []).append(inst_)
+        return out
+
+    entry = homes(insts[:pre or None], hosts[:pre or None])
+    decoders = homes(insts[pre:], hosts[pre:]) if pre else {}
+
+    def route(mr: ModelRequest, group: dict[str, list[SimInstance]],
+              since: float | None = None) -> None:
+        inst = pick(mr.model, [i.view() for i in group.get(mr.model, ())])
         if inst is None:
             raise ValueError(f"no instance hosts {mr.model}")
-        insts[int(inst.name[1:])].submit(mr)
+        insts[int(inst.name[1:])].submit(mr, since)
+
+    def arrive(mr: ModelRequest) -> None:
+        route(mr, entry)
 
     for mr in reqs:
         loop.at(mr.t + cfg.path_in_s, arrive, mr)
@@ -259,36 +358,93 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig,
     loop.run(stop=over)
     end = max((r.done for r in reqs if r.done is not None), default=0.0)
     return FleetResult(reqs, insts, hosts, max(end, max((r.t for r in reqs), default=0.0)),
-                       stopped=over is not None and over())
+                       stopped=over is not None and over(), clock=loop.now)
+
+
+def prefill_fraction(requests: Sequence[ModelRequest], cfg: FleetConfig) -> float:
+    """The share of the fleet's GPU time that prefill takes, from the roofline alone: each
+    prompt prefilled on its own; each model's output tokens in decode steps of the batch its
+    requests keep running on average (Little's law: its arrival rate × output tokens × a
+    token every half TPOT SLO, at least one), at the mean context. A first guess at the
+    prefill instances' share of a disaggregated fleet: a many-model pool decodes in small
+    per-model batches, each step reading a model's weights whole."""
+    from roofline.timing import TimingModel
+
+    if not requests:
+        return 0.5
+    tm = TimingModel(cfg.profile, cfg.hardware, jitter=0.0)
+    span = max(max(r.t for r in requests) - min(r.t for r in requests), 1.0)
+    ctx = max(1, int(sum(r.prompt_tokens + r.output_tokens / 2 for r in requests)
+                     / len(requests)))
+    out: dict[str, int] = {}
+    for r in requests:
+        out[r.model] = out.get(r.model, 0) + r.output_tokens
+    dec = 0.0
+    for tokens in out.values():
+        batch = max(1, round(tokens / span * cfg.tpot_slo_s / 2))
+        dec += tokens * tm.decode_step_seconds(batch, ctx) / batch
+    pre = sum(tm.prefill_seconds(r.prompt_tokens, cfg.max_num_batched_tokens)
+              for r in requests)
+    return pre / max(pre + dec, 1e-12)
 
 
 def fewest_gpus(requests: Sequence[ModelRequest], base: FleetConfig, target: float,
-                max_instances: int, log: Any = None) -> tuple[int | None, list[dict[str, Any]]]:
+                max_instances: int, log: Any = None, split: bool = False
+                ) -> tuple[int | None, list[dict[str, Any]]]:
     """The fewest instances whose SLO attainment reaches ``target``, with every trial.
 
     Attainment is taken as non-decreasing in instances. The search gallops up from the fewest
     instances that can host every model (doubling until one suffices), then bisects: a trial
     that falls short stops early and is cheap, one with many instances is not, so the largest
-    size tried is at most twice the answer rather than ``max_instances``."""
+    size tried is at most twice the answer rather than ``max_instances``.
+
+    ``split``: disaggregated fleets (``FleetConfig.prefill_instances``). At each size the
+    first split gives prefill instances the prefill's share of the work
+    (``prefill_fraction``); a split that falls short moves one instance toward the side
+    where more requests missed their SLO (``ttft_misses_in_prefill`` for the prefill side,
+    the other late first tokens and the slow paces for the decode side), until one meets
+    the target or the direction turns."""
     trials: list[dict[str, Any]] = []
     cache: dict[int, float] = {}
+    models = len({r.model for r in requests})
+    per = 1 if base.mode == "dedicated" else base.per_instance
+    group = max(1, math.ceil(models / per))  # instances that can host every model
+    share = prefill_fraction(requests, base) if split else 0.0
+
+    def trial(n: int, prefill: int) -> dict[str, Any]:
+        cfg = FleetConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
+                             "instances": n, "prefill_instances": prefill})
+        res = run_fleet(requests, cfg, int((1.0 - target) * len(requests)))
+        row = res.summary(base.ttft_slo_s, base.tpot_slo_s)
+        row["gpus"] = res.gpus
+        trials.append(row)
+        if log is not None:
+            log(row)
+        return row
+
+    def best_split(n: int) -> float:
+        p = min(max(round(n * share), group), n - group)
+        tried: dict[int, float] = {}
+        step = 0
+        while p not in tried and group <= p <= n - group:
+            row = trial(n, p)
+            tried[p] = row["attainment"]
+            if row["attainment"] >= target:
+                break
+            pre = row["ttft_misses_in_prefill"]
+            d = 1 if pre >= row["ttft_misses"] - pre + row["tpot_misses"] else -1
+            if step and d != step:
+                break  # the direction turned: the best split is behind
+            step = d
+            p += d
+        return max(tried.values())
 
     def attain(n: int) -> float:
         if n not in cache:
-            cfg = FleetConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
-                                 "instances": n})
-            res = run_fleet(requests, cfg, int((1.0 - target) * len(requests)))
-            row = res.summary(base.ttft_slo_s, base.tpot_slo_s)
-            row["gpus"] = res.gpus
-            trials.append(row)
-            cache[n] = row["attainment"]
-            if log is not None:
-                log(row)
+            cache[n] = best_split(n) if split else trial(n, 0)["attainment"]
         return cache[n]
 
-    models = len({r.model for r in requests})
-    per = 1 if base.mode == "dedicated" else base.per_instance
-    lo = max(1, math.ceil(models / per))
+    lo = 2 * group if split else group
     hi = max(lo, max_instances)
     if attain(lo) >= target:
         return lo, trials  # the fewest that can host every model already suffice

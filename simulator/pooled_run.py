@@ -3,8 +3,10 @@ fleet (``simulator.multimodel``), from a generated long tail or a JSONL trace na
 per row. ``simulate`` writes ``report.json`` (the fleet's figures and one row per model);
 ``plan`` writes ``plan.json`` with ``recommended_gpus``, the fewest GPUs whose SLO attainment
 reaches ``--target-goodput``, ``bound_gpus``, the fewest with perfect foresight (every switch
-prefetched, so free, with ``token`` scheduling: no mode can need fewer), every size it tried,
-and ``plan.md`` with their table and ``plan.png``."""
+prefetched, so free, with ``token`` scheduling on instances that do both phases), every size it
+tried, and ``plan.md`` with their table and ``plan.png``. With ``--disaggregate`` it also
+searches fleets split into prefill and decode instances (``disaggregated_gpus``, its trials
+with their splits) and recommends the fewer GPUs of the two ``layout``s."""
 
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ def workload(ns: argparse.Namespace, model: str) -> list[ModelRequest]:
     return reqs
 
 
-def fleet_config(ns: argparse.Namespace, model: str, hardware: str, instances: int
-                 ) -> FleetConfig:
+def fleet_config(ns: argparse.Namespace, model: str, hardware: str, instances: int,
+                 prefill: int = 0) -> FleetConfig:
     catalog = ProfileCatalog()
     return FleetConfig(
         instances, ns.pooling, catalog.get_model(model), catalog.get_hardware(hardware),
@@ -45,7 +47,7 @@ def fleet_config(ns: argparse.Namespace, model: str, hardware: str, instances: i
         switch=SwitchCost(source=ns.weights_from, optimised=not ns.naive_switch),
         ttft_slo_s=(ns.slo_ttft_ms or 2000.0) / 1e3, tpot_slo_s=(ns.slo_tpot_ms or 50.0) / 1e3,
         max_num_batched_tokens=ns.max_batched_tokens or 8192, jitter=ns.jitter,
-        seed=ns.seed)
+        seed=ns.seed, prefill_instances=prefill)
 
 
 def per_model(res: FleetResult, ttft_s: float, tpot_s: float) -> dict[str, dict[str, Any]]:
@@ -67,7 +69,7 @@ def simulate(ns: argparse.Namespace) -> dict[str, Any]:
     model = ns.backend_model or "llama-3-8b"
     hardware = ns.hardware or "h100-sxm"
     reqs = workload(ns, model)
-    cfg = fleet_config(ns, model, hardware, ns.backends or 1)
+    cfg = fleet_config(ns, model, hardware, ns.backends or 1, ns.prefill_instances)
     wall = time.perf_counter()
     res = run_fleet(reqs, cfg)
     rep = res.summary(cfg.ttft_slo_s, cfg.tpot_slo_s)
@@ -86,19 +88,37 @@ def plan(ns: argparse.Namespace,
     base = fleet_config(ns, ns.model, ns.hardware, 1)
     best, trials = fewest_gpus(reqs, base, ns.target_goodput, ns.max_gpus,
                                None if log is None else lambda t: log(ns.pooling, t))
+    layout, agg = "aggregated", best
+    split: dict[str, Any] = {}
+    if ns.disaggregate:
+        pd, pd_trials = fewest_gpus(reqs, base, ns.target_goodput, ns.max_gpus,
+                                    None if log is None else lambda t: log("P/D", t),
+                                    split=True)
+        if pd is not None and (best is None or pd < best):
+            layout, best = "disaggregated", pd
+        split = {"aggregated_gpus": _gpus(agg, base), "disaggregated_gpus": _gpus(pd, base),
+                 "disaggregated_trials": sorted(pd_trials, key=lambda t: (
+                     t["instances"], t["prefill_instances"]))}
     free = dataclasses.replace(base, mode="token", switch=SwitchCost(prefetched=True))
-    bound, bound_trials = fewest_gpus(reqs, free, ns.target_goodput, best or ns.max_gpus,
+    bound, bound_trials = fewest_gpus(reqs, free, ns.target_goodput, agg or ns.max_gpus,
                                       None if log is None else lambda t: log("bound", t))
-    tp = max(base.profile.tensor_parallel, 1)
     return {"pooling": ns.pooling, "model": ns.model, "hardware": ns.hardware,
             "models": len({r.model for r in reqs}), "requests": len(reqs),
             "target_goodput": ns.target_goodput,
             "slo": {"ttft_ms": base.ttft_slo_s * 1e3, "tpot_ms": base.tpot_slo_s * 1e3},
-            "recommended_gpus": None if best is None else best * tp,
-            "recommended_instances": best,
-            "bound_gpus": None if bound is None else bound * tp,
+            "recommended_gpus": _gpus(best, base), "recommended_instances": best,
+            "layout": layout,
+            "recommended_prefill_instances": next(
+                (t["prefill_instances"] for t in split.get("disaggregated_trials", ())
+                 if t["instances"] == best and t["attainment"] >= ns.target_goodput
+                 and not t["stopped_early"]), 0) if layout == "disaggregated" else 0,
+            "bound_gpus": _gpus(bound, base),
             "trials": sorted(trials, key=lambda t: t["instances"]),
-            "bound_trials": sorted(bound_trials, key=lambda t: t["instances"])}
+            "bound_trials": sorted(bound_trials, key=lambda t: t["instances"]), **split}
+
+
+def _gpus(instances: int | None, cfg: FleetConfig) -> int | None:
+    return None if instances is None else instances * max(cfg.profile.tensor_parallel, 1)
 
 
 def attainment_text(t: dict[str, Any]) -> str:
@@ -107,6 +127,10 @@ def attainment_text(t: dict[str, Any]) -> str:
     if t["stopped_early"]:
         return f"stopped early (at most {t['attainment']:.1%})"
     return f"{t['attainment']:.1%}"
+
+
+def _n(gpus: int | None) -> str:
+    return "more than were tried" if gpus is None else f"{gpus} GPU(s)"
 
 
 def _ms(v: float | None) -> str:
@@ -122,12 +146,24 @@ def plan_markdown(doc: dict[str, Any]) -> str:
     if bound is not None:
         verdict += f" Perfect-foresight bound: **{bound} GPU(s)**"
         verdict += f" ({rec / bound:.2f}× the bound)." if rec else "."
-    rows = ["| mode | instances | GPUs | attainment | TTFT p50 / p99 (ms) | TPOT p50 (ms) | "
-            "switches | utilisation |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
-    for label, trials in ((mode, doc["trials"]), ("bound", doc["bound_trials"])):
+    if "disaggregated_gpus" in doc:
+        verdict += (f" Instances that do both phases need {_n(doc['aggregated_gpus'])}, "
+                    f"prefill and decode instances {_n(doc['disaggregated_gpus'])}"
+                    + (f" ({doc['recommended_prefill_instances']} prefill)"
+                       if doc["layout"] == "disaggregated" else "") + ".")
+    rows = ["| mode | instances | prefill | GPUs | attainment | TTFT p50 / p99 (ms) | "
+            "TPOT p50 (ms) | switches | utilisation |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    pd = f"{mode}, prefill/decode"
+    for label, trials in ((mode, doc["trials"]), (pd, doc.get("disaggregated_trials", [])),
+                          ("bound", doc["bound_trials"])):
         for t in trials:
-            mark = " **(recommended)**" if label == mode and t["gpus"] == rec else ""
-            rows.append(f"| {label}{mark} | {t['instances']} | {t['gpus']} | "
+            mine = label == {"aggregated": mode, "disaggregated": pd}[doc["layout"]]
+            mark = " **(recommended)**" if mine and t["gpus"] == rec \
+                and t["prefill_instances"] == doc["recommended_prefill_instances"] \
+                and not t["stopped_early"] and t["attainment"] >= doc["target_goodput"] else ""
+            rows.append(f"| {label}{mark} | {t['instances']} | "
+                        f"{t['prefill_instances'] or '—'} | {t['gpus']} | "
                         f"{attainment_text(t)} | {_ms(t['ttft_p50_ms'])} / "
                         f"{_ms(t['ttft_p99_ms'])} | {_ms(t['tpot_p50_ms'])} | {t['switches']} | "
                         f"{t['utilisation']:.2f} |")
@@ -152,7 +188,12 @@ def write_plan(out: Path, doc: dict[str, Any]) -> Path:
     path = write(out, "plan.json", doc)
     (out / "plan.md").write_text(plan_markdown(doc))
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, trials in ((doc["pooling"], doc["trials"]), ("bound", doc["bound_trials"])):
+    for label, trials in ((doc["pooling"], doc["trials"]),
+                          (f"{doc['pooling']}, prefill/decode (best split per size)", _best(
+                              doc.get("disaggregated_trials", []))),
+                          ("bound", doc["bound_trials"])):
+        if not trials:
+            continue
         done = [t for t in trials if not t["stopped_early"]]
         cut = [t for t in trials if t["stopped_early"]]
         line = ax.plot([t["gpus"] for t in done], [t["attainment"] for t in done], marker="o",
@@ -169,6 +210,15 @@ def write_plan(out: Path, doc: dict[str, Any]) -> Path:
     fig.savefig(out / "plan.png", dpi=110)
     plt.close(fig)
     return path
+
+
+def _best(trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The split with the highest attainment at each size."""
+    best: dict[int, dict[str, Any]] = {}
+    for t in trials:
+        if t["instances"] not in best or t["attainment"] > best[t["instances"]]["attainment"]:
+            best[t["instances"]] = t
+    return [best[n] for n in sorted(best)]
 
 
 def write(out: Path, name: str, doc: dict[str, Any]) -> Path:

@@ -150,6 +150,59 @@ def test_a_long_prompt_of_one_model_is_charged_to_the_others_waiting_behind_it()
     assert long["own_prefill"] > 1.0
 
 
+def test_a_disaggregated_fleet_prefills_on_one_group_and_decodes_on_the_other() -> None:
+    """``prefill_instances``: the first instances only prefill, the rest only decode. Every
+    request is prefilled on a prefill instance, its KV crosses the link (``transfer``: latency
+    plus the prompt's KV bytes over the bandwidth), and its tokens come from a decode
+    instance, which computes only the last prompt token; its TTFT is still the sum of its
+    causes. The two groups each host every model."""
+    reqs = longtail(6, 2.0, 90, seed=5)
+    llama = MODELS["llama-3-8b"]
+    cfg = FleetConfig(4, "token", llama, HARDWARE["h100-sxm"], prefill_instances=2,
+                      per_instance=6, path_in_s=0.003, path_out_s=0.002)
+    res = run_fleet(reqs, cfg)
+    pre, dec = res.instances[:2], res.instances[2:]
+    assert all(i.handoff is not None and not i.decodes for i in pre)
+    assert all(i.handoff is None and i.decodes for i in dec)
+    assert {m for h in res.hosts[:2] for m in h} == {m for h in res.hosts[2:] for m in h} == {
+        r.model for r in reqs}
+    done = [r for r in res.requests if r.done is not None]
+    assert len(done) == len(reqs)
+    for r in done:
+        assert r.instance in {"i2", "i3"} and r.tokens == r.output_tokens
+        link = cfg.kv_link_latency_s + r.prompt_tokens * llama.kv_bytes_per_token * 8 \
+            / cfg.kv_link_bps
+        assert r.lost["transfer"] == pytest.approx(link)
+        waited = sum(v for k, v in r.lost.items() if k in TTFT_CAUSES)
+        assert waited + 0.002 == pytest.approx(r.ttft, abs=1e-9)
+    s = res.summary(2.0, 0.05)
+    assert s["prefill_instances"] == 2 and s["completed"] == len(reqs)
+    missed = sum(not r.meets(2.0, 0.05) for r in res.requests)
+    assert s["ttft_misses"] + s["tpot_misses"] == missed
+    assert 0 <= s["ttft_misses_in_prefill"] <= s["ttft_misses"]
+    assert all(r.prefilled is not None and r.t < r.prefilled < (r.first_token or 0) for r in done)
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        FleetConfig(2, "token", llama, HARDWARE["h100-sxm"], prefill_instances=2)
+
+
+def test_the_planner_searches_the_split_toward_the_side_that_misses() -> None:
+    """``fewest_gpus(split=True)``: each size starts at the prefill's share of the work and
+    moves one instance toward the side whose SLO broke; every trial says its split."""
+    from simulator.multimodel import fewest_gpus, prefill_fraction
+
+    reqs = longtail(4, 2.0, 60, seed=4)
+    base = FleetConfig(1, "token", MODELS["llama-3-8b"], HARDWARE["h100-sxm"])
+    share = prefill_fraction(reqs, base)
+    assert 0.0 < share < 1.0
+    long = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens * 20, r.output_tokens)
+            for r in reqs]
+    assert prefill_fraction(long, base) > share  # longer prompts: more of the work
+    best, trials = fewest_gpus(reqs, base, 0.95, 6, split=True)
+    assert best is not None and best >= 2
+    assert all(1 <= t["prefill_instances"] < t["instances"] for t in trials)
+    assert any(t["instances"] == best and t["attainment"] >= 0.95 for t in trials)
+
+
 def test_token_pooling_holds_the_slo_where_request_pooling_cannot() -> None:
     """The same 8-model long tail on 2 GPUs: switching between steps by deadline keeps
     ~all requests within TTFT 2 s / TPOT 50 ms; switching only when a batch drains leaves
@@ -174,23 +227,40 @@ def test_simulate_and_plan_with_pooling_write_their_reports(tmp_path: Path) -> N
     rep = json.loads((tmp_path / "sim" / "report.json").read_text())
     assert rep["gpus"] == 2 and rep["models"] == 6 and set(rep["per_model"]) == {
         f"m{i}" for i in range(6)}
+    pd = subprocess.run([sys.executable, "-m", "tokengate", "simulate", *common,
+                         "--backends", "3", "--prefill-instances", "1", "--out",
+                         str(tmp_path / "pd")], capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
+    assert pd.returncode == 0, pd.stderr
+    rep = json.loads((tmp_path / "pd" / "report.json").read_text())
+    assert rep["prefill_instances"] == 1 and rep["utilisation_prefill"] > 0 \
+        and rep["utilisation_decode"] > 0 and rep["causes_ms"]["all"]["transfer"] > 0
     plan = subprocess.run([sys.executable, "-m", "tokengate", "plan", *common, "--model",
                            "llama-3-8b", "--hardware", "h100-sxm", "--max-gpus", "4",
-                           "--target-goodput", "0.95", "--out", str(tmp_path / "plan")],
+                           "--target-goodput", "0.95", "--disaggregate", "--out",
+                           str(tmp_path / "plan")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert plan.returncode == 0, plan.stderr
     doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
     rec = doc["recommended_gpus"]
     assert isinstance(rec, int) and 1 <= rec <= 4
     by_size = {t["instances"]: t["attainment"] for t in doc["trials"]}
-    assert by_size[rec] >= 0.95 and all(a < 0.95 for n, a in by_size.items() if n < rec)
+    agg = doc["aggregated_gpus"]
+    assert by_size[agg] >= 0.95 and all(a < 0.95 for n, a in by_size.items() if n < agg)
+    # prefill and decode instances searched beside it; the fewer GPUs recommended
+    split = doc["disaggregated_trials"]
+    assert split and all(1 <= t["prefill_instances"] < t["instances"] for t in split)
+    assert rec == min(g for g in (agg, doc["disaggregated_gpus"]) if g is not None)
+    assert doc["layout"] == ("aggregated" if rec == agg else "disaggregated")
+    assert "aggregated:" in plan.stdout and "prefill/decode:" in plan.stdout
     # the perfect-foresight bound beside it, and the report a person reads
     bound = doc["bound_gpus"]
     assert isinstance(bound, int) and 1 <= bound <= rec
     md = (tmp_path / "plan" / "plan.md").read_text()
     assert f"Recommended: **{rec} GPU(s)**" in md and f"bound: **{bound} GPU(s)**" in md
+    assert "| token, prefill/decode |" in md and "prefill and decode instances" in md
     assert (tmp_path / "plan" / "plan.png").stat().st_size > 1000
-    for t in doc["trials"] + doc["bound_trials"]:  # a trial cut short never reads as a pass
+    for t in doc["trials"] + doc["bound_trials"] + split:  # cut short: never read as a pass
         if t["stopped_early"]:
             assert "stopped early (attainment at most" in plan.stdout
             assert t["attainment"] < 0.95
