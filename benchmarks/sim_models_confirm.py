@@ -23,9 +23,8 @@ and the backend's ``/admin/requests`` gives, on the host's monotonic clock, when
 the engine and when its first token left it. Each round reports its TTFT in stages
 (``stages``: ``late``, the client's send after its scheduled instant; ``in``, to the engine;
 ``engine``, the engine's own TTFT; ``out``, back to the client), and the simulation of the
-round runs with the path its requests met: each simulated request draws its own (``late`` +
-``in``, ``out``) from the measured ones (``FleetConfig.path_samples``; the path's spread, not
-only its median, reaches the TTFT figures): ~7 ms a request through the gateway on a 2-core
+round runs with the medians of ``late`` + ``in`` and of ``out`` as its path
+(``FleetConfig.path_in_s``/``path_out_s``): ~7 ms a request through the gateway on a 2-core
 machine, against a median TTFT of ~35 ms, which the engine model alone leaves out
 (``real_over_engine_only`` is the comparison without it; ``engine_ttft_ratio_p50``, request by
 request, the engine's TTFT real over simulated, is the engine model's alone). Before the round,
@@ -106,7 +105,7 @@ def stages(stamps: dict[str, tuple[float, float, float]], engine: dict[str, Any]
     """Each request's TTFT in stages, model ms (median and mean): ``late`` (the client's
     send after its scheduled instant), ``in`` (to the engine), ``engine`` (the engine's
     TTFT) and ``out`` (its first token back to the client); ``per_request``: id -> the
-    engine's TTFT; ``paths``: every request's (late + in, out), model seconds."""
+    engine's TTFT."""
     rows = {rid: (sent - sched, e["arrival"] - sent, e["first_token"] - e["arrival"],
                   first - e["first_token"])
             for rid, (sched, sent, first) in stamps.items()
@@ -117,7 +116,6 @@ def stages(stamps: dict[str, tuple[float, float, float]], engine: dict[str, Any]
         if len(v):
             out[name] = {"p50": float(np.median(v)), "mean": float(np.mean(v))}
     out["per_request"] = {rid: r[2] / scale * 1e3 for rid, r in rows.items()}
-    out["paths"] = [((r[0] + r[1]) / scale, r[3] / scale) for r in rows.values()]
     return out
 
 
@@ -260,11 +258,11 @@ def main() -> None:
         measured = real(reqs, models, Path(tempfile.mkdtemp(prefix="tokengate-models-")),
                         ns.direct, ns.time_scale)
         # the simulation with the path the round's requests met (model time): the client's
-        # late sends and the way to the engine, and the way back (/admin/requests), each
-        # simulated request drawing its own from the measured ones
+        # late sends and the way to the engine, and the way back (medians, /admin/requests)
         st = measured["stages"]
-        paths = tuple(st.pop("paths"))
-        sim = run_fleet(reqs, dataclasses.replace(cfg, path_samples=paths))
+        path_in = (st["late"]["p50"] + st["in"]["p50"]) / 1e3
+        path_out = st["out"]["p50"] / 1e3
+        sim = run_fleet(reqs, dataclasses.replace(cfg, path_in_s=path_in, path_out_s=path_out))
         simulated = {**figures(sim.requests), "per_request": rows(sim.requests),
                      "switches": sim.instances[0].mux.stats.switches}
         keys = ("attainment", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "tpot_mean_ms",
@@ -272,7 +270,7 @@ def main() -> None:
         bare = figures(engine_only.requests)
         # the engine's own TTFT, request by request: real (``/admin/requests``) over simulated
         eng = measured["stages"].pop("per_request")
-        sim_eng = {f"confirm-{r.rid}": (r.first_token - r.t - r.path_in - r.path_out) * 1e3
+        sim_eng = {f"confirm-{r.rid}": (r.first_token - r.t - path_in - path_out) * 1e3
                    for r in sim.requests if r.first_token is not None}
         eng_ratio = [eng[k] / v for k, v in sim_eng.items() if k in eng and v > 0]
         runs.append({"round": k, "requests": len(reqs), "real": measured,

@@ -39,8 +39,6 @@ class ModelRequest:
     times: list[float] = field(default_factory=list)
     lost: dict[str, float] = field(default_factory=dict)  # seconds by cause (simulator.causes)
     prefilled: float | None = None  # a disaggregated fleet: when its prompt left prefill
-    path_in: float = 0.0  # its way to the engine and back (``FleetConfig``'s path)
-    path_out: float = 0.0
 
     @property
     def ttft(self) -> float | None:

@@ -60,10 +60,6 @@ class FleetConfig:
     # ``path_out_s`` after the engine emits it (TTFT counts both; the SLO is the client's)
     path_in_s: float = 0.0
     path_out_s: float = 0.0
-    # the path as measured request by request, (in, out) seconds: each simulated request
-    # draws its own from these (seeded) instead of the constants above, so the path's spread
-    # reaches the TTFT figures as it does in real time
-    path_samples: tuple[tuple[float, float], ...] = ()
     # prefill/decode disaggregation: this many of ``instances`` only prefill, the rest only
     # decode (0: every instance does both); the KV link between them
     prefill_instances: int = 0
@@ -112,6 +108,7 @@ class SimInstance:
         self.steps = 0
         self.live: dict[str, ModelRequest] = {}
         self.slo = (cfg.ttft_slo_s, cfg.tpot_slo_s)
+        self.path = (cfg.path_in_s, cfg.path_out_s)
         self.misses = misses if misses is not None else [0]  # requests known to miss the SLO
 
     def view(self) -> InstanceView:
@@ -141,14 +138,14 @@ class SimInstance:
             causes.step([(mr, mr.model == model, False)],
                         max(0.0, switch_end - now), end - max(now, switch_end), prompt)
         out = 1 if self.handoff is not None else mr.output_tokens  # prefill: the first token
-        req = Request(str(mr.rid), [0] * mr.prompt_tokens, out, out, mr.t + mr.path_in,
+        req = Request(str(mr.rid), [0] * mr.prompt_tokens, out, out, mr.t + self.path[0],
                       model=mr.model)
         if self.decodes:
             req.remote_prefill = RemotePrefill({})
         mr.instance = self.name
         self.live[req.request_id] = mr
         if not self.decodes:
-            self.loop.after(max(0.0, self.slo[0] - mr.path_in - mr.path_out), self._late, mr)
+            self.loop.after(max(0.0, self.slo[0] - self.path[0] - self.path[1]), self._late, mr)
         self.mux.by_name[mr.model].scheduler.add(req)
         if not self.busy:
             self._step()
@@ -194,6 +191,7 @@ class SimInstance:
 
     def _done(self, turn: Turn) -> None:
         now = self.loop.now
+        seen = now + self.path[1]  # when the client has the tokens
         sched = turn.slot.scheduler
         for req in sched.update(turn.plan):
             mr = self.live[req.request_id]
@@ -204,7 +202,6 @@ class SimInstance:
                 del self.live[req.request_id]
                 self.handoff(mr)
                 continue
-            seen = now + mr.path_out  # when the client has the tokens
             if mr.first_token is None:
                 req.first_token_time = now
                 mr.first_token = seen
@@ -311,12 +308,8 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig,
     """Serve ``requests`` (fresh copies: the inputs are left untouched) on the fleet; with
     ``max_misses``, give up as soon as more requests than that missed the SLO (an overloaded
     fleet's queues would otherwise take long to simulate, for an answer already known)."""
-    reqs = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens,
-                         path_in=cfg.path_in_s, path_out=cfg.path_out_s) for r in requests]
-    if cfg.path_samples:
-        draw = np.random.default_rng(cfg.seed).integers(len(cfg.path_samples), size=len(reqs))
-        for r, k in zip(reqs, draw, strict=True):
-            r.path_in, r.path_out = cfg.path_samples[k]
+    reqs = [ModelRequest(r.rid, r.model, r.t, r.prompt_tokens, r.output_tokens)
+            for r in requests]
     per = 1 if cfg.mode == "dedicated" else cfg.per_instance
     loop = EventLoop()
     misses = [0]  # shared by every instance
@@ -360,7 +353,7 @@ def run_fleet(requests: Sequence[ModelRequest], cfg: FleetConfig,
         route(mr, entry)
 
     for mr in reqs:
-        loop.at(mr.t + mr.path_in, arrive, mr)
+        loop.at(mr.t + cfg.path_in_s, arrive, mr)
     over = (lambda: misses[0] > max_misses) if max_misses is not None else None
     loop.run(stop=over)
     end = max((r.done for r in reqs if r.done is not None), default=0.0)

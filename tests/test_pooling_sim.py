@@ -111,25 +111,6 @@ def test_the_path_to_the_engine_delays_arrival_and_delivery_not_the_engines_work
     assert late.instances[0].misses[0] == 1  # counted as the engine's deadline passed
 
 
-def test_a_measured_path_is_drawn_request_by_request() -> None:
-    """``path_samples``: each request draws its own (in, out) from the measured ones, with
-    the fleet's seed; its TTFT grows by exactly what it drew, its TPOT not at all."""
-    h100, llama = HARDWARE["h100-sxm"], MODELS["llama-3-8b"]
-    reqs = [ModelRequest(i, "m0", 10.0 * i, 3000, 10) for i in range(40)]  # one at a time
-    samples = ((0.001, 0.002), (0.010, 0.001), (0.030, 0.005))
-    bare = run_fleet(reqs, FleetConfig(1, "token", llama, h100, jitter=0.0)).requests
-    cfg = FleetConfig(1, "token", llama, h100, jitter=0.0, path_samples=samples)
-    pathed = run_fleet(reqs, cfg).requests
-    drawn = [(r.path_in, r.path_out) for r in pathed]
-    assert set(drawn) == set(samples)  # every sample drawn, nothing else
-    assert drawn == [(r.path_in, r.path_out) for r in run_fleet(reqs, cfg).requests]
-    for b, p in zip(bare, pathed, strict=True):
-        assert b.ttft is not None and p.ttft is not None
-        assert p.ttft == pytest.approx(b.ttft + p.path_in + p.path_out, abs=1e-9)
-        assert p.tpot == pytest.approx(b.tpot, abs=1e-12)
-        assert p.lost["path"] == pytest.approx(p.path_in)
-
-
 def test_every_requests_time_is_put_down_to_its_causes_exactly() -> None:
     """``simulator.causes``: on a pooled fleet each request's TTFT is the sum of its causes
     plus the way back to the client, and its decode time the sum of its decode causes; the
