@@ -52,7 +52,8 @@ from loadtests.traces import TRACES
 from roofline.profiles import HARDWARE, MODELS
 from roofline.switching import SwitchCost
 from simulator.longtail import ModelRequest, from_trace, longtail, zipf_models
-from simulator.multimodel import FleetConfig, fewest_gpus, run_fleet
+from simulator.multimodel import FleetConfig, run_fleet
+from simulator.sizing import fewest_gpus
 
 MODES = ("dedicated", "request", "token")
 PD = "token P/D"  # token-level on separate prefill and decode instances (--disaggregate)
@@ -89,34 +90,30 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]],
           pooled_max: int | None = None, disaggregate: bool = False) -> dict[str, Any]:
     reqs = reqs if reqs is not None else longtail(n, RATE_PER_MODEL * n, duration, seed=n)
     row: dict[str, Any] = {"models": n, "requests": len(reqs)}
-    for mode in MODES:
+    # each mode's search; with ``disaggregate``, token on prefill and decode instances too
+    searches = [(mode, mode, False) for mode in MODES]
+    if disaggregate:
+        searches.append((PD, "token", True))
+    for label, mode, split in searches:
         t0 = time.perf_counter()
         best, trials = fewest_gpus(reqs, config(mode, model=model), TARGET,
-                                   2 * n if mode == "dedicated" else pooled_max or n)
+                                   2 * n if mode == "dedicated" else pooled_max or n,
+                                   split=split)
         for t in trials:
-            log.append({"models": n, "mode": mode, **t})
+            log.append({"models": n, "mode": label, **t})
             bound = "<=" if t["stopped_early"] else "  "
-            print(f"  N={n} {mode:9} {t['instances']:4} GPUs: attainment {bound}"
-                  f"{t['attainment']:.3f} switches {t['switches']}", flush=True)
-        at = next((t for t in trials if t["instances"] == best), None)
-        row[mode] = {"gpus": best, "wall_s": time.perf_counter() - t0, **({
-            k: at[k] for k in ("attainment", "goodput_tokens_per_s_per_gpu", "switches",
-                               "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-                               "utilisation")} if at else {})}
-    if disaggregate:  # token, on prefill instances and decode instances
-        best, trials = fewest_gpus(reqs, config("token", model=model), TARGET,
-                                   pooled_max or n, split=True)
-        for t in trials:
-            log.append({"models": n, "mode": PD, **t})
-            print(f"  N={n} {PD} {t['instances']:4} GPUs ({t['prefill_instances']} prefill): "
-                  f"attainment {'<=' if t['stopped_early'] else '  '}{t['attainment']:.3f} "
-                  f"misses: TTFT {t['ttft_misses']} ({t['ttft_misses_in_prefill']} in prefill), "
-                  f"TPOT {t['tpot_misses']}", flush=True)
+            pre = f" ({t['prefill_instances']} prefill)" if split else ""
+            misses = (f", misses: TTFT {t['ttft_misses']} ({t['ttft_misses_in_prefill']} in "
+                      f"prefill), TPOT {t['tpot_misses']}" if split else "")
+            print(f"  N={n} {label:9} {t['instances']:4} GPUs{pre}: attainment {bound}"
+                  f"{t['attainment']:.3f} switches {t['switches']}{misses}", flush=True)
+        # at the size found, the split that reached the target (one trial a size unsplit)
         at = max((t for t in trials if t["instances"] == best), default=None,
                  key=lambda t: t["attainment"])
-        row[PD] = {"gpus": best, **({k: at[k] for k in (
-            "prefill_instances", "attainment", "goodput_tokens_per_s_per_gpu", "switches",
-            "switch_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "utilisation")}
+        row[label] = {"gpus": best, "wall_s": time.perf_counter() - t0, **({
+            k: at[k] for k in ("prefill_instances", "attainment",
+                               "goodput_tokens_per_s_per_gpu", "switches", "switch_s",
+                               "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "utilisation")}
             if at else {})}
     best, trials = fewest_gpus(reqs, bound_config(model=model), TARGET,
                                row["token"]["gpus"] or pooled_max or n)

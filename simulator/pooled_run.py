@@ -21,7 +21,8 @@ from typing import Any
 from roofline.profiles import ProfileCatalog
 from roofline.switching import SwitchCost
 from simulator.longtail import ModelRequest, from_trace, longtail
-from simulator.multimodel import FleetConfig, FleetResult, fewest_gpus, run_fleet
+from simulator.multimodel import FleetConfig, FleetResult, run_fleet
+from simulator.sizing import fewest_gpus
 
 
 def workload(ns: argparse.Namespace, model: str) -> list[ModelRequest]:
@@ -110,11 +111,16 @@ def plan(ns: argparse.Namespace,
             "layout": layout,
             "recommended_prefill_instances": next(
                 (t["prefill_instances"] for t in split.get("disaggregated_trials", ())
-                 if t["instances"] == best and t["attainment"] >= ns.target_goodput
-                 and not t["stopped_early"]), 0) if layout == "disaggregated" else 0,
+                 if t["instances"] == best and _passes(t, ns.target_goodput)), 0)
+            if layout == "disaggregated" else 0,
             "bound_gpus": _gpus(bound, base),
             "trials": sorted(trials, key=lambda t: t["instances"]),
             "bound_trials": sorted(bound_trials, key=lambda t: t["instances"]), **split}
+
+
+def _passes(trial: dict[str, Any], target: float) -> bool:
+    """Did ``trial`` run to the end and reach ``target``?"""
+    return not trial["stopped_early"] and trial["attainment"] >= target
 
 
 def _gpus(instances: int | None, cfg: FleetConfig) -> int | None:
@@ -161,7 +167,7 @@ def plan_markdown(doc: dict[str, Any]) -> str:
             mine = label == {"aggregated": mode, "disaggregated": pd}[doc["layout"]]
             mark = " **(recommended)**" if mine and t["gpus"] == rec \
                 and t["prefill_instances"] == doc["recommended_prefill_instances"] \
-                and not t["stopped_early"] and t["attainment"] >= doc["target_goodput"] else ""
+                and _passes(t, doc["target_goodput"]) else ""
             rows.append(f"| {label}{mark} | {t['instances']} | "
                         f"{t['prefill_instances'] or '—'} | {t['gpus']} | "
                         f"{attainment_text(t)} | {_ms(t['ttft_p50_ms'])} / "

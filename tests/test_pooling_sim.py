@@ -188,7 +188,7 @@ def test_a_disaggregated_fleet_prefills_on_one_group_and_decodes_on_the_other() 
 def test_the_planner_searches_the_split_toward_the_side_that_misses() -> None:
     """``fewest_gpus(split=True)``: each size starts at the prefill's share of the work and
     moves one instance toward the side whose SLO broke; every trial says its split."""
-    from simulator.multimodel import fewest_gpus, prefill_fraction
+    from simulator.sizing import fewest_gpus, prefill_fraction
 
     reqs = longtail(4, 2.0, 60, seed=4)
     base = FleetConfig(1, "token", MODELS["llama-3-8b"], HARDWARE["h100-sxm"])
