@@ -269,12 +269,15 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--payloads", default=",".join(PAYLOADS))
     p.add_argument("--baseline", default=None, help="another source tree, run alternately")
-    p.add_argument("--fronts", default="serve", help="serve, epp (behind Envoy), or both")
+    p.add_argument("--fronts", default="serve",
+                   help="serve, epp (behind Envoy), or both: serve,epp")
     p.add_argument("--check", default=None, help="a budget file: exit 1 on a gross regression")
     p.add_argument("--write-budget", default=None)
     args = p.parse_args()
     args.payloads = [x for x in args.payloads.split(",") if x]
     args.fronts = [x for x in args.fronts.split(",") if x]
+    if not args.fronts or set(args.fronts) - {"serve", "epp"}:
+        p.error("--fronts takes serve, epp or serve,epp")
     args.trees = {"new": Path.cwd()}
     if args.baseline:
         args.trees = {"old": Path(args.baseline).resolve(), "new": Path.cwd()}
