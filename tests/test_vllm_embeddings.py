@@ -60,7 +60,7 @@ def gw(embedder: tuple[vllm.VllmSpec, Path], tmp_path: Path) -> Iterator[Running
 def direct_usage(spec: vllm.VllmSpec, inputs: Any) -> int:
     req = urllib.request.Request(spec.url + "/v1/embeddings", data=json.dumps(
         {"model": "tiny", "input": inputs}).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=240) as r:
         return int(json.loads(r.read())["usage"]["prompt_tokens"])
 
 

@@ -59,7 +59,7 @@ def test_adapters_on_real_vllm_through_the_gateway(
         "tenants": {"a": {"keys": [{"sha256": sha("key-a")}], "limits": {"tpm": 1e7}}},
         "routes": {"r": {"tenants": ["a"], "models": list(models)}}}))
     try:
-        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0, timeout=60)
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0, timeout=240)
         msgs = [{"role": "system", "content": "Answer in SQL."},
                 {"role": "user", "content": "How many rows are in the orders table?"}]
         for name in ("sql", "poetry", "sql", "legal", "sql"):

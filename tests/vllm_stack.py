@@ -55,7 +55,7 @@ class VllmFleet:
     def usage(self, i: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(self.url(i) + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=240) as r:
             return json.loads(r.read())["usage"]  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
