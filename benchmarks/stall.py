@@ -6,7 +6,14 @@ huge requests in flight (3 MB embeddings inputs, chats of 180 messages of
 16,000 characters: each counted, then served) and a tenant whose quota is 3,000 tokens a minute
 sends a 3 MB embeddings input once a second (refused: how long that takes is reported).
 
-    python -m benchmarks.stall [--seconds 10] [--heavy 10] [--via serve|epp] [--out DIR]
+    python -m benchmarks.stall [--seconds 10] [--heavy 10] [--via serve|epp] [--busy]
+        [--out DIR]
+
+``--busy`` adds a phase between the two (``busy``): no other tenant, but one process per core
+spinning at the same priority, sending nothing. It shows what contention for the machine's
+cores alone costs the light tenant's path (the clients, the gateway, Envoy and the upstream
+share those cores), against what the heavy tenant's requests cost it. Each phase reports the
+share of the machine's CPU time that was busy (``/proc/stat``).
 
 ``--via epp``: the same through Envoy with ``tokengate epp`` as its endpoint picker (the EPP
 counts and admits; ``/health`` is the EPP's own).
@@ -22,6 +29,7 @@ import asyncio
 import hashlib
 import json
 import multiprocessing
+import os
 import random
 import string
 import subprocess
@@ -102,6 +110,20 @@ async def _timed(s: aiohttp.ClientSession, url: str, data: bytes | None, who: st
     return time.perf_counter() - t, r.status
 
 
+def _spin(go: Any) -> None:
+    """A process that keeps one core busy until ``go`` is set, sending nothing."""
+    while not go.is_set():
+        for _ in range(200_000):
+            pass
+
+
+def _cpu_busy() -> tuple[float, float]:
+    """(busy, total) CPU time of the whole machine so far, in ticks (``/proc/stat``)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def _heavy_process(base: str, heavy: int, go: Any, done: Any) -> None:
     """The heavy tenant, in a process of its own: its 30 MB of bodies in flight must not
     slow the loop that times the others (the gateway is what is measured, not the client)."""
@@ -129,7 +151,7 @@ def _heavy_process(base: str, heavy: int, go: Any, done: Any) -> None:
 
 
 async def phase(base: str, health_url: str, seconds: float, heavy: int,
-                big: list[tuple[str, bytes]] | None) -> dict[str, Any]:
+                big: list[tuple[str, bytes]] | None, spin: int = 0) -> dict[str, Any]:
     stop = asyncio.Event()
     health: list[float] = []
     light: list[float] = []
@@ -168,6 +190,10 @@ async def phase(base: str, health_url: str, seconds: float, heavy: int,
         worker.start()
         await asyncio.get_running_loop().run_in_executor(None, done.get)  # "ready"
         await asyncio.sleep(1.0)  # the heavy requests in flight
+    spinners = [ctx.Process(target=_spin, args=(go,)) for _ in range(spin)]
+    for p in spinners:
+        p.start()
+    b0, t0 = _cpu_busy()
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         tasks = [asyncio.ensure_future(probes(s)), asyncio.ensure_future(lights(s))]
@@ -176,8 +202,14 @@ async def phase(base: str, health_url: str, seconds: float, heavy: int,
         await asyncio.sleep(seconds)
         stop.set()
         await asyncio.gather(*tasks)
+    b1, t1 = _cpu_busy()
     out: dict[str, Any] = {"health": stats(health), "light": stats(light),
-                           "light_status": light_status}
+                           "light_status": light_status,
+                           "machine_busy": (b1 - b0) / max(t1 - t0, 1.0)}
+    if spinners:
+        go.set()
+        for p in spinners:
+            p.join()
     if worker is not None:
         go.set()
         heavy_status = await asyncio.get_running_loop().run_in_executor(None, done.get)
@@ -216,6 +248,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--heavy", type=int, default=10, help="huge requests kept in flight")
     ap.add_argument("--via", choices=("serve", "epp"), default="serve")
+    ap.add_argument("--busy", action="store_true",
+                    help="also a phase with every core kept busy by a spinning process")
     ap.add_argument("--out", default="benchmarks/results/stall")
     ns = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tokengate-stall-"))
@@ -228,10 +262,16 @@ def main() -> None:
         await wait_for(health, timeout_s=60)
         quiet = await phase(base, health, ns.seconds, 0, None)
         print(json.dumps({"quiet": quiet}), flush=True)
+        busy: dict[str, Any] = {}
+        if ns.busy:
+            busy = {"busy": await phase(base, health, ns.seconds, 0, None,
+                                        spin=os.cpu_count() or 1)}
+            print(json.dumps(busy), flush=True)
         heavy = await phase(base, health, ns.seconds, ns.heavy, big)
         print(json.dumps({"heavy": heavy}), flush=True)
         return {"via": ns.via, "seconds": ns.seconds, "heavy_in_flight": ns.heavy,
-                "heavy_bodies_bytes": [len(b) for _, b in big], "quiet": quiet, "heavy": heavy}
+                "heavy_bodies_bytes": [len(b) for _, b in big], "quiet": quiet, **busy,
+                "heavy": heavy}
 
     try:
         out = asyncio.run(run())
