@@ -106,3 +106,17 @@ def test_immediate_errors_are_openai_shaped() -> None:
                                                "param": None, "code": "rate_limit_exceeded"}}
     set_ = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
     assert set_["retry-after"] == b"2" and set_["x-request-id"] == b"r1"
+
+
+@given(st.integers(0, 3 * messages.BODY_CHUNK_BYTES + 7), st.booleans(), st.booleans())
+def test_a_body_goes_back_in_pieces_envoy_takes_and_only_the_last_ends_it(
+        size: int, end: bool, response: bool) -> None:
+    data = bytes(i % 251 for i in range(size))
+    out = messages.body(data, end, response=response)
+    which = "response_body" if response else "request_body"
+    pieces = [getattr(r, which).response.body_mutation.streamed_response for r in out]
+    assert all(r.WhichOneof("response") == which for r in out)
+    assert b"".join(p.body for p in pieces) == data
+    assert all(len(p.body) <= messages.BODY_CHUNK_BYTES for p in pieces)
+    assert len(pieces) == max(1, -(-size // messages.BODY_CHUNK_BYTES))
+    assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [end]

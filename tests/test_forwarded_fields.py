@@ -109,6 +109,29 @@ def test_unknown_fields_are_refused_or_dropped_never_forwarded(engine: RawUpstre
             pass
 
 
+def test_a_request_without_a_stream_goes_as_its_own_bytes_with_the_stream_asked_for(
+        engine: RawUpstream, tmp_path: Path) -> None:
+    """The engine always streams (the gateway builds a whole answer from it): a body that
+    names no stream is forwarded byte for byte with the stream asked for after its last
+    field, never a key twice; one that says ``"stream": false`` is encoded again."""
+    raw = b'{ "model": "m",\n  "max_tokens": 10, "messages": [{"role": "user", ' \
+          b'"content": "h\\u00e9llo"}] }\n'
+    with gateway(engine, tmp_path) as gw:
+        for body, spliced in ((raw, True), (raw.replace(b'"m",', b'"m", "stream": false,'),
+                                            False)):
+            r = httpx.post(gw.url + "/v1/chat/completions", content=body, timeout=30,
+                           headers={"Authorization": "Bearer key-t",
+                                    "Content-Type": "application/json"})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]  # rebuilt from the stream
+            sent = [q for q in engine.requests if q.head.startswith(b"POST")][-1]
+            assert sent.body.count(b'"stream"') == 1
+            assert sent.json["stream"] is True
+            assert sent.json["stream_options"] == {"include_usage": True}
+            assert sent.json["messages"][0]["content"] == "h\u00e9llo"
+            assert sent.body.startswith(body.rstrip()[:-1]) is spliced
+
+
 def test_an_earlier_turns_reasoning_is_counted(engine: RawUpstream, tmp_path: Path) -> None:
     """35 KB of a Responses reasoning item (and a chat message's reasoning_content) reach the
     engine: they are counted in the prompt reserved, not 17 tokens."""

@@ -184,7 +184,7 @@ class Exchange:
         drop = (messages.SUBSET_HEADER, messages.SERVED, "x-tokengate-admin-key")
         return [messages.request_headers(set_, drop if auth else ("authorization", *drop),
                                          picked.destinations),
-                messages.body(picked.body, True, response=False)]
+                *messages.body(picked.body, True, response=False)]
 
     # -- the response --------------------------------------------------------------------
 
@@ -246,7 +246,7 @@ class Exchange:
 
     async def _response_body(self, data: bytes, end: bool) -> list[pb.ProcessingResponse]:
         if self.picked is None or self.adm is None:
-            return [messages.body(data, end, response=True)]
+            return messages.body(data, end, response=True)
         if self.result.status != 200:
             if len(self.response) < ERROR_BODY_LIMIT:
                 self.response += data
@@ -255,7 +255,7 @@ class Exchange:
             self.response += data
             return self._embedded() if end else []
         if self.feed is None or self.relay is None:
-            return [messages.body(data, end, response=True)]
+            return messages.body(data, end, response=True)
         self.feed.push(data, end)
         assert self.ctx is not None
         if not self.ctx.parsed.stream and not end:
@@ -276,7 +276,7 @@ class Exchange:
         out = self.sink.take()
         if end or self.relay.done():
             self._finish()
-        return [messages.body(out, end, response=True)]
+        return messages.body(out, end, response=True)
 
     def _whole(self) -> list[pb.ProcessingResponse]:
         """The answer built from the engine's stream, or our error if it broke off."""
@@ -305,7 +305,7 @@ class Exchange:
         return [messages.response_headers({**self.answer_headers,
                                            "content-type": "application/json",
                                            "content-length": str(len(body))}),
-                messages.body(body, True, response=True)]
+                *messages.body(body, True, response=True)]
 
     def _embedded(self) -> list[pb.ProcessingResponse]:
         """The engine's whole embeddings answer, renamed and settled with its usage."""
@@ -322,7 +322,7 @@ class Exchange:
         return [messages.response_headers({**self.answer_headers,
                                            "content-type": "application/json",
                                            "content-length": str(len(body))}),
-                messages.body(body, True, response=True)]
+                *messages.body(body, True, response=True)]
 
     def _upstream_failed(self) -> pb.ProcessingResponse:
         """A non-200 answer (or Envoy's own reply, when the endpoint could not be reached),

@@ -81,14 +81,29 @@ def response_headers(set_: Mapping[str, str], remove: Iterable[str] = ()
         response=pb.CommonResponse(header_mutation=mutation(set_, remove))))
 
 
-def body(data: bytes, end: bool, *, response: bool) -> pb.ProcessingResponse:
-    """A streamed body answer (``FULL_DUPLEX_STREAMED``: what we return replaces what Envoy
-    sent; ``end`` closes the body)."""
-    common = pb.CommonResponse(body_mutation=pb.BodyMutation(
-        streamed_response=pb.StreamedBodyResponse(body=data, end_of_stream=end)))
-    if response:
-        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+# The most body bytes one streamed answer carries. GIE's EPP splits bodies at 62,000 bytes,
+# since some Envoy deployments take at most 64 KiB per streamed chunk
+# (gateway-api-inference-extension, pkg/common/envoy: BodyByteLimit); a multi-megabyte body
+# sent as one answer also holds the event loop while it is built and serialized, where its
+# pieces are written one per step.
+BODY_CHUNK_BYTES = 62_000
+
+
+def body(data: bytes, end: bool, *, response: bool) -> list[pb.ProcessingResponse]:
+    """The streamed body answers carrying ``data`` (``FULL_DUPLEX_STREAMED``: what we return
+    replaces what Envoy sent), in pieces of at most ``BODY_CHUNK_BYTES``; ``end`` closes the
+    body with the last."""
+    n = BODY_CHUNK_BYTES
+    out = []
+    for i in range(0, len(data), n) if len(data) > n else (0,):
+        piece = data[i:i + n] if len(data) > n else data
+        last = end and i + n >= len(data)
+        common = pb.CommonResponse(body_mutation=pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=piece, end_of_stream=last)))
+        out.append(pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+                   if response else
+                   pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)))
+    return out
 
 
 def trailers(*, response: bool) -> pb.ProcessingResponse:

@@ -15,12 +15,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import orjson
-
 from gateway.config.policy import Model
 from gateway.request.attempt import Attempt
 from gateway.request.context import RequestContext
-from gateway.request.dispatch import Opener, prefill, traced_route, upstream_body, upstream_span
+from gateway.request.dispatch import (
+    Opener,
+    embeddings_body,
+    prefill,
+    traced_route,
+    upstream_body,
+    upstream_span,
+)
 from gateway.request.failure import unreachable
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from gateway.routing.plugins import Candidate, RequestInfo
@@ -170,7 +175,7 @@ def embeddings_picker(allowed: set[str] | None) -> Opener[Picked]:
                              "sole").inc()
         a = Attempt(state, ctx, router.pool, ep, prompt_tokens, d.endpoint.uncached_tokens,
                     upstream_span(ctx, m, ep.url, False, 1))
-        body = orjson.dumps({**ctx.body, "model": m.upstream_name})
+        body = embeddings_body(ctx, m)
         return Picked(d, router, a, info, hostport(ep.url),
                       urlsplit(ep.url).path.rstrip("/") + "/embeddings", body, False,
                       time.perf_counter(), fallbacks(state, m, router.pool, d, False))

@@ -38,7 +38,9 @@ from predictor.online import OnlinePredictor
 from protocol import native
 from protocol.runtime import freeze_startup_heap
 
-RECORD_STEP_BLOCKS = 1_024  # prefix-index blocks recorded per event-loop step (≤ ~1 ms)
+# Prefix-index blocks recorded per event-loop step: ~60 µs at 256 against an index of 100,000
+# blocks (~240 µs at 1,024, whose steps a busy machine stretched past 10 ms).
+RECORD_STEP_BLOCKS = 256
 # Python's default is 5 ms: the counting threads (``gateway.counting.slots``) then hold the event
 # loop back up to 5 ms each time it wakes while they run; with 1 ms the light tenant's p99 under
 # ten 3 MB requests was lower in each of four alternated pairs (benchmarks/stall.py).

@@ -61,9 +61,23 @@ def engine_fields(ctx: RequestContext, m: Model) -> dict[str, Any]:
             else engine_priority(band_of(ctx), False)}
 
 
+# What a body that asked for no stream gains at its end (``upstream_body``).
+STREAM_WITH_USAGE = b',"stream":true,"stream_options":{"include_usage":true}}'
+
+
 def client_fields(ctx: RequestContext) -> dict[str, Any]:
     """The client's body without the fields only the gateway sets."""
     return {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
+
+
+def embeddings_body(ctx: RequestContext, m: Model) -> bytes:
+    """An embeddings request as sent upstream: the client's fields with the upstream model
+    name; the client's bytes when that changes nothing (inputs of megabytes are not encoded
+    again)."""
+    if ctx.body.get("model") == m.upstream_name and not any(
+            f in ctx.body for f in GATEWAY_ONLY_FIELDS):
+        return ctx.raw
+    return orjson.dumps({**client_fields(ctx), "model": m.upstream_name})
 
 
 def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = None) -> bytes:
@@ -76,9 +90,15 @@ def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = Non
     limit = ctx.output_limit.get(m.name) if ctx.parsed.max_tokens is None else None
     extra = engine_fields(ctx, m)
     if kv is None and limit is None and not extra and ctx.body.get("model") == m.upstream_name \
-            and (ctx.parsed.stream and ctx.parsed.include_usage) and not any(
-            f in ctx.body for f in GATEWAY_ONLY_FIELDS):
-        return ctx.raw
+            and not any(f in ctx.body for f in GATEWAY_ONLY_FIELDS):
+        if ctx.parsed.stream and ctx.parsed.include_usage:
+            return ctx.raw
+        if "stream" not in ctx.body and "stream_options" not in ctx.body:
+            # The client's bytes with the stream asked for after its last field: no key is
+            # repeated, and a body of megabytes is not encoded again on the event loop.
+            end = ctx.raw.rstrip()
+            if end.endswith(b"}"):
+                return end[:-1] + STREAM_WITH_USAGE
     body = client_fields(ctx)
     body.update(extra)
     body["model"] = m.upstream_name

@@ -20,7 +20,7 @@ from gateway.quota import ledger as quota
 from gateway.request import pipeline
 from gateway.request.attempt import Attempt, judged, request_headers, retry
 from gateway.request.context import RequestContext
-from gateway.request.dispatch import open_request, traced_route, upstream_span
+from gateway.request.dispatch import embeddings_body, open_request, traced_route, upstream_span
 from gateway.request.failure import answer_failure
 from gateway.request.relay import RelayResult
 from gateway.request.respond import headers
@@ -120,7 +120,7 @@ async def open_embeddings(state: GatewayState, ctx: RequestContext, m: Model,
         return routed
     router, info, first = routed
     pool = router.pool
-    body = orjson.dumps({**ctx.body, "model": m.upstream_name})
+    body = embeddings_body(ctx, m)
     t = ctx.route.timeouts
 
     async def try_one(decision: Decision, n: int) -> Embedded:
