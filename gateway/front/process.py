@@ -38,9 +38,10 @@ from predictor.online import OnlinePredictor
 from protocol import native
 from protocol.runtime import freeze_startup_heap
 
-# Prefix-index blocks recorded per event-loop step: ~60 µs at 256 against an index of 100,000
-# blocks (~240 µs at 1,024, whose steps a busy machine stretched past 10 ms).
-RECORD_STEP_BLOCKS = 256
+# Prefix-index blocks recorded per event-loop step (~240 µs against an index of 100,000 blocks).
+# Smaller steps cost more in all: each step's eviction walks the dict's head past the slots
+# freed before it (256 took a cold 100K-token prompt's routing from 3.5 to 5.8 ms of CPU).
+RECORD_STEP_BLOCKS = 1_024
 # Python's default is 5 ms: the counting threads (``gateway.counting.slots``) then hold the event
 # loop back up to 5 ms each time it wakes while they run; with 1 ms the light tenant's p99 under
 # ten 3 MB requests was lower in each of four alternated pairs (benchmarks/stall.py).
