@@ -60,11 +60,8 @@ def gw_factory(tmp_path: Path) -> Iterator[Any]:
 
 
 def client(gw: RunningGateway, timeout: float = 240) -> openai.OpenAI:
-    # These tests assert what is counted and answered, not how fast: two CPU engines, their
-    # transfer threads and the gateway share two cores, and CI has seen one 2-token answer
-    # take over a minute there.
-    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0,
-                         timeout=timeout)
+    # what is counted, not how fast: two CPU engines share two cores (CI saw one take 60 s+)
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-a", max_retries=0, timeout=timeout)
 
 
 def admin_endpoints(gw: RunningGateway) -> list[dict[str, Any]]:
@@ -248,8 +245,7 @@ def test_prefill_decode_over_the_real_nixl_connector(vllm_fleet: VllmFleet,
            {"url": vllm_fleet.url(1) + "/v1", "role": "decode"}]
     gw = gw_factory(policy(vllm_fleet, eps, {"strategy": "round_robin",
                                              "remote_prefill_min_tokens": 64}))
-    # The first transfer carries NIXL's handshake, and a 2-core machine running both engines,
-    # their transfer threads and the gateway has been seen to take over a minute for one.
+    # (the first transfer carries NIXL's handshake)
     with client(gw) as c, vllm_fleet.logs_on_failure():
         _prefill_then_decode(vllm_fleet, gw_factory, gw, c, eps)
 
