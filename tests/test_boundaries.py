@@ -22,10 +22,12 @@ PACKAGES = ("tokengate", "protocol", "roofline", "gateway", "backend", "predicto
 # Micro-benchmarks of one component may import that component (the brief allows it).
 # (servers puts the gateway's UpstreamClient behind each candidate inbound server;
 # envoy, path and stall (--via epp) run Envoy with gateway.epp.envoy's configurations and drive
-# it over HTTP.)
+# it over HTTP; ext_proc_floor serves the EPP's gRPC service with its messages and nothing
+# else.)
 COMPONENT_BENCHMARKS = {"benchmarks.predictor", "benchmarks.relay",
                         "benchmarks.servers", "benchmarks.envoy", "benchmarks.flow_overhead",
-                        "benchmarks.path", "benchmarks.stall", "benchmarks.flow_shed"}
+                        "benchmarks.path", "benchmarks.stall", "benchmarks.flow_shed",
+                        "benchmarks.ext_proc_floor"}
 # The simulator's own benchmarks (against the real stack, the peers, its KV tiers) run it and
 # read the demo policy it runs.
 SIMULATOR_BENCHMARKS = {"benchmarks.sim_validate", "benchmarks.sim_confirm",
