@@ -132,6 +132,36 @@ def test_a_request_without_a_stream_goes_as_its_own_bytes_with_the_stream_asked_
             assert sent.body.startswith(body.rstrip()[:-1]) is spliced
 
 
+def test_an_embeddings_body_goes_as_its_own_bytes_unless_the_model_is_renamed(
+        tmp_path: Path) -> None:
+    """The client's bytes go to the engine's ``/embeddings`` when nothing changes; a model
+    served under another name gets the body encoded again."""
+    def embedded(req: Request) -> Answer:
+        body = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}],' \
+               b'"model":"x","usage":{"prompt_tokens":3,"total_tokens":3}}'
+        return [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\n\r\n" + body]
+
+    u = RawUpstream(embedded).start()
+    try:
+        raw = b'{"model": "m",  "input": "h\\u00e9llo world"}'
+        for upstream_model, same in ((None, True), ("engine-m", False)):
+            model: dict[str, Any] = {"endpoints": [{"url": f"{u.url}/v1"}]}
+            if upstream_model:
+                model["upstream_model"] = upstream_model
+            doc = one_tenant({"m": model}, {"limits": {"tpm": 1_000_000}})
+            with serving(write_policy(tmp_path / "e.yaml", doc)) as gw:
+                r = httpx.post(gw.url + "/v1/embeddings", content=raw, timeout=30,
+                               headers={"Authorization": "Bearer key-t",
+                                        "Content-Type": "application/json"})
+            assert r.status_code == 200, r.text
+            sent = [q for q in u.requests if q.head.startswith(b"POST")][-1]
+            assert (sent.body == raw) is same
+            assert sent.json == {"model": upstream_model or "m", "input": "h\u00e9llo world"}
+    finally:
+        u.close()
+
+
 def test_an_earlier_turns_reasoning_is_counted(engine: RawUpstream, tmp_path: Path) -> None:
     """35 KB of a Responses reasoning item (and a chat message's reasoning_content) reach the
     engine: they are counted in the prompt reserved, not 17 tokens."""
