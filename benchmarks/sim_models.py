@@ -53,7 +53,7 @@ from roofline.profiles import HARDWARE, MODELS
 from roofline.switching import SwitchCost
 from simulator.longtail import ModelRequest, from_trace, longtail, zipf_models
 from simulator.multimodel import FleetConfig, run_fleet
-from simulator.sizing import fewest_gpus
+from simulator.sizing import best_per_size, fewest_gpus
 
 MODES = ("dedicated", "request", "token")
 PD = "token P/D"  # token-level on separate prefill and decode instances (--disaggregate)
@@ -108,8 +108,7 @@ def sizes(n: int, duration: float, log: list[dict[str, Any]],
             print(f"  N={n} {label:9} {t['instances']:4} GPUs{pre}: attainment {bound}"
                   f"{t['attainment']:.3f} switches {t['switches']}{misses}", flush=True)
         # at the size found, the split that reached the target (one trial a size unsplit)
-        at = max((t for t in trials if t["instances"] == best), default=None,
-                 key=lambda t: t["attainment"])
+        at = next((t for t in best_per_size(trials) if t["instances"] == best), None)
         row[label] = {"gpus": best, "wall_s": time.perf_counter() - t0, **({
             k: at[k] for k in ("prefill_instances", "attainment",
                                "goodput_tokens_per_s_per_gpu", "switches", "switch_s",

@@ -22,7 +22,7 @@ from roofline.profiles import ProfileCatalog
 from roofline.switching import SwitchCost
 from simulator.longtail import ModelRequest, from_trace, longtail
 from simulator.multimodel import FleetConfig, FleetResult, run_fleet
-from simulator.sizing import fewest_gpus
+from simulator.sizing import best_per_size, fewest_gpus
 
 
 def workload(ns: argparse.Namespace, model: str) -> list[ModelRequest]:
@@ -195,7 +195,7 @@ def write_plan(out: Path, doc: dict[str, Any]) -> Path:
     (out / "plan.md").write_text(plan_markdown(doc))
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, trials in ((doc["pooling"], doc["trials"]),
-                          (f"{doc['pooling']}, prefill/decode (best split per size)", _best(
+                          (f"{doc['pooling']}, prefill/decode (best split per size)", best_per_size(
                               doc.get("disaggregated_trials", []))),
                           ("bound", doc["bound_trials"])):
         if not trials:
@@ -216,15 +216,6 @@ def write_plan(out: Path, doc: dict[str, Any]) -> Path:
     fig.savefig(out / "plan.png", dpi=110)
     plt.close(fig)
     return path
-
-
-def _best(trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The split with the highest attainment at each size."""
-    best: dict[int, dict[str, Any]] = {}
-    for t in trials:
-        if t["instances"] not in best or t["attainment"] > best[t["instances"]]["attainment"]:
-            best[t["instances"]] = t
-    return [best[n] for n in sorted(best)]
 
 
 def write(out: Path, name: str, doc: dict[str, Any]) -> Path:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from roofline.timing import TimingModel
 from simulator.longtail import ModelRequest
 from simulator.multimodel import FleetConfig, run_fleet
 
@@ -20,8 +21,6 @@ def prefill_fraction(requests: Sequence[ModelRequest], cfg: FleetConfig) -> floa
     token every half TPOT SLO, at least one), at the mean context. A first guess at the
     prefill instances' share of a disaggregated fleet: a many-model pool decodes in small
     per-model batches, each step reading a model's weights whole."""
-    from roofline.timing import TimingModel
-
     if not requests:
         return 0.5
     tm = TimingModel(cfg.profile, cfg.hardware, jitter=0.0)
@@ -115,3 +114,13 @@ def fewest_gpus(requests: Sequence[ModelRequest], base: FleetConfig, target: flo
         else:
             lo = mid + 1
     return hi, trials
+
+
+def best_per_size(trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trial with the highest attainment at each size (a split fleet tries several
+    splits a size), by size."""
+    best: dict[int, dict[str, Any]] = {}
+    for t in trials:
+        if t["instances"] not in best or t["attainment"] > best[t["instances"]]["attainment"]:
+            best[t["instances"]] = t
+    return [best[n] for n in sorted(best)]

@@ -95,8 +95,8 @@ def body(data: bytes, end: bool, *, response: bool) -> list[pb.ProcessingRespons
     body with the last."""
     n = BODY_CHUNK_BYTES
     out = []
-    for i in range(0, len(data), n) if len(data) > n else (0,):
-        piece = data[i:i + n] if len(data) > n else data
+    for i in range(0, len(data) or 1, n):  # an empty body is one empty piece
+        piece = data[i:i + n]  # the bytes themselves when they fit in one
         last = end and i + n >= len(data)
         common = pb.CommonResponse(body_mutation=pb.BodyMutation(
             streamed_response=pb.StreamedBodyResponse(body=piece, end_of_stream=last)))

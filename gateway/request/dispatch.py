@@ -70,12 +70,18 @@ def client_fields(ctx: RequestContext) -> dict[str, Any]:
     return {k: v for k, v in ctx.body.items() if k not in GATEWAY_ONLY_FIELDS}
 
 
+def _as_sent(ctx: RequestContext, m: Model) -> bool:
+    """The client's body already names ``m``'s upstream model and holds no field only the
+    gateway sets: its bytes can go upstream as they came (inputs of megabytes are not
+    encoded again)."""
+    return ctx.body.get("model") == m.upstream_name and not any(
+        f in ctx.body for f in GATEWAY_ONLY_FIELDS)
+
+
 def embeddings_body(ctx: RequestContext, m: Model) -> bytes:
     """An embeddings request as sent upstream: the client's fields with the upstream model
-    name; the client's bytes when that changes nothing (inputs of megabytes are not encoded
-    again)."""
-    if ctx.body.get("model") == m.upstream_name and not any(
-            f in ctx.body for f in GATEWAY_ONLY_FIELDS):
+    name; the client's bytes when that changes nothing."""
+    if _as_sent(ctx, m):
         return ctx.raw
     return orjson.dumps({**client_fields(ctx), "model": m.upstream_name})
 
@@ -89,13 +95,12 @@ def upstream_body(ctx: RequestContext, m: Model, kv: dict[str, Any] | None = Non
     (large agent prompts)."""
     limit = ctx.output_limit.get(m.name) if ctx.parsed.max_tokens is None else None
     extra = engine_fields(ctx, m)
-    if kv is None and limit is None and not extra and ctx.body.get("model") == m.upstream_name \
-            and not any(f in ctx.body for f in GATEWAY_ONLY_FIELDS):
+    if kv is None and limit is None and not extra and _as_sent(ctx, m):
         if ctx.parsed.stream and ctx.parsed.include_usage:
             return ctx.raw
         if "stream" not in ctx.body and "stream_options" not in ctx.body:
             # The client's bytes with the stream asked for after its last field: no key is
-            # repeated, and a body of megabytes is not encoded again on the event loop.
+            # repeated.
             end = ctx.raw.rstrip()
             if end.endswith(b"}"):
                 return end[:-1] + STREAM_WITH_USAGE
