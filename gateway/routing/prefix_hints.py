@@ -28,22 +28,24 @@ from gateway.redis_clients import Executor
 from gateway.routing.approx_index import ApproxIndex
 
 log = logging.getLogger("tokengate.routing")
-STREAM = "{tokengate:routing}:prefix-hints"
-_HEAD = struct.Struct("<HI")  # url length, number of hashes
+STREAM = "{tokengate:routing}:prefix-hints:2"
+_HEAD = struct.Struct("<HI")  # url length, number of entries
 
 
-def pack(entries: Sequence[tuple[str, bytes]]) -> bytes:
+def pack(entries: Sequence[tuple[str, bytes, bytes]]) -> bytes:
+    """Per record: the head, the URL, the entries' hashes (8 bytes each), then the blocks each
+    stands for (a byte each)."""
     out = bytearray()
-    for url, hashes in entries:
+    for url, hashes, weights in entries:
         u = url.encode()
-        out += _HEAD.pack(len(u), len(hashes) // 8) + u + hashes
+        out += _HEAD.pack(len(u), len(weights)) + u + hashes + weights
     return bytes(out)
 
 
-def unpack(data: bytes) -> list[tuple[str, array[int]]]:
+def unpack(data: bytes) -> list[tuple[str, array[int], bytes]]:
     out = []
     pos = 0
-    while pos < len(data):
+    while pos + _HEAD.size <= len(data):
         ulen, n = _HEAD.unpack_from(data, pos)
         pos += _HEAD.size
         url = data[pos:pos + ulen].decode()
@@ -51,7 +53,8 @@ def unpack(data: bytes) -> list[tuple[str, array[int]]]:
         hashes = array("Q")
         hashes.frombytes(data[pos:pos + 8 * n])
         pos += 8 * n
-        out.append((url, hashes))
+        out.append((url, hashes, data[pos:pos + n]))
+        pos += n
     return out
 
 
@@ -65,14 +68,15 @@ class PrefixShare:
         self.flush_s = flush_ms / 1000.0
         self.maxlen = maxlen
         self.block_ms = block_ms
-        self._pending: list[tuple[str, bytes]] = []
+        self._pending: list[tuple[str, bytes, bytes]] = []
         self.sent = self.received = 0
         index.on_record = self.publish
 
-    def publish(self, url: str, hashes: Sequence[int]) -> None:
-        """This replica sent ``hashes`` to ``url`` (called by the index on every record)."""
+    def publish(self, url: str, hashes: Sequence[int], weights: Sequence[int]) -> None:
+        """This replica recorded these index entries for ``url`` (called by the index on every
+        record: the entries' hashes and the blocks each stands for)."""
         if hashes:
-            self._pending.append((url, array("Q", hashes).tobytes()))
+            self._pending.append((url, array("Q", hashes).tobytes(), bytes(weights)))
 
     async def _flush_loop(self) -> None:
         while True:
@@ -105,8 +109,8 @@ class PrefixShare:
                     f = _fields(fields)
                     if f.get(b"r") == self.id:
                         continue
-                    for url, hashes in unpack(f.get(b"d", b"")):
-                        self.index.record_remote(url, hashes)
+                    for url, hashes, weights in unpack(f.get(b"d", b"")):
+                        self.index.record_remote(url, hashes, weights)
                         self.received += 1
 
     async def run(self) -> None:

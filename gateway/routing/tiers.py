@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gateway.routing.approx_index import ApproxIndex
 from gateway.routing.endpoints import EngineView
-from gateway.routing.prefix import PreciseIndex, continued
+from gateway.routing.prefix import PreciseIndex
 
 CPU = "CPU"
 POOL = "POOL"
@@ -108,13 +108,13 @@ class TierIndex:
             if precise is not None:
                 i = precise.walk(endpoint, CPU, hashes, i, end)
             else:
-                i = continued(self.approx_host.held(endpoint), hashes, i, end)
+                i = self.approx_host.walk(endpoint, hashes, i, end)
         host = i - gpu
         if pool is not None and view.pool_s_per_token is not None and i < end:
             if precise is not None:
                 i = precise.walk(pool, POOL, hashes, i, end)
             else:
-                i = continued(self.approx_pool.held(pool), hashes, i, end)
+                i = self.approx_pool.walk(pool, hashes, i, end)
         return TierMatch(host, i - gpu - host)
 
     def record(self, endpoint: str, view: EngineView, hashes: Sequence[int],
