@@ -53,7 +53,7 @@ def test_entries_are_dense_then_one_per_run_then_the_last() -> None:
 def test_an_identical_prompt_and_an_earlier_turn_match_exactly() -> None:
     idx = ApproxIndex()
     turn1 = chain(list(range(23)))
-    turn2 = chain(list(range(23)) + [7, 7, 7, 7, 7, 7])
+    turn2 = chain([*range(23), 7, 7, 7, 7, 7, 7])
     idx.record("e", turn1)
     assert idx.matched("e", turn1) == 23
     assert idx.matched("e", turn2) == 23  # the earlier turn's last block was recorded
