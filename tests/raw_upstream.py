@@ -48,6 +48,8 @@ class Request:
 class RawUpstream:
     script: Callable[[Request], Answer]
     tls: ssl.SSLContext | None = None
+    # answers the gateway's scrapes and probes (GETs) when set; else they get a 404
+    scrapes: Callable[[Request], Answer] | None = None
     requests: list[Request] = field(default_factory=list)
     port: int = 0
     server: ServerThread | None = None
@@ -102,7 +104,10 @@ class RawUpstream:
                 n = int(req.header("content-length") or 0)
                 req.body = await reader.readexactly(n) if n else b""
                 if not req.head.startswith(b"POST "):  # the gateway's scrapes and probes
-                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    if self.scrapes is None:
+                        writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    elif not await self._play(self.scrapes(req), reader, writer):
+                        return
                     continue
                 self.requests.append(req)
                 if not posted:

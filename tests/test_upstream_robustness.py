@@ -310,6 +310,31 @@ def test_a_hung_engine_costs_a_request_seconds_not_minutes(
     hung.release()
 
 
+def test_a_busy_engine_with_nowhere_else_to_go_is_waited_for(
+        gateways: Callable[..., RunningGateway]) -> None:
+    """The only engine is busy: its scrapes and health probe time out for seconds (a CPU
+    engine loading an adapter), and it answers the request after 6 s. Its scrapes take it out
+    of rotation, but with no other endpoint to retry on, the request waits for its answer
+    (within the first-token timeout) rather than being cancelled into a 504."""
+    up = RawUpstream(lambda req: [6.0, *good(req)],
+                     scrapes=lambda req: [8.0, b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"]
+                     ).start()
+    try:
+        gw = gateways([up.url], model={"routing": {"strategy": "round_robin",
+                                                   "scrape_interval_ms": 200}})
+        trips: list[float] = []
+        (ep,) = gw.state.fleet.endpoints.values()
+        ep.health.on_trip.add(lambda: trips.append(time.monotonic()))
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=60)
+        t0 = time.monotonic()
+        r = c.chat.completions.create(model="m", max_tokens=2,
+                                      messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content == "t0t1"
+        assert trips and trips[0] < t0 + 6.0  # its scrapes took it out while the request waited
+    finally:
+        up.close()
+
+
 def test_the_first_token_wait_follows_the_predicted_ttft() -> None:
     from gateway.config.resilience import Timeouts, first_token_wait
 

@@ -20,7 +20,8 @@ TIMEOUTS = Section(
                               "but at least 10 s (and at most `first_token_s`): a hung "
                               "engine costs a short request seconds, not minutes. An attempt "
                               "also ends, and is retried elsewhere, as soon as its endpoint "
-                              "is taken out (its scrapes or probe failed)."),
+                              "is taken out (its scrapes or probe failed) while another "
+                              "endpoint could take it; with none, it waits on."),
      "between_tokens_s": spec("number > 0", 60.0, "The longest gap between two streamed "
                             "events."),
      "total_s": spec("number > 0", 600.0, "The whole request.")})

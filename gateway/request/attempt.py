@@ -205,16 +205,19 @@ async def send(state: GatewayState, ctx: RequestContext, a: Attempt, body: bytes
         return Answer(up, lines=_prepend(got, lines))
 
     async with asyncio.timeout(first_token_wait(t, a.predicted_ttft_s)):
-        return await until_taken_out(ep, first())
+        return await until_taken_out(ep, first(), lambda: a.pool.elsewhere(ep))
 
 
-async def until_taken_out(ep: EndpointState, work: Awaitable[T]) -> T:
+async def until_taken_out(ep: EndpointState, work: Awaitable[T],
+                          elsewhere: Callable[[], bool]) -> T:
     """``work``, unless ``ep`` is taken out of rotation meanwhile (its scrapes, its probe or
     other requests failed: a hung or dead engine) and still out ``OUT_GRACE_S`` later (a busy
-    engine whose scrapes time out once is back at its next good scrape): then ``work`` is
-    cancelled and this raises TimeoutError, a stall, retried on another endpoint. ``work``
-    runs in the caller's task; the endpoint's trip starts the check (no task or timer of its
-    own per request)."""
+    engine whose scrapes time out once is back at its next good scrape) while ``elsewhere()``
+    says another endpoint could take the request: then ``work`` is cancelled and this raises
+    TimeoutError, a stall, retried there. With nowhere else to go the request waits on (a
+    busy engine whose scrapes time out is slow, not always dead; the first-token timeout
+    still bounds it). ``work`` runs in the caller's task; the endpoint's trip starts the
+    check (no task or timer of its own per request)."""
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
@@ -222,7 +225,8 @@ async def until_taken_out(ep: EndpointState, work: Awaitable[T]) -> T:
 
     def still_out() -> None:
         nonlocal tripped
-        if not tripped and not task.done() and not ep.healthy(time.monotonic()):
+        if (not tripped and not task.done() and not ep.healthy(time.monotonic())
+                and elsewhere()):
             tripped = True
             task.cancel()
 

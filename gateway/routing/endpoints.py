@@ -315,6 +315,13 @@ class EndpointPool:
         healthy = [e for e in left if e.healthy(now)]
         return healthy or left
 
+    def elsewhere(self, e: EndpointState) -> bool:
+        """Whether another endpoint that could take ``e``'s requests is in rotation now: a
+        request taken off ``e`` would have somewhere to go."""
+        now = self._clock()
+        return any(o is not e and o.role in (e.role, "both") and not o.health.draining
+                   and o.healthy(now) for o in self.endpoints)
+
     @staticmethod
     def acquire(e: EndpointState, tokens: int, prefill_tokens: int) -> Ticket:
         """A request is sent to ``e``: ``tokens`` reserved, ``prefill_tokens`` to compute."""
