@@ -91,12 +91,12 @@ class Fleet:
         self.probe_trips = 0
         self._probing: set[str] = set()
 
-
     def record_in_steps(self, blocks: int) -> None:
         """Record long prompts in the approximate indexes ``blocks`` blocks per event-loop step
         (``ApproxIndex.chunk``): the request path's serving does this, the simulator does not."""
         for index in (self.approx, self.tiers.approx_host, self.tiers.approx_pool):
             index.chunk = blocks
+
     def endpoint(self, url: str, api_key: str | None, role: str, hardware: str | None,
                  ca_file: str | None = None) -> EndpointState:
         e = self.endpoints.get(url)
