@@ -11,7 +11,10 @@ them, one policy (round robin, the tenant's RPM/TPM buckets in memory, token cou
 * ``serve``: ``tokengate serve``;
 * ``envoy``: Envoy alone (``gateway/epp/configs/envoy-roundrobin.yaml``: no quota, no counting);
 * ``envoy+epp``: Envoy with ``tokengate epp`` as its ext_proc endpoint picker
-  (``gateway/epp/configs/envoy-epp.yaml``, FULL_DUPLEX_STREAMED both ways).
+  (``gateway/epp/configs/envoy-epp.yaml``, FULL_DUPLEX_STREAMED both ways);
+* ``envoy+floor``: the same Envoy with a picker that does nothing but the protocol
+  (``benchmarks.ext_proc_floor --serve-relay``: each body given back unchanged at its end, on
+  grpcio's asyncio server as ``tokengate epp`` runs): what the ext_proc exchange itself adds.
 
 Each round, in an order that rotates: one client sends the same chat request to each target
 in turn (added p50/p99 over direct; then streaming, to the first content chunk), then each
@@ -95,6 +98,9 @@ class Stack:
         epp_port, http_port = free_port(), free_port()
         epp = self._spawn([*tg, "epp", "--policy", str(path), "--port", str(epp_port),
                            "--http-port", str(http_port), "--log-level", "warning"], "epp.log")
+        floor_port = free_port()
+        floor = self._spawn([sys.executable, "-m", "benchmarks.ext_proc_floor",
+                             "--serve-relay", str(floor_port)], "floor.log")
         await wait_for(f"http://127.0.0.1:{port}/health")
         await wait_for(f"http://127.0.0.1:{http_port}/health")
         hostports = [(u.split("//")[1].split(":")[0], int(u.rsplit(":", 1)[1])) for u in ups]
@@ -102,7 +108,10 @@ class Stack:
                 ("envoy", "envoy-roundrobin.yaml", {"ENDPOINTS": endpoints_yaml(hostports)}),
                 ("envoy+epp", "envoy-epp.yaml", {"EPP_HOST": "127.0.0.1",
                                                  "EPP_PORT": epp_port,
-                                                 "ENDPOINTS": endpoints_yaml(hostports)})):
+                                                 "ENDPOINTS": endpoints_yaml(hostports)}),
+                ("envoy+floor", "envoy-epp.yaml", {"EPP_HOST": "127.0.0.1",
+                                                   "EPP_PORT": floor_port,
+                                                   "ENDPOINTS": endpoints_yaml(hostports)})):
             listen, admin = free_port(), free_port()
             e = self._envoy(render(file, ADMIN_PORT=admin, LISTEN_HOST="127.0.0.1",
                                    LISTEN_PORT=listen, **extra), admin)
@@ -110,6 +119,7 @@ class Stack:
             self.targets[name] = f"http://127.0.0.1:{listen}/v1"
             self.pids[name] = {"envoy": e.proc.pid}
         self.pids["envoy+epp"]["epp"] = epp.pid
+        self.pids["envoy+floor"]["epp"] = floor.pid
 
     def stop(self) -> None:
         for e in self.envoys:

@@ -13,6 +13,13 @@ A ``grpc.aio`` client in this process keeps ``--concurrency`` streams open at a 
 server's CPU time over the run, per stream, is the transport's own cost per request; compare
 it with ``tokengate serve``'s whole CPU per request in ``make bench-path`` (same machine, same
 hour).
+
+    python -m benchmarks.ext_proc_floor --serve-relay PORT
+
+runs the least an endpoint picker behind real Envoy can do (``benchmarks.envoy``'s
+``envoy+floor``): it keeps each side's body until its end, as a picker that routes on the
+request and rebuilds the answer must, then gives it back unchanged with empty header answers
+(Envoy's own load balancing picks the endpoint), and answers gRPC health checks.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import grpc
 
 from benchmarks import common
 from benchmarks.proxy import cpu_seconds
+from gateway.epp import messages
 from gateway.epp.proto import ext_proc_pb2 as pb
 from gateway.epp.service import PROCESS, handler
 from protocol.loopback import free_port
@@ -59,6 +67,43 @@ async def process(requests: AsyncIterator[pb.ProcessingRequest], context: Any
     async for req in requests:
         for resp in answers(req):
             yield resp
+
+
+async def relay(requests: AsyncIterator[pb.ProcessingRequest], context: Any
+                ) -> AsyncIterator[pb.ProcessingResponse]:
+    """Each side's body back unchanged at its end, after an empty header answer: the
+    ``FULL_DUPLEX_STREAMED`` exchange with no work in it."""
+    held = {"request_body": bytearray(), "response_body": bytearray()}
+    async for req in requests:
+        kind = req.WhichOneof("request")
+        if kind in held:
+            part: pb.HttpBody = getattr(req, kind)
+            held[kind] += part.body
+            if part.end_of_stream:
+                response = kind == "response_body"
+                yield (pb.ProcessingResponse(response_headers=pb.HeadersResponse()) if response
+                       else pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+                for answer in messages.body(bytes(held[kind]), True, response=response):
+                    yield answer
+        elif kind in ("request_trailers", "response_trailers"):
+            yield messages.trailers(response=kind == "response_trailers")
+
+
+def serve_relay(port: int) -> None:
+    """``relay`` on ``port`` until killed, with gRPC health checks answered SERVING."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from protocol.runtime import run_loop
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((handler(relay),))
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    run_loop(main())
 
 
 def _serve(port: int, ready: Any) -> None:
@@ -107,7 +152,12 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=4000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--serve-relay", type=int, metavar="PORT",
+                   help="only run the relaying picker on PORT (for benchmarks.envoy)")
     args = p.parse_args()
+    if args.serve_relay:
+        serve_relay(args.serve_relay)
+        return
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
