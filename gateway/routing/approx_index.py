@@ -188,7 +188,6 @@ class ApproxIndex:
         self._blocks[endpoint] = blocks
         cap = self._cap.get(endpoint, self.default_capacity)
         if self.chunk is not None and blocks > cap:
-            # in steps: evict as it goes, at most twice what a step adds
             # in steps: evict as it goes, at most twice the entries a step adds
             self._evict(seen, endpoint, cap, 2 * self.chunk)
         elif blocks > cap * self.SLACK:
