@@ -10,7 +10,6 @@ from collections.abc import Iterable, Mapping
 from typing import cast
 
 import orjson
-from google.protobuf import struct_pb2
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.epp.proto import ext_proc_pb2 as pb
@@ -52,13 +51,22 @@ def with_objective(h: CIMultiDictProxy[str]) -> CIMultiDictProxy[str]:
     return CIMultiDictProxy(out)
 
 
-def mutation(set_: Mapping[str, str], remove: Iterable[str] = ()) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[pb.HeaderValueOption(
-            header=pb.HeaderValue(key=k, raw_value=v.encode()),
-            append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-            for k, v in set_.items()],
-        remove_headers=list(remove))
+_OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def fill(m: pb.HeaderMutation, set_: Mapping[str, str], remove: Iterable[str] = ()) -> None:
+    """Write ``set_`` (each header replaced or added) and ``remove`` into ``m``, in place.
+
+    Every message of an answer is filled where it lies in the answer: a message passed to a
+    constructor is copied (and its bytes with it) at each level of nesting, which made
+    building the answers' headers and bodies ~7 % of the EPP's CPU per request."""
+    add = m.set_headers.add
+    for k, v in set_.items():
+        header = add(append_action=_OVERWRITE).header
+        header.key = k
+        header.raw_value = v.encode()
+    if remove:
+        m.remove_headers.extend(remove)
 
 
 def request_headers(set_: Mapping[str, str], remove: Iterable[str], destination: str
@@ -66,19 +74,19 @@ def request_headers(set_: Mapping[str, str], remove: Iterable[str], destination:
     """The answer to the request's headers, sent once its body was read and routed: the
     destination in the header and in ``envoy.lb`` metadata; the route cache cleared, so a
     route that matches on the destination (or the rewritten model) sees it."""
-    md = struct_pb2.Struct()
-    md.update({LB_NAMESPACE: {DESTINATION: destination}})
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=mutation({**set_, DESTINATION: destination}, remove),
-            clear_route_cache=True)),
-        dynamic_metadata=md)
+    r = pb.ProcessingResponse()
+    common = r.request_headers.response
+    fill(common.header_mutation, {**set_, DESTINATION: destination}, remove)
+    common.clear_route_cache = True
+    r.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: destination}})
+    return r
 
 
 def response_headers(set_: Mapping[str, str], remove: Iterable[str] = ()
                      ) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=mutation(set_, remove))))
+    r = pb.ProcessingResponse()
+    fill(r.response_headers.response.header_mutation, set_, remove)
+    return r
 
 
 # The most body bytes one streamed answer carries. GIE's EPP splits bodies at 62,000 bytes,
@@ -96,13 +104,12 @@ def body(data: bytes, end: bool, *, response: bool) -> list[pb.ProcessingRespons
     n = BODY_CHUNK_BYTES
     out = []
     for i in range(0, len(data) or 1, n):  # an empty body is one empty piece
-        piece = data[i:i + n]  # the bytes themselves when they fit in one
-        last = end and i + n >= len(data)
-        common = pb.CommonResponse(body_mutation=pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=piece, end_of_stream=last)))
-        out.append(pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-                   if response else
-                   pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)))
+        r = pb.ProcessingResponse()
+        piece = (r.response_body if response else r.request_body
+                 ).response.body_mutation.streamed_response
+        piece.body = data[i:i + n]  # the bytes themselves when they fit in one
+        piece.end_of_stream = end and i + n >= len(data)
+        out.append(r)
     return out
 
 
@@ -114,10 +121,13 @@ def trailers(*, response: bool) -> pb.ProcessingResponse:
 
 def immediate(status: int, payload: bytes, headers: Mapping[str, str],
               details: str) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=pb.HttpStatus(code=cast("pb.StatusCode", status)),
-        headers=mutation({"content-type": "application/json", **headers}),
-        body=payload, details=details))
+    r = pb.ProcessingResponse()
+    answer = r.immediate_response
+    answer.status.code = cast("pb.StatusCode", status)
+    fill(answer.headers, {"content-type": "application/json", **headers})
+    answer.body = payload
+    answer.details = details
+    return r
 
 
 def error(exc: APIError, extra: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
