@@ -269,6 +269,28 @@ def test_the_approximate_index_learns_only_from_requests_the_engine_accepted(
         gw.close()
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_an_engine_without_a_prefix_cache_gets_no_prefix_index(
+        backend_factory: Factory, tmp_path: Path, caching: bool) -> None:
+    """An engine whose ``cache_config_info`` says it keeps no prefix cache (vLLM: an embedding
+    model with bidirectional attention, or ``--no-enable-prefix-caching``) has nothing for
+    prefix affinity to find: its prompts are neither hashed nor recorded. With the cache on,
+    the same request records its prompt's full blocks."""
+    b = backend_factory(served_model_name="llama-3-8b", enable_prefix_caching=caching)
+    gw = gateway(tmp_path, doc([{"url": f"{b.url}/v1"}], {"strategy": "prefix"}))
+    try:
+        ep = gw.state.fleet.endpoints[f"{b.url}/v1"]
+        deadline = time.monotonic() + 10
+        while ep.engine.prefix_caching is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ep.engine.prefix_caching is caching
+        stream(client(gw), "Served: " + LONG)
+        blocks = len(b.state.tokenizer.encode("Served: " + LONG)) // 16
+        assert gw.state.fleet.approx.size(f"{b.url}/v1") == (blocks if caching else 0)
+    finally:
+        gw.close()
+
+
 def test_a_prefill_naming_a_host_outside_the_pool_is_not_passed_to_decode(
         tmp_path: Path) -> None:
     """A "prefill" pod answers kv_transfer_params that point the decode engine at another

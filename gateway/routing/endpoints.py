@@ -169,6 +169,10 @@ class EngineView:
     waiting: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    # cache_config_info's enable_prefix_caching (None: not said): False for an engine that
+    # keeps no prefix cache (vLLM: pooling models with bidirectional attention or mean/CLS
+    # pooling, or --no-enable-prefix-caching), where prefix affinity has nothing to find
+    prefix_caching: bool | None = None
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     prompt_tokens_cached: float = 0.0

@@ -41,7 +41,8 @@ MODELS_EVERY_S = 30.0  # an engine without max_model_len in /v1/models is asked 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The gauges and counters a router needs from vLLM's Prometheus text (summed over label
-    sets, e.g. several model names); ``block_size``/``num_gpu_blocks`` from cache_config_info;
+    sets, e.g. several model names); ``block_size``/``num_gpu_blocks`` from cache_config_info
+    (and ``prefix_caching``, 1 or 0, from its ``enable_prefix_caching``);
     ``vllm:num_requests_waiting_by_reason`` as ``waiting:REASON``. Counters are read with or
     without ``_total`` (older vLLMs and the reference backend wrote both ways)."""
     out: dict[str, float] = {}
@@ -62,6 +63,8 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
                 if k in ("block_size", "num_gpu_blocks"):
                     with contextlib.suppress(ValueError):
                         out[k] = float(v)
+                elif k == "enable_prefix_caching":
+                    out["prefix_caching"] = float(v.lower() == "true")
             continue
         try:
             out[name] = out.get(name, 0.0) + float(value)
@@ -212,6 +215,8 @@ class Fleet:
             await self._read_models(e, headers)
         if "block_size" in m:
             e.engine.block_size = int(m["block_size"])
+        if "prefix_caching" in m:
+            e.engine.prefix_caching = m["prefix_caching"] > 0
         if "num_gpu_blocks" in m and int(m["num_gpu_blocks"]) != e.engine.num_gpu_blocks:
             e.engine.num_gpu_blocks = int(m["num_gpu_blocks"])
             self.approx.set_capacity(e.url, e.engine.num_gpu_blocks)

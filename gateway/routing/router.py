@@ -138,7 +138,8 @@ class Router:
         """``slots``: hashing a long prompt in the worker pool takes one of ``tenant``'s
         counting slots, as counting it did (one tenant's huge prompts cannot fill the pool)."""
         h = self.hasher()
-        if prompt_tokens < h.block_size:  # no full block: nothing any cache could hold
+        # no full block, or engines that keep no prefix cache: nothing any cache could hold
+        if prompt_tokens < h.block_size or self._no_prefix_cache():
             return RequestInfo(prompt_tokens, expected_output, (), h.block_size, slo_ttft_ms,
                                slo_tpot_ms, priority)
         hashes: Sequence[int]
@@ -154,6 +155,13 @@ class Router:
                                    h.tokens, ids, salt)
         return RequestInfo(prompt_tokens, expected_output, hashes, h.block_size, slo_ttft_ms,
                            slo_tpot_ms, priority)
+
+    def _no_prefix_cache(self) -> bool:
+        """Every endpoint says it keeps no prefix cache (``cache_config_info``), as an
+        embedding model with bidirectional attention does: prompts are then not hashed,
+        matched or recorded."""
+        eps = self.pool.endpoints
+        return bool(eps) and all(e.engine.prefix_caching is False for e in eps)
 
     # -- decisions --------------------------------------------------------------------------
 
