@@ -313,18 +313,22 @@ class EndpointPool:
     def candidates(self, exclude: Sequence[EndpointState] = (),
                    roles: tuple[str, ...] = ("both", "prefill", "decode")
                    ) -> list[EndpointState]:
+        left = self._left(exclude, roles)
         now = self._clock()
-        left = [e for e in self.endpoints
-                if e not in exclude and e.role in roles and not e.health.draining]
         healthy = [e for e in left if e.healthy(now)]
         return healthy or left
+
+    def _left(self, exclude: Sequence[EndpointState], roles: tuple[str, ...]
+              ) -> list[EndpointState]:
+        """The endpoints of ``roles`` not excluded and not draining, healthy or not."""
+        return [e for e in self.endpoints
+                if e not in exclude and e.role in roles and not e.health.draining]
 
     def elsewhere(self, e: EndpointState) -> bool:
         """Whether another endpoint that could take ``e``'s requests is in rotation now: a
         request taken off ``e`` would have somewhere to go."""
         now = self._clock()
-        return any(o is not e and o.role in (e.role, "both") and not o.health.draining
-                   and o.healthy(now) for o in self.endpoints)
+        return any(o.healthy(now) for o in self._left((e,), (e.role, "both")))
 
     @staticmethod
     def acquire(e: EndpointState, tokens: int, prefill_tokens: int) -> Ticket:
