@@ -12,10 +12,13 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 import orjson
+
+from protocol.log_writer import BatchedHandler
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMAT_ENV = "TOKENGATE_LOG_FORMAT"
@@ -59,9 +62,27 @@ def _request_items() -> dict[str, str]:
     return out
 
 
+class _Stamp:
+    """A time stamp's text to the second, made once per second."""
+
+    def __init__(self, fmt: str, convert: Callable[[float | None], time.struct_time]) -> None:
+        self.fmt, self.convert = fmt, convert
+        self.second, self.text = -1, ""
+
+    def __call__(self, created: float) -> str:
+        second = int(created)
+        if second != self.second:
+            self.second, self.text = second, time.strftime(self.fmt, self.convert(second))
+        return self.text
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._stamp = _Stamp("%Y-%m-%d %H:%M:%S", self.converter)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return f"{self._stamp(record.created)},{int(record.msecs):03d}"
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -72,14 +93,19 @@ class TextFormatter(logging.Formatter):
 
 
 class JSONFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._stamp = _Stamp("%Y-%m-%dT%H:%M:%S", time.gmtime)
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "time": f"{self._stamp(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(), "logger": record.name,
             "message": record.getMessage(), **(getattr(record, "request", None) or {})}
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            out["exception"] = record.exc_text
         return orjson.dumps(out).decode()
 
 
@@ -100,19 +126,24 @@ def add_log_args(p: argparse.ArgumentParser, level: str = "info") -> None:
                    f"(env {FORMAT_ENV}; default: text)")
 
 
-class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+class _Handler(BatchedHandler):
     """The handler ``configure`` installs (told apart from anyone else's)."""
 
 
 def configure(level: str = "info", fmt: str = "text") -> None:
     """Route every logger to stderr in ``fmt`` at ``level``, as ``logging.basicConfig`` does:
     only when logging is not configured already (by an embedding program, or a test runner
-    capturing logs); a handler of an earlier call is replaced."""
+    capturing logs); a handler of an earlier call is replaced. Lines are written in batches by
+    a thread (``protocol.log_writer``): within 50 ms, a warning or worse at once."""
     root = logging.getLogger()
     for h in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(h)
+        h.close()
     if root.handlers:
         return
+    # None of our formats names the caller's file and line, thread or process: not looked up
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = _Handler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_RequestFilter())

@@ -16,13 +16,14 @@ from typing import Any
 
 import orjson
 
-from gateway.request.relay import event_payload
+from gateway.request.relay import Collector
 
 _EXTRA = ("system_fingerprint", "kv_transfer_params", "service_tier")
 
 
-class Aggregate:
-    """Collects a relayed stream's events (``relay.Sink``) into one answer."""
+class Aggregate(Collector):
+    """Collects a relayed stream's events (parsed and checked by the relay, which hands
+    them over as objects: ``relay.Collector``) into one answer."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -30,16 +31,7 @@ class Aggregate:
         self.choices: dict[int, dict[str, Any]] = {}
         self.usage: dict[str, Any] | None = None
 
-    async def write(self, data: bytes) -> None:
-        for block in data.split(b"\n\n"):
-            payload = event_payload(block.strip())
-            if not payload or payload == b"[DONE]":
-                continue
-            obj = orjson.loads(payload)
-            if isinstance(obj, dict) and "error" not in obj:
-                self.add(obj)
-
-    def add(self, obj: dict[str, Any]) -> None:
+    def collect(self, obj: dict[str, Any]) -> None:
         for k in ("id", "created", "model", *_EXTRA):
             if obj.get(k) is None:
                 continue

@@ -60,6 +60,18 @@ class Sink(Protocol):
     async def write(self, data: bytes) -> None: ...
 
 
+class Collector:
+    """A sink that takes each event as the parsed object (the model already renamed), not
+    as bytes: ``gateway.request.aggregate.Aggregate``."""
+
+    def collect(self, obj: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+async def _nowhere(data: bytes) -> None:
+    return None
+
+
 class Tally(Protocol):
     """Where the relay counts the content chunks it passes (an endpoint's live state)."""
 
@@ -183,7 +195,7 @@ class _Stall:
 
 async def relay_stream(
     lines: AsyncIterator[bytes],
-    resp: Sink,
+    resp: Sink | Collector,
     *,
     upstream_model: str,
     served_model: str,
@@ -199,7 +211,8 @@ async def relay_stream(
     usage_shift: int = 0,
     tally: Tally | None = None,
 ) -> RelayResult:
-    """Copy an SSE response to ``resp`` (already prepared) event by event.
+    """Copy an SSE response to ``resp`` (already prepared) event by event; or, to a
+    ``Collector`` (a non-streamed answer being built), hand it each event already parsed.
 
     Progress is recorded in ``into`` as it happens, so a caller interrupted mid-stream (the
     client went away) still knows what was streamed. An upstream silent for ``gap_s``, or
@@ -218,6 +231,12 @@ async def relay_stream(
     loop = asyncio.get_running_loop()
     end = loop.time() + max(deadline_s, 0.001)
     swap: tuple[bytes, bytes] | None = None  # (upstream id, client's id) in a continuation
+    collect: Callable[[dict[str, Any]], None] | None = None
+    write: Callable[[bytes], Awaitable[None]] = _nowhere
+    if isinstance(resp, Collector):
+        collect = resp.collect
+    else:
+        write = resp.write
     stall = _Stall(gap_s, end)
     try:
         try:
@@ -253,10 +272,14 @@ async def relay_stream(
                         res.usage = usage
                         if obj.get("choices") == [] and not pass_usage:
                             forward = False
-                    if forward:
+                    if collect is not None:
+                        if upstream_model != served_model and obj.get("model") == upstream_model:
+                            obj["model"] = served_model
+                    elif forward:
                         data = _renamed(data, obj, upstream_model, served_model)
                     n = _tokens(obj, res.texts)
                 else:
+                    obj = None
                     n = 0
                     if payload == b"[DONE]":
                         res.done = True
@@ -272,7 +295,11 @@ async def relay_stream(
                     if tally is not None:
                         tally.streamed += n
                 if forward:
-                    await resp.write(data + b"\n")
+                    if collect is not None:
+                        if obj is not None:
+                            collect(obj)
+                    else:
+                        await write(data + b"\n")
                     res.bytes_sent = True
                     res.chunks += n  # counted once written: what the client was sent
                 if on_tokens is not None and res.chunks and (
@@ -309,10 +336,12 @@ async def relay_stream(
         else:
             log.warning("upstream stream malformed: %s", exc)
             message, code = "upstream stream broke: malformed response", "upstream_error"
+        if collect is not None:
+            return res  # the caller answers a broken stream with an error of its own
         err = {"error": {"message": message, "type": "server_error", "param": None,
                          "code": code}}
         try:
-            await resp.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+            await write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
         except ConnectionResetError:
             res.client_gone = True
     return res
