@@ -10,6 +10,7 @@ simulation of the same requests.
 ``--replicas N`` runs N gateway processes sharing a Redis of their own (``tokengate up
 --replicas N --redis``: quotas and fair-share counters exchanged through it); each request
 goes to the next replica in turn, so every tenant's requests are spread over all of them.
+With ``--isolation --envoy`` the N gateways are Envoys in front of one tokengate EPP.
 
 The backends run ``--time-scale`` times slower than the modelled GPU, and every arrival time
 and time threshold of the policy is stretched by the same factor, so that two cores carry the
@@ -240,11 +241,12 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
 
 
 def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
-         seed: int, log_dir: Path, replicas: int = 1, rotate: str | None = None
-         ) -> dict[str, Any]:
+         seed: int, log_dir: Path, replicas: int = 1, rotate: str | None = None,
+         envoy: bool = False) -> dict[str, Any]:
     """The tenants' requests through the stack; ``rotate``: a tenant that sends a new
     ``x-fairness-id`` with every request."""
-    with running([t.name for t in tenants], flow, scale, log_dir, replicas) as (bases, ports):
+    with running([t.name for t in tenants], flow, scale, log_dir, replicas,
+                 envoy=envoy) as (bases, ports):
         reqs = [Sent(r.flow or "", r.t * scale, list(r.prompt_ids), r.output_tokens,
                      fairness_id=f"id-{i}" if r.flow == rotate else None,
                      rid=f"{r.flow}-{i}" if r.flow in STREAMED else "")
@@ -255,11 +257,12 @@ def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale
 
 @contextlib.contextmanager
 def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: Path,
-            replicas: int = 1, backends: int = 2, weights: dict[str, float] | None = None
-            ) -> Iterator[tuple[list[str], list[int]]]:
+            replicas: int = 1, backends: int = 2, weights: dict[str, float] | None = None,
+            envoy: bool = False) -> Iterator[tuple[list[str], list[int]]]:
     """``tokengate up`` with ``backends`` reference backends and ``replicas`` gateways (a
     Redis of their own when more than one) for tenants ``names``: the gateways' base URLs
-    and the backends' ports, everything stopped on exit."""
+    and the backends' ports, everything stopped on exit. ``envoy``: the gateways are that
+    many Envoys in front of one tokengate EPP (``tokengate up --envoy``)."""
     ports, gw_port = [free_port() for _ in range(backends)], free_port()
     redis: subprocess.Popen[bytes] | None = None
     more: list[str] = []
@@ -276,8 +279,8 @@ def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: P
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokengate", "up", "--policy", str(pol), "--port",
              str(gw_port), "--log-dir", str(log_dir), "--time-scale", str(scale),
-             "--flow-control", mode, *more], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+             "--flow-control", mode, *more, *(["--envoy"] if envoy else [])], stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         asyncio.run(wait_stack(proc, gw_port, log_dir, "fairness"))
         yield [f"http://127.0.0.1:{gw_port}/v1", *replica_urls(log_dir, replicas)], ports
@@ -289,7 +292,8 @@ def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: P
 
 
 def isolation_live(label: str, duration: float, scale: float, seed: int,
-                   replicas: int, rotating: bool = True) -> dict[str, Any]:
+                   replicas: int, rotating: bool = True, envoy: bool = False
+                   ) -> dict[str, Any]:
     """``sim_fairness.isolation`` in real time: B (the victim) at half its fair share, A at
     exactly its share, then at ten times it, then (``rotating``) at ten times it with a new
     ``x-fairness-id`` per request; B's TTFT under each flood over its TTFT with A at its
@@ -299,14 +303,14 @@ def isolation_live(label: str, duration: float, scale: float, seed: int,
                           flow=MODES["fair"][1])["tenants"]["A"]["served_per_s"]
     share = cap / 2
     out: dict[str, Any] = {"seed": seed, "mode": label, "capacity_rps": cap,
-                           "share_rps": share, "replicas": replicas}
+                           "share_rps": share, "replicas": replicas, "envoy": envoy}
     runs = [("at_share", share, None), ("at_10x", share * 10, None),
             ("at_10x_rotating_ids", share * 10, "A")][:3 if rotating else 2]
     for name, rate, rotate in runs:
         tenants = [Tenant("A", rate), Tenant("B", share / 2)]
         out[name] = live(tenants, cfg, duration, scale, seed,
                          Path(tempfile.mkdtemp(prefix=f"tokengate-isolation-{name}-")),
-                         replicas, rotate)
+                         replicas, rotate, envoy)
         print(json.dumps({"mode": label, "run": name, **out[name]}), flush=True)
     base = out["at_share"]
     for name, _, _ in runs[1:]:
@@ -346,14 +350,17 @@ def main() -> None:
                          "x-fairness-id per request")
     ap.add_argument("--no-rotating", action="store_true",
                     help="with --isolation: leave out the run with rotating x-fairness-ids")
+    ap.add_argument("--envoy", action="store_true",
+                    help="with --isolation: the gateways are --replicas Envoys in front of one "
+                         "tokengate EPP (tokengate up --envoy)")
     ap.add_argument("--out", default="benchmarks/results/fairness-live")
     ns = ap.parse_args()
     if ns.isolation:
         runs = [isolation_live(label, ns.duration, ns.time_scale, seed, ns.replicas,
-                               not ns.no_rotating)
+                               not ns.no_rotating, ns.envoy)
                 for seed in range(ns.seeds) for label in ns.modes.split(",")]
         write(ns.out, {"runs": runs, "duration_s": ns.duration, "time_scale": ns.time_scale,
-                       "replicas": ns.replicas})
+                       "replicas": ns.replicas, "envoy": ns.envoy})
         return
     flood = [Tenant("A", NORMAL * 10), Tenant("B", LIGHT), Tenant("C", LIGHT)]
     runs = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 from gateway.config.policy import load_policy
 from gateway.epp.envoy import Envoy, epp_front, policy_endpoints
@@ -13,9 +14,12 @@ from protocol.loopback import free_port
 
 
 async def behind_envoy(policy: str, host: str, port: int, redis_url: str | None, *,
-                       ready: asyncio.Event, stop: asyncio.Event) -> None:
-    """Serve the EPP, then Envoy on ``host:port`` in front of it; ``ready`` once Envoy is;
-    on ``stop`` Envoy stops first (no new requests), then the EPP drains."""
+                       ready: asyncio.Event, stop: asyncio.Event,
+                       more_ports: Sequence[int] = ()) -> None:
+    """Serve the EPP, then Envoy on ``host:port`` in front of it, and one more Envoy on each
+    of ``more_ports`` (data-plane replicas sharing the one EPP, as a Gateway's replicas share
+    their InferencePool's picker); ``ready`` once they are; on ``stop`` the Envoys stop first
+    (no new requests), then the EPP drains."""
     cfg = EPPConfig(policy, "127.0.0.1", free_port(), free_port(), redis_url)
     epp_ready = asyncio.Event()
     task = asyncio.ensure_future(serve_epp(cfg, ready=epp_ready, stop=stop))
@@ -23,16 +27,23 @@ async def behind_envoy(policy: str, host: str, port: int, redis_url: str | None,
                        return_when=asyncio.FIRST_COMPLETED)
     if task.done():
         task.result()
-    admin = free_port()
-    envoy = Envoy(epp_front(admin_port=admin, listen_host=host, listen_port=port,
-                            epp_host=cfg.host, epp_port=cfg.port,
-                            endpoints=policy_endpoints(load_policy(policy))), admin)
+    endpoints = policy_endpoints(load_policy(policy))
+    envoys = []
+    for listen in (port, *more_ports):
+        admin = free_port()
+        envoys.append(Envoy(epp_front(admin_port=admin, listen_host=host, listen_port=listen,
+                                      epp_host=cfg.host, epp_port=cfg.port,
+                                      endpoints=endpoints), admin))
+    started: list[Envoy] = []
     try:
-        await asyncio.to_thread(envoy.start)
+        for envoy in envoys:
+            await asyncio.to_thread(envoy.start)
+            started.append(envoy)
         ready.set()
         await stop.wait()
     finally:
-        await asyncio.to_thread(envoy.stop)
+        for envoy in started:
+            await asyncio.to_thread(envoy.stop)
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="keep the temp dir of logs at exit (a --log-dir is always kept)")
     add_log_args(u, level="warning")
     u.add_argument("--replicas", type=int, default=1,
-                   help="gateway processes sharing --redis, each on its own port")
+                   help="gateway processes sharing --redis, each on its own port (with "
+                        "--envoy: Envoys, each on its own port, sharing the one EPP)")
     u.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="what serves the loopback endpoints: reference backends, or real vLLM "
                         "instances (the tiny model of 'make vllm'; KV events and NIXL wired)")

@@ -264,10 +264,14 @@ async def up(cfg: UpConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
         serve_cfg = ServeConfig(path, cfg.host, cfg.port, cfg.redis_url,
                                 flow_mode=cfg.flow_mode)
-        replicas = start_replicas(cfg, path)
-        task = asyncio.ensure_future(behind_envoy(path, cfg.host, cfg.port, cfg.redis_url,
-                                                  ready=ready, stop=stop) if cfg.envoy
-                                     else serve(serve_cfg, ready=ready, stop=stop))
+        if cfg.envoy:  # replicas of the data plane: more Envoys sharing the one EPP
+            replicas = [free_port() for _ in range(cfg.replicas - 1)]
+            task = asyncio.ensure_future(behind_envoy(path, cfg.host, cfg.port, cfg.redis_url,
+                                                      ready=ready, stop=stop,
+                                                      more_ports=replicas))
+        else:
+            replicas = start_replicas(cfg, path)
+            task = asyncio.ensure_future(serve(serve_cfg, ready=ready, stop=stop))
         await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
         if task.done():

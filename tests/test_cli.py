@@ -226,6 +226,67 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
             proc.stdout.close()
 
 
+def test_up_behind_envoy_with_replicas_is_that_many_envoys_sharing_one_picker(
+        tmp_path: object) -> None:
+    """``tokengate up --envoy --replicas 2``: two Envoys, each on its own port, in front of the
+    one EPP (no Redis needed: one picker holds the state), so a quota spent through one is
+    spent through the other; everything stops on SIGTERM."""
+    import hashlib
+    from pathlib import Path
+
+    import openai
+    import yaml
+    from redis_servers import free_port
+
+    policy = Path(str(tmp_path)) / "p.yaml"
+    policy.write_text(yaml.safe_dump({
+        "version": 1,
+        "models": {
+            "big": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}], "fallback": ["small"],
+                    "backend": {"model": "llama-3-8b", "hardware": "h200"}},
+            "small": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}],
+                      "backend": {"model": "llama-3.2-1b"}}},
+        "tenants": {"demo": {"keys": [{"sha256": hashlib.sha256(b"tg-demo-key").hexdigest()}],
+                             "model_limits": {"big": {"tpm": 100}}}},
+        "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
+    port = free_port()
+    proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01", "--envoy",
+                    "--replicas", "2")
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line.startswith("TOKENGATE_REPLICAS="), line
+        (other,) = line.split("=", 1)[1].split(",")
+        assert other != f"http://127.0.0.1:{port}/v1"
+        kids = children_of(proc.pid)
+        assert len([pid for pid in kids if b"envoy" in _cmdline(pid)]) == 2
+        assert not [pid for pid in kids if b"tokengate\x00serve" in _cmdline(pid)]
+        one = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="tg-demo-key",
+                            max_retries=0)
+        two = openai.OpenAI(base_url=other, api_key="tg-demo-key", max_retries=0)
+        first = one.completions.with_raw_response.create(
+            model="big", prompt="x", max_tokens=60, extra_body={"ignore_eos": True})
+        assert first.headers["x-tokengate-model"] == "big"
+        # big's 100 tokens a minute were spent through the first Envoy: the second's request
+        # is failed over by the same picker
+        raw = two.completions.with_raw_response.create(
+            model="big", prompt="x", max_tokens=60, extra_body={"ignore_eos": True})
+        assert raw.headers["x-tokengate-failover"] == "quota"
+        assert raw.headers["x-tokengate-model"] == "small"
+        one.close()
+        two.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        time.sleep(0.5)
+        assert not any(_alive(pid) for pid in kids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 def test_up_with_real_vllm_counts_like_the_engine_and_stops_every_process(
         tmp_path: object) -> None:
     """``tokengate up --engine vllm``: the same two lines, a real vLLM behind the gateway
