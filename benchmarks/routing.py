@@ -99,13 +99,15 @@ def start_stack(args: argparse.Namespace, strategy: str, shape: list[str], log_d
 
 
 async def wait_stack(proc: subprocess.Popen[bytes], port: int, log_dir: Path, label: str,
-                     timeout_s: float = 180.0) -> None:
-    """Wait for a ``start_stack`` gateway to answer ``/health`` (its backends up), then for
-    its first scrape of every backend."""
+                     timeout_s: float = 180.0, *, path: str = "/health", ok_below: int = 300
+                     ) -> None:
+    """Wait for a ``start_stack`` gateway to answer ``path`` (its backends up), then for
+    its first scrape of every backend. (Behind Envoy: ``/v1/models``, whose 401 says the
+    picker answers.)"""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            await wait_for(f"http://127.0.0.1:{port}/health", timeout_s=2)
+            await wait_for(f"http://127.0.0.1:{port}{path}", timeout_s=2, ok_below=ok_below)
             break
         except RuntimeError:
             if proc.poll() is not None or time.monotonic() > deadline:
