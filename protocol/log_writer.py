@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from typing import TextIO
 
@@ -31,6 +32,22 @@ class BatchedHandler(logging.Handler):
         self._writing = threading.Lock()  # one batch written at a time, in order
         self._pid = 0  # the process whose writer thread runs
         self._closed = False
+        me = weakref.ref(self)
+
+        def forked() -> None:
+            h = me()
+            if h is not None:
+                h._forked()
+
+        os.register_at_fork(after_in_child=forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's queued lines are the parent's to write."""
+        self._queue.clear()
+        self._dropped = 0
+        self._wake, self._urgent = threading.Event(), threading.Event()
+        self._writing = threading.Lock()
+        self._pid = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -171,16 +171,14 @@ def start_up(port: int, *args: str, stderr: Any = subprocess.DEVNULL) -> subproc
     return proc
 
 
-@pytest.mark.parametrize("envoy", [False, True], ids=["gateway", "envoy-epp"])
-def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
-                                                           envoy: bool) -> None:
+def failover_policy(where: Path) -> Path:
+    """The demo's shape: ``big`` (100 tokens a minute for the tenant) failing over to ``small``,
+    both on loopback endpoints ``tokengate up`` starts."""
     import hashlib
-    from pathlib import Path
 
     import yaml
-    from redis_servers import free_port
 
-    policy = Path(str(tmp_path)) / "p.yaml"
+    policy = where / "p.yaml"
     policy.write_text(yaml.safe_dump({
         "version": 1,
         "models": {
@@ -191,6 +189,17 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
         "tenants": {"demo": {"keys": [{"sha256": hashlib.sha256(b"tg-demo-key").hexdigest()}],
                              "model_limits": {"big": {"tpm": 100}}}},
         "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
+    return policy
+
+
+@pytest.mark.parametrize("envoy", [False, True], ids=["gateway", "envoy-epp"])
+def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
+                                                           envoy: bool) -> None:
+    from pathlib import Path
+
+    from redis_servers import free_port
+
+    policy = failover_policy(Path(str(tmp_path)))
     port = free_port()
     err = open(Path(str(tmp_path)) / "up.err", "w")  # noqa: SIM115 - closed below
     proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01",
@@ -231,24 +240,12 @@ def test_up_behind_envoy_with_replicas_is_that_many_envoys_sharing_one_picker(
     """``tokengate up --envoy --replicas 2``: two Envoys, each on its own port, in front of the
     one EPP (no Redis needed: one picker holds the state), so a quota spent through one is
     spent through the other; everything stops on SIGTERM."""
-    import hashlib
     from pathlib import Path
 
     import openai
-    import yaml
     from redis_servers import free_port
 
-    policy = Path(str(tmp_path)) / "p.yaml"
-    policy.write_text(yaml.safe_dump({
-        "version": 1,
-        "models": {
-            "big": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}], "fallback": ["small"],
-                    "backend": {"model": "llama-3-8b", "hardware": "h200"}},
-            "small": {"endpoints": [{"url": "http://127.0.0.1:0/v1"}],
-                      "backend": {"model": "llama-3.2-1b"}}},
-        "tenants": {"demo": {"keys": [{"sha256": hashlib.sha256(b"tg-demo-key").hexdigest()}],
-                             "model_limits": {"big": {"tpm": 100}}}},
-        "routes": {"r": {"tenants": ["demo"], "models": ["big", "small"]}}}))
+    policy = failover_policy(Path(str(tmp_path)))
     port = free_port()
     proc = start_up(port, "--policy", str(policy), "--time-scale", "0.01", "--envoy",
                     "--replicas", "2")

@@ -119,3 +119,21 @@ def test_an_exception_is_written_with_its_traceback(logger: logging.Logger) -> N
         text = f.read()
     assert text.startswith("ERROR it failed\nTraceback")
     assert "ValueError: bad thing" in text
+
+
+def test_a_forked_child_does_not_write_its_parents_lines(logger: logging.Logger) -> None:
+    r, w = os.pipe()
+    out = os.fdopen(w, "w")
+    h = _attach(logger, out, delay_s=5.0)  # the parent's line waits for its batch
+    logger.info("the parent's")
+    pid = os.fork()
+    if pid == 0:  # the child: its own line only, then out at once
+        logger.info("the child's")
+        h.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    h.close()
+    out.close()
+    with os.fdopen(r) as f:
+        got = f.read().splitlines()
+    assert sorted(got) == ["INFO the child's", "INFO the parent's"]
