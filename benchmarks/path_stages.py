@@ -18,7 +18,8 @@ STAGES = ("accept and parse", "validate", "count", "admit", "route", "send", "re
 # such frame of a sample decides.
 CROSSCUT = (("prometheus_client/", "metrics"), ("gateway/metrics.py", "metrics"),
             ("opentelemetry/", "trace"), ("gateway/tracing.py", "trace"),
-            ("/logging/", "log"), ("protocol/logs.py", "log"), ("gateway/counting/", "count"),
+            ("/logging/", "log"), ("protocol/logs.py", "log"), ("protocol/log_writer.py", "log"),
+            ("gateway/counting/", "count"),
             ("tiktoken", "count"), ("tokenizers/", "count"))
 # Frames whose whole subtree is one stage (the outermost such frame decides): settlement
 # (its Redis calls included), the spend record, rebuilding a non-streamed answer.
@@ -76,13 +77,24 @@ def stage_of(stack: list[str]) -> str:
     return "other"
 
 
+def idle(stack: list[str]) -> bool:
+    """A thread blocked in ``threading.Condition.wait`` (the log writer between batches): py-spy
+    can sample it as running, though it waits on a lock and spends no CPU."""
+    path, func = _frame(stack[-1])
+    return func == "Condition.wait" and path.endswith("threading.py")
+
+
 def shares(raw: str) -> tuple[dict[str, float], int]:
-    """Each stage's share of a py-spy ``--format raw`` profile, and the samples counted."""
+    """Each stage's share of a py-spy ``--format raw`` profile, and the samples counted
+    (threads waiting on a lock left out)."""
     counts: Counter[str] = Counter()
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        counts[stage_of(stack.split(";"))] += int(n)
+        frames = stack.split(";")
+        if idle(frames):
+            continue
+        counts[stage_of(frames)] += int(n)
     total = sum(counts.values())
     return ({s: counts[s] / total for s in STAGES} if total else {}), total

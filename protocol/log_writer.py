@@ -4,7 +4,7 @@ a log collector) never stalls it.
 
 A record is frozen when logged (its message rendered, an exception's traceback turned into
 text) and queued; the writer formats and writes what has queued at most ``delay_s`` after the
-first of it, at once for a warning or worse, and everything left when the handler is flushed
+first of it, at once for an error or worse, and everything left when the handler is flushed
 or closed (``logging.shutdown`` does both at exit). Beyond ``limit`` unwritten records the
 newest are dropped and counted, and a warning says how many once writing resumes.
 """
@@ -28,7 +28,7 @@ class BatchedHandler(logging.Handler):
         self._queue: deque[logging.LogRecord] = deque()
         self._dropped = 0
         self._wake = threading.Event()  # something queued into an empty queue
-        self._urgent = threading.Event()  # a warning or worse: no waiting for more
+        self._urgent = threading.Event()  # an error or worse: no waiting for more
         self._writing = threading.Lock()  # one batch written at a time, in order
         self._pid = 0  # the process whose writer thread runs
         self._closed = False
@@ -70,7 +70,7 @@ class BatchedHandler(logging.Handler):
         self._queue.append(record)
         if self._pid != os.getpid():
             self._start()
-        if record.levelno >= logging.WARNING:
+        if record.levelno >= logging.ERROR:
             self._urgent.set()
         if was_empty:
             self._wake.set()

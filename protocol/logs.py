@@ -134,7 +134,7 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     """Route every logger to stderr in ``fmt`` at ``level``, as ``logging.basicConfig`` does:
     only when logging is not configured already (by an embedding program, or a test runner
     capturing logs); a handler of an earlier call is replaced. Lines are written in batches by
-    a thread (``protocol.log_writer``): within 50 ms, a warning or worse at once."""
+    a thread (``protocol.log_writer``): within 50 ms, an error or worse at once."""
     root = logging.getLogger()
     for h in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(h)

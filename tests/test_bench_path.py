@@ -44,6 +44,17 @@ def test_shares_of_a_raw_profile() -> None:
     assert set(got) == set(STAGES)
 
 
+def test_the_log_writer_is_logging_and_its_waits_are_not_samples() -> None:
+    thread = "_bootstrap (/usr/lib/python3.11/threading.py:995);run (threading.py:975)"
+    writer = f"{thread};_run (protocol/log_writer.py:70)"
+    raw = (f"{ROOT};hash (gateway/routing/prefix.py:48) 3\n"
+           f"{writer};flush (protocol/log_writer.py:80) 1\n"
+           f"{writer};wait (/usr/lib/python3.11/threading.py:622);"
+           f"Condition.wait (/usr/lib/python3.11/threading.py:324) 6\n")
+    got, n = shares(raw)
+    assert n == 4 and got["route"] == 0.75 and got["log"] == 0.25
+
+
 def run_with(stages_us: dict[str, float], direct_us: float = 100.0) -> dict[str, Any]:
     full = {s: stages_us.get(s, 0.0) for s in STAGES}
     return {"rounds": [{"tiny": {"new": {"cpu_us": sum(full.values()), "direct_us": direct_us,

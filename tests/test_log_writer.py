@@ -1,5 +1,5 @@
 """The log handler ``tokengate`` installs (``protocol.log_writer``): lines written by a thread
-in batches, in order, none lost at close; a caller never blocked by a stalled output; past the
+in batches, in order, none lost at close, an error at once; a caller never blocked by a stalled output; past the
 limit lines are dropped and counted, never queued without bound."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_lines_are_written_in_order_and_none_is_lost_at_close(logger: logging.Lo
     assert got == [f"INFO line {i} of many" for i in range(5000)]
 
 
-def test_a_line_arrives_within_the_delay_and_a_warning_at_once(logger: logging.Logger) -> None:
+def test_a_line_arrives_within_the_delay_and_an_error_at_once(logger: logging.Logger) -> None:
     r, w = os.pipe()
     out = os.fdopen(w, "w")
     h = _attach(logger, out, delay_s=0.3)
@@ -65,8 +65,10 @@ def test_a_line_arrives_within_the_delay_and_a_warning_at_once(logger: logging.L
     waited = time.monotonic() - t0
     assert 0.2 < waited < 2.0  # batched: not written at once
     t0 = time.monotonic()
-    logger.warning("loud")
-    assert reader.readline() == "WARNING loud\n"
+    logger.warning("a warning")  # batched as any other line
+    logger.error("loud")
+    assert reader.readline() == "WARNING a warning\n"
+    assert reader.readline() == "ERROR loud\n"
     assert time.monotonic() - t0 < 0.2  # not held for the batch
     h.close()
     out.close()
