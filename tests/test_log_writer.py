@@ -1,6 +1,6 @@
 """The log handler ``tokengate`` installs (``protocol.log_writer``): lines written by a thread
-in batches, in order, none lost at close, an error at once; a caller never blocked by a stalled output; past the
-limit lines are dropped and counted, never queued without bound."""
+in batches, in order, none lost at close, an error at once; a caller never blocked by a stalled
+output; past the limit lines are dropped and counted, never queued without bound."""
 
 from __future__ import annotations
 
