@@ -26,7 +26,8 @@ class BatchedHandler(logging.Handler):
         self.delay_s = delay_s
         self.limit = limit
         self._queue: deque[logging.LogRecord] = deque()
-        self._dropped = 0
+        self._dropped = 0  # records dropped since the start (emit adds)
+        self._reported = 0  # of which a warning has said (flush adds)
         self._wake = threading.Event()  # something queued into an empty queue
         self._urgent = threading.Event()  # an error or worse: no waiting for more
         self._writing = threading.Lock()  # one batch written at a time, in order
@@ -44,7 +45,7 @@ class BatchedHandler(logging.Handler):
     def _forked(self) -> None:
         """In a forked child: the parent's queued lines are the parent's to write."""
         self._queue.clear()
-        self._dropped = 0
+        self._dropped = self._reported = 0
         self._wake, self._urgent = threading.Event(), threading.Event()
         self._writing = threading.Lock()
         self._pid = 0
@@ -91,7 +92,8 @@ class BatchedHandler(logging.Handler):
         """Write everything queued so far, now, in the calling thread."""
         with self._writing:
             batch = [self._queue.popleft() for _ in range(len(self._queue))]
-            dropped, self._dropped = self._dropped, 0
+            # emit only adds to _dropped and this only to _reported: no update is lost
+            dropped, self._reported = self._dropped - self._reported, self._dropped
             self._write(batch, dropped)
 
     def _write(self, batch: list[logging.LogRecord], dropped: int) -> None:
