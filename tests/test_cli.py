@@ -145,16 +145,21 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
         served.update([proc.pid, *workers])
         assert len(workers) == 1 and b"serve" in _cmdline(workers[0])
         assert len(served) == 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
-        time.sleep(0.5)
-        assert not any(_alive(pid) for pid in workers)
+        sigterm_stops_all(proc, workers, 20)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         redis.stop()
         b.close()
+
+
+def sigterm_stops_all(proc: subprocess.Popen[Any], pids: list[int], timeout_s: float) -> None:
+    """SIGTERM to ``proc``: it exits 0 within ``timeout_s`` and none of ``pids`` is left."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout_s) == 0
+    time.sleep(0.5)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def start_up(port: int, *args: str, stderr: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
@@ -272,10 +277,7 @@ def test_up_behind_envoy_with_replicas_is_that_many_envoys_sharing_one_picker(
         assert raw.headers["x-tokengate-model"] == "small"
         one.close()
         two.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        time.sleep(0.5)
-        assert not any(_alive(pid) for pid in kids)
+        sigterm_stops_all(proc, kids, 30)
     finally:
         if proc.poll() is None:
             proc.kill()
