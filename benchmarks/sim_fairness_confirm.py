@@ -45,6 +45,7 @@ import yaml
 from benchmarks.common import engine_requests, write
 from benchmarks.routing import stop_stack, wait_stack
 from benchmarks.sim_fairness import LIGHT, MODES, NORMAL, row
+from benchmarks.sim_fairness_confirm_report import markdown
 from gateway.config.flow import FlowControl
 from protocol.loopback import free_port
 from simulator.fairness import Tenant, noisy_neighbour, tenant_requests
@@ -383,23 +384,6 @@ def main() -> None:
                    "replicas": ns.replicas,
                    "light_rps": LIGHT, "flood_rps": NORMAL * 10})
     print(markdown(runs))
-
-
-def markdown(runs: list[dict[str, Any]]) -> str:
-    cols = [("victim_ttft_p50_ms", "B TTFT p50 ms", "{:.0f}"),
-            ("victim_ttft_p90_ms", "B TTFT p90 ms", "{:.0f}"),
-            ("victim_ttft_p99_ms", "B TTFT p99 ms", "{:.0f}"),
-            ("victim_goodput", "B goodput", "{:.3f}"),
-            ("flooder_tokens_per_s", "A tokens/s", "{:.0f}"),
-            ("utilisation", "utilisation", "{:.3f}")]
-    lines = ["| seed | mode | " + " | ".join(f"{h} real / sim" for _, h, _ in cols) +
-             " | errors | backend lag max ms |", "|" + "---|" * (len(cols) + 4)]
-    for r in runs:
-        cells = [f"{f.format(r['real'][k])} / {f.format(r['simulated'][k])}"
-                 for k, _, f in cols]
-        lines.append(f"| {r['seed']} | {r['mode']} | " + " | ".join(cells) +
-                     f" | {r['real']['errors']} | {r['real']['lag_max_ms']:.0f} |")
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
