@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 from benchmarks.common import engine_requests, write
+from benchmarks.engine_queues import victim_view
 from benchmarks.routing import stop_stack, wait_stack
 from benchmarks.sim_fairness import LIGHT, MODES, NORMAL, row
 from benchmarks.sim_fairness_confirm_report import markdown
@@ -181,7 +182,8 @@ async def drive(reqs: list[Sent], bases: list[str], ports: list[int],
         busy1, lag = await scrape()
         engine: dict[str, Any] = {}
         for p in ports:  # each request's times on the engine that served it
-            engine.update(await engine_requests(http, p))
+            engine.update({k: {**e, "port": p}
+                           for k, e in (await engine_requests(http, p)).items()})
     return {"wall_s": wall, "busy_s": busy1 - busy0, "lag_max_ms": lag * 1e3,
             "engine": engine}
 
@@ -238,7 +240,8 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
             "utilisation": run["busy_s"] / (backends * model_s),
             "lag_max_ms": run["lag_max_ms"], "wall_s": run["wall_s"],
             "errors": sum(1 for r in reqs if r.status != 200),
-            "victim_stages_ms": stages(v, run["engine"], scale)}
+            "victim_stages_ms": stages(v, run["engine"], scale),
+            "victim_engine_queues": victim_view((r.rid for r in v if r.rid), run["engine"])}
 
 
 def live(tenants: list[Tenant], flow: FlowControl | None, duration: float, scale: float,
