@@ -154,6 +154,105 @@ def test_a_tenant_running_at_one_replica_holds_a_heavier_one_to_a_smaller_batch_
     asyncio.run(main())
 
 
+def test_replicas_count_each_others_requests_in_an_engines_queue(redis: RedisServer) -> None:
+    """``queue_depth`` holds for the replicas together: each has its own view of the one
+    engine (``EndpointState`` per process). Replica one sent a request that awaits its first
+    token; once the replicas have exchanged, replica two finds the engine's queue full and its
+    request waits, and it goes when replica one's request has started and that has been
+    exchanged (the exchange wakes it). A replica that stops exchanging (Redis gone) goes back
+    to its own count."""
+    url = "http://127.0.0.1:9000/v1"
+    mine, theirs = EndpointState(url), EndpointState(url)
+
+    def gates(e: EndpointState) -> FlowGates:
+        g = FlowGates(GatewayMetrics())
+        g.get("m", FlowControl(mode="fair", queue_depth=1), lambda: [e])
+        return g
+
+    async def main() -> None:
+        one, two = gates(mine), gates(theirs)
+        s1 = CounterShare(coordination_client(redis.url), one)
+        s2 = CounterShare(coordination_client(redis.url), two)
+        try:
+            mine.live.pending[1] = (0.0, 100)  # sent from one, no first token yet
+            assert two.gates["m"].gate.free(0.0) == 1  # not known yet
+            for s in (s1, s2):
+                await s.exchange()
+            assert theirs.live.pending_elsewhere == 1 and mine.live.pending_elsewhere == 0
+            assert two.gates["m"].gate.free(0.0) == 0
+            waiting = asyncio.create_task(two.gates["m"].enter("t", "standard", 0.0, 100, 10,
+                                                               1.0))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            del mine.live.pending[1]  # its first token
+            await s1.exchange()
+            await s2.exchange()
+            turn = await asyncio.wait_for(waiting, 1.0)
+            assert theirs.live.pending_elsewhere == 0
+            turn.settled(100, 10)
+            mine.live.pending[2] = (0.0, 100)
+            await s1.exchange()
+            await s2.exchange()
+            assert theirs.live.pending_elsewhere == 1
+            redis.stop()
+            await s2.exchange()
+            assert s2.degraded and theirs.live.pending_elsewhere == 0
+        finally:
+            await s1.redis.aclose()
+            await s2.redis.aclose()
+    asyncio.run(main())
+
+
+def test_a_light_tenant_keeps_its_headroom_when_the_flooder_also_waits_at_the_other_replica(
+        redis: RedisServer) -> None:
+    """The light tenant's request reaches replica one, where the flooder's requests wait (and
+    at replica two as well). The light tenant was lifted to the floor on its return and has
+    just been served a little more than the flooder, so the flooder heads the queue; one
+    replica alone lets the light request through the headroom (it waits behind fewer than
+    half as many of its own, within ``BURST`` requests of the head). Two replicas must do
+    the same: the flooder waiting at replica two as well is the same tenant with the same
+    counter, not a tenant elsewhere that the light one must wait for. A tenant that waits
+    only at the other replica and trails still holds it back."""
+    url = "http://127.0.0.1:9000/v1"
+
+    def gates() -> tuple[FlowGates, EndpointState]:
+        e = EndpointState(url)
+        e.live.pending[0] = (0.0, 100)  # one request of its own awaits a first token
+        g = FlowGates(GatewayMetrics())
+        g.get("m", FlowControl(mode="fair", queue_depth=1), lambda: [e])
+        return g, e
+
+    async def main() -> None:
+        (one, _), (two, _) = gates(), gates()
+        s1 = CounterShare(coordination_client(redis.url), one)
+        s2 = CounterShare(coordination_client(redis.url), two)
+        g1, g2 = one.gates["m"].gate, two.gates["m"].gate
+        try:
+            queue(one).charge("flood", 10_000, 0)
+            queue(one).charge("light", 10_050, 0)
+            for g in (g1, g1, g1, g2, g2):
+                w = Waiter("flood", "standard", 0.0, 100, 10)
+                assert not g.offer(w, 0.0).go and w.queued
+            for s in (s1, s2, s1):
+                await s.exchange()
+            assert queue(one).elsewhere == {"flood": 2}
+            queue(one).slack = 0.0
+            light = Waiter("light", "standard", 0.0, 100, 10)
+            assert g1.offer(light, 0.0).go and not light.queued
+            # a tenant waiting only at replica two and served less does hold it back
+            queue(two).charge("pinned", 10_000, 0)
+            assert not g2.offer(Waiter("pinned", "standard", 0.0, 100, 10), 0.0).go
+            for s in (s2, s1):
+                await s.exchange()
+            queue(one).slack = 0.0
+            late = Waiter("light", "standard", 0.0, 100, 10)
+            assert not g1.offer(late, 0.0).go and late.queued
+        finally:
+            await s1.redis.aclose()
+            await s2.redis.aclose()
+    asyncio.run(main())
+
+
 def test_without_redis_each_replica_goes_on_alone_then_catches_up(redis: RedisServer) -> None:
     async def main() -> None:
         one = replica()

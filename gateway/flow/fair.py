@@ -47,7 +47,7 @@ served), its latest deadline.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -172,15 +172,16 @@ class FairQueue:
                              else self.backlogged())]
         return min(waiting) if waiting else self._last_left
 
-    def behind_elsewhere(self, tenant: str, band: str = "standard") -> bool:
-        """Does a tenant waiting at another replica in ``band`` or a higher one trail
-        ``tenant`` by more than the slack? Then this replica holds ``tenant``'s request of
-        ``band`` back and the other takes the room."""
+    def behind_elsewhere(self, tenant: str, band: str = "standard",
+                         but: Set[str] = frozenset()) -> bool:
+        """Does a tenant waiting at another replica in ``band`` or a higher one (other than
+        those in ``but``) trail ``tenant`` by more than the slack? Then this replica holds
+        ``tenant``'s request of ``band`` back and the other takes the room."""
         if not self.elsewhere or self.mode != "fair":
             return False
         mine, rank = self.counters.get(tenant, 0.0) - self.slack, _BAND_RANK[band]
         return any(self.counters.get(t, 0.0) < mine for t, r in self.elsewhere.items()
-                   if r <= rank and t != tenant)
+                   if r <= rank and t != tenant and t not in but)
 
     def bands_waiting(self) -> dict[str, int]:
         """Each tenant waiting here, with the rank of its highest band (0: critical)."""

@@ -42,8 +42,9 @@ class Gate:
         self.queue = FairQueue(self._mode(self.mode), max_queued=cfg.max_queued,
                                w_in=cfg.input_weight, w_out=cfg.output_weight)
         self.thresholds = Thresholds(cfg.queue_depth, cfg.kv_threshold, cfg.tpot_threshold_ms)
-        # the headroom: one more request waiting per endpoint, whatever its decode step
-        self._headroom = Thresholds(cfg.queue_depth + 1, cfg.kv_threshold)
+        # the headroom: one more request waiting per endpoint, whatever its decode step and
+        # as this replica alone sees the queue (``Thresholds.elsewhere``)
+        self._headroom = Thresholds(cfg.queue_depth + 1, cfg.kv_threshold, elsewhere=False)
         self.endpoints = endpoints
         self.let_through = 0  # granted, not yet sent
         self.running: dict[str, int] = {}  # requests granted and not settled, by tenant
@@ -105,7 +106,11 @@ class Gate:
         ``BURST``·U at most)."""
         if w.band == "reserved":
             return True
-        if self.queue.behind_elsewhere(_tenant(w), w.band):
+        # a tenant waiting at another replica and served less holds it back, unless that
+        # tenant also waits here (its counter is the same everywhere, and the rules below
+        # weigh it against the head's): else a light tenant's burst loses its headroom as soon
+        # as the flooder it shares a replica with waits at another one as well
+        if self.queue.behind_elsewhere(_tenant(w), w.band, but=self.queue.backlogged()):
             return False
         head = self.queue.peek()
         if head is None or BANDS.index(head.band) < BANDS.index(w.band):

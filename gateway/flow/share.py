@@ -23,8 +23,12 @@ the room. Two replicas never both hold back for long: each sees the other's coun
 one interval late, and the margin covers that. The list also names the tenants with
 requests running at the replica, so that ``isolation_step_ms`` holds a tenant served more than
 another to a smaller batch even at a replica where the other has nothing running (its
-requests run through another replica, on the same engines). A replica's list lives one second
-unless renewed, so one that dies holds nobody back.
+requests run through another replica, on the same engines), and how many requests it sent to
+each endpoint are still waiting for their first token: a replica counts the others' beside
+its own when it decides whether an endpoint's queue has room (``saturation.room``), so
+replicas together keep an engine's first-come queue as short as one gateway would, instead
+of each putting ``queue_depth`` requests into it. A replica's list lives one second unless
+renewed, so one that dies holds nobody back.
 
 If Redis cannot be reached, each replica goes on with its own counters (fairness per replica,
 not across them), keeps what it could not send, and sends it when Redis answers again; no
@@ -43,6 +47,7 @@ from typing import NamedTuple
 from gateway.flow.control import FlowGates
 from gateway.flow.delta import Delta
 from gateway.redis_clients import Executor
+from gateway.routing.endpoints import EndpointState
 
 log = logging.getLogger("tokengate.flow")
 KEY = "{tokengate:flow}:vtc:"
@@ -55,7 +60,8 @@ WAITING_LIFE_MS = 1000  # a replica's list of waiting tenants, unless renewed (i
 # KEYS[1]: the model's counters (a hash), KEYS[2]: which tenants wait at which replica (a
 # hash: replica -> cjson [expiry ms, entries...]); ARGV[1]: the ttl (s), ARGV[2]: this
 # replica, ARGV[3]: how long its list lives (ms), ARGV[4]: how many entries follow (a tenant
-# waiting here as "rank:tenant", one with requests running here as "r:tenant"), then those,
+# waiting here as "rank:tenant", one with requests running here as "r:tenant", an endpoint
+# with requests sent from here awaiting their first token as "q:count:url"), then those,
 # then per tenant 4 values: field, before, lift ('' for none), after. Each counter x becomes
 # max(x + before, lift) + after. Answers every counter's value after, and
 # the other replicas' live lists (expired ones are deleted).
@@ -101,16 +107,20 @@ class Exchanged(NamedTuple):
     counters: dict[str, float]  # every tenant's shared counter
     elsewhere: dict[str, int]  # tenants waiting at other replicas: their highest band's rank
     running_elsewhere: frozenset[str]  # tenants with requests running at other replicas
+    pending_elsewhere: dict[str, int]  # endpoint URL -> requests others sent awaiting a token
 
 
 async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
                        replica: str = "", waiting: Mapping[str, int] | None = None,
-                       running: Iterable[str] = ()) -> Exchanged:
+                       running: Iterable[str] = (), pending: Mapping[str, int] | None = None
+                       ) -> Exchanged:
     """Apply each tenant's ``Delta`` to the shared counters and say which tenants wait at
-    this ``replica`` (with the rank of their highest band) and which have requests running
-    here; answers the totals and the same of the other replicas."""
+    this ``replica`` (with the rank of their highest band), which have requests running here
+    and how many requests sent from here await their first token at each endpoint
+    (``pending``, by URL); answers the totals and the same of the other replicas."""
     entries = [f"{rank}:{t}" for t, rank in (waiting or {}).items()]
     entries += [f"r:{t}" for t in running]
+    entries += [f"q:{n}:{url}" for url, n in (pending or {}).items() if n > 0]
     args: list[str] = [str(TTL_S), replica, str(WAITING_LIFE_MS), str(len(entries)),
                        *entries]
     for f, d in deltas.items():
@@ -119,15 +129,19 @@ async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
                                            *args)
     elsewhere: dict[str, int] = {}
     running_elsewhere: set[str] = set()
+    pending_elsewhere: dict[str, int] = {}
     for e in map(_text, others):
         rank, _, tenant = e.partition(":")
         if rank == "r":
             running_elsewhere.add(tenant)
+        elif rank == "q":
+            n, _, url = tenant.partition(":")
+            pending_elsewhere[url] = pending_elsewhere.get(url, 0) + int(n)
         else:
             elsewhere[tenant] = min(int(rank), elsewhere.get(tenant, 9))
     return Exchanged(
         {_text(counters[i]): float(counters[i + 1]) for i in range(0, len(counters) - 1, 2)},
-        elsewhere, frozenset(running_elsewhere))
+        elsewhere, frozenset(running_elsewhere), pending_elsewhere)
 
 
 class CounterShare:
@@ -153,14 +167,16 @@ class CounterShare:
             if q.mode != "fair":
                 continue
             deltas = q.take_deltas()
+            endpoints = mg.gate.endpoints()
             try:
-                shared, elsewhere, running = await apply_deltas(
+                shared, elsewhere, running, pending = await apply_deltas(
                     self.redis, KEY + model, deltas, self.replica, q.bands_waiting(),
-                    mg.gate.running)
+                    mg.gate.running, {e.url: len(e.live.pending) for e in endpoints})
             except Exception as exc:  # any Redis failure: go on alone
                 q.give_back(deltas)
                 q.elsewhere = {}
                 mg.gate.running_elsewhere = frozenset()
+                _pending_elsewhere(endpoints, {})
                 self.failures += 1
                 if not self.degraded:
                     log.warning("fair-share counters are not shared (Redis: %s): each "
@@ -170,6 +186,8 @@ class CounterShare:
             q.elsewhere = elsewhere  # before adopt: who waits elsewhere is not forgotten
             mg.gate.running_elsewhere = running
             q.adopt(shared)
+            if _pending_elsewhere(endpoints, pending):
+                mg.pump()  # another replica's requests started: room it did not see
             # how far ahead of a tenant waiting elsewhere one waiting here may be served: what
             # a replica serves in about one interval, so that two replicas each seeing the
             # other's counter one interval late never both hold back
@@ -182,3 +200,13 @@ class CounterShare:
             log.warning("fair-share counters are shared again")
         self.degraded = False
 
+
+def _pending_elsewhere(endpoints: Iterable[EndpointState], counts: Mapping[str, int]) -> bool:
+    """Set each endpoint's count of requests other replicas sent it that await their first
+    token; whether any fell."""
+    fell = False
+    for e in endpoints:
+        n = counts.get(e.url, 0)
+        fell |= n < e.live.pending_elsewhere
+        e.live.pending_elsewhere = n
+    return fell

@@ -43,6 +43,9 @@ class LiveLoad:
     routed: int = 0
     # ticket -> (sent, prefill tokens) of requests awaiting their first token, in send order
     pending: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # requests the other gateway replicas sent here awaiting their first token, as of their
+    # last fair-share exchange (``gateway.flow.share``): 0 with one replica
+    pending_elsewhere: int = 0
     prefill_rate: float = 0.0  # tokens/ms computed, from head-of-queue prefills observed
     rate_tokens: float = 0.0  # their tokens and spans, decayed sums (the rate is the ratio)
     rate_ms: float = 0.0
