@@ -5,9 +5,10 @@ on with its own counters and sends what it owes when Redis is back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,17 @@ def queue(g: FlowGates):  # type: ignore[no-untyped-def]
     return g.gates["m"].gate.queue
 
 
+@contextlib.asynccontextmanager
+async def shares(redis: RedisServer, *replicas: FlowGates) -> AsyncIterator[list[CounterShare]]:
+    """Each replica's fair-share exchange through ``redis``, closed on exit."""
+    out = [CounterShare(coordination_client(redis.url), g) for g in replicas]
+    try:
+        yield out
+    finally:
+        for s in out:
+            await s.redis.aclose()
+
+
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[RedisServer]:
     r = RedisServer(tmp_path / "redis")  # started
@@ -51,9 +63,7 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 def test_what_one_replica_served_counts_at_the_other(redis: RedisServer) -> None:
     async def main() -> None:
         one, two = replica(), replica()
-        s1 = CounterShare(coordination_client(redis.url), one)
-        s2 = CounterShare(coordination_client(redis.url), two)
-        try:
+        async with shares(redis, one, two) as (s1, s2):
             queue(one).charge("a", 10_000, 500)  # a is served through replica one
             queue(one).charge("b", 100, 10)
             queue(two).charge("b", 200, 20)
@@ -72,9 +82,6 @@ def test_what_one_replica_served_counts_at_the_other(redis: RedisServer) -> None
             q.push(Waiter("a", "standard", 0.0, 1, 1))
             nxt = q.pop()
             assert nxt is not None and nxt.flow == "b"
-        finally:
-            await s1.redis.aclose()
-            await s2.redis.aclose()
     asyncio.run(main())
 
 
@@ -85,9 +92,7 @@ def test_replicas_learn_who_waits_at_the_others_and_a_dead_replica_holds_nobody_
     a replica that stops exchanging lapses after ``WAITING_LIFE_MS``."""
     async def main() -> None:
         one, two = replica(), replica()
-        s1 = CounterShare(coordination_client(redis.url), one)
-        s2 = CounterShare(coordination_client(redis.url), two)
-        try:
+        async with shares(redis, one, two) as (s1, s2):
             queue(two).charge("a", 10_000, 0)  # a was served a lot (at two), b nothing
             queue(two).push(Waiter("b", "standard", 0.0, 1, 1))  # b waits at two
             queue(one).push(Waiter("a", "standard", 0.0, 1, 1))  # a at one
@@ -103,9 +108,6 @@ def test_replicas_learn_who_waits_at_the_others_and_a_dead_replica_holds_nobody_
             await s1.exchange()  # nothing waits at one any more: its list is gone
             raw = await s2.redis.execute("HGETALL", WAITING + "m")
             assert s1.replica.encode() not in raw[::2]
-        finally:
-            await s1.redis.aclose()
-            await s2.redis.aclose()
     asyncio.run(main())
 
 
@@ -127,10 +129,8 @@ def test_a_tenant_running_at_one_replica_holds_a_heavier_one_to_a_smaller_batch_
 
     async def main() -> None:
         one, two = isolating(), isolating()
-        s1 = CounterShare(coordination_client(redis.url), one)
-        s2 = CounterShare(coordination_client(redis.url), two)
-        g1, g2 = one.gates["m"].gate, two.gates["m"].gate
-        try:
+        async with shares(redis, one, two) as (s1, s2):
+            g1, g2 = one.gates["m"].gate, two.gates["m"].gate
             light = Waiter("light", "standard", 0.0, 100, 10)
             assert g1.offer(light, 0.0).go
             g1.sent()
@@ -148,9 +148,6 @@ def test_a_tenant_running_at_one_replica_holds_a_heavier_one_to_a_smaller_batch_
                 await s.exchange()
             assert g2.running_elsewhere == frozenset()
             assert g2.pump(0.0) == [heavy]
-        finally:
-            await s1.redis.aclose()
-            await s2.redis.aclose()
     asyncio.run(main())
 
 
@@ -171,9 +168,7 @@ def test_replicas_count_each_others_requests_in_an_engines_queue(redis: RedisSer
 
     async def main() -> None:
         one, two = gates(mine), gates(theirs)
-        s1 = CounterShare(coordination_client(redis.url), one)
-        s2 = CounterShare(coordination_client(redis.url), two)
-        try:
+        async with shares(redis, one, two) as (s1, s2):
             mine.live.pending[1] = (0.0, 100)  # sent from one, no first token yet
             assert two.gates["m"].gate.free(0.0) == 1  # not known yet
             for s in (s1, s2):
@@ -197,9 +192,6 @@ def test_replicas_count_each_others_requests_in_an_engines_queue(redis: RedisSer
             redis.stop()
             await s2.exchange()
             assert s2.degraded and theirs.live.pending_elsewhere == 0
-        finally:
-            await s1.redis.aclose()
-            await s2.redis.aclose()
     asyncio.run(main())
 
 
@@ -224,10 +216,8 @@ def test_a_light_tenant_keeps_its_headroom_when_the_flooder_also_waits_at_the_ot
 
     async def main() -> None:
         (one, _), (two, _) = gates(), gates()
-        s1 = CounterShare(coordination_client(redis.url), one)
-        s2 = CounterShare(coordination_client(redis.url), two)
-        g1, g2 = one.gates["m"].gate, two.gates["m"].gate
-        try:
+        async with shares(redis, one, two) as (s1, s2):
+            g1, g2 = one.gates["m"].gate, two.gates["m"].gate
             queue(one).charge("flood", 10_000, 0)
             queue(one).charge("light", 10_050, 0)
             for g in (g1, g1, g1, g2, g2):
@@ -247,9 +237,6 @@ def test_a_light_tenant_keeps_its_headroom_when_the_flooder_also_waits_at_the_ot
             queue(one).slack = 0.0
             late = Waiter("light", "standard", 0.0, 100, 10)
             assert not g1.offer(late, 0.0).go and late.queued
-        finally:
-            await s1.redis.aclose()
-            await s2.redis.aclose()
     asyncio.run(main())
 
 
@@ -414,9 +401,7 @@ def test_a_tenant_returning_at_a_replica_that_forgot_it_is_lifted_not_added(
     to the floor in the shared counter too (it was sent as an addition: 900 became 1,900)."""
     async def main() -> None:
         one, two = replica(), replica()
-        s1 = CounterShare(coordination_client(redis.url), one)
-        s2 = CounterShare(coordination_client(redis.url), two)
-        try:
+        async with shares(redis, one, two) as (s1, s2):
             queue(two).charge("a", 900, 0)
             queue(two).charge("b", 1000, 0)
             await s2.exchange()
@@ -428,9 +413,6 @@ def test_a_tenant_returning_at_a_replica_that_forgot_it_is_lifted_not_added(
             raw = await s1.redis.execute("HGETALL", KEY + "m")
             stored = {raw[i].decode(): float(raw[i + 1]) for i in range(0, len(raw), 2)}
             assert stored == {"a": 1000.0, "b": 1000.0}
-        finally:
-            await s1.redis.aclose()
-            await s2.redis.aclose()
     asyncio.run(main())
 
 
