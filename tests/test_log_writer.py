@@ -97,9 +97,11 @@ def test_a_stalled_output_never_blocks_the_caller_and_drops_are_counted(
     h.close()
     out.close()
     t.join(10)
+    # one warning per batch written after drops (the writer may have got through a batch
+    # while the caller was still logging): together they count every line dropped
     dropped = [line for line in got if "log lines were dropped" in line]
-    assert len(dropped) == 1
-    n = int(dropped[0].split()[1])
+    assert dropped
+    n = sum(int(line.split()[1]) for line in dropped)
     written = [line for line in got if line.startswith("INFO x")]
     assert n > 0 and len(written) + n == 20_000
     # What was written is in order, oldest first: the newest were dropped.
