@@ -106,21 +106,22 @@ class Gate:
         ``BURST``·U at most)."""
         if w.band == "reserved":
             return True
+        q = self.queue
+        here = q.backlogged()
         # a tenant waiting at another replica and served less holds it back, unless that
         # tenant also waits here (its counter is the same everywhere, and the rules below
         # weigh it against the head's): else a light tenant's burst loses its headroom as soon
         # as the flooder it shares a replica with waits at another one as well
-        if self.queue.behind_elsewhere(_tenant(w), w.band, but=self.queue.backlogged()):
+        if q.behind_elsewhere(_tenant(w), w.band, but=here):
             return False
-        head = self.queue.peek()
+        head = q.peek()
         if head is None or BANDS.index(head.band) < BANDS.index(w.band):
             return False
-        others = self.queue.backlogged() - {w.tenant}
+        others = here - {w.tenant}
         if not others:
             return False
         if head is w:
             return True
-        q = self.queue
         if q.mode == "fair" and q.counters.get(w.tenant, 0.0) - q.counters.get(head.tenant, 0.0) \
                 > BURST * q.service(w.cost_in, w.cost_out, w.weight):
             return False  # served well ahead of the head already: its turn comes in order
