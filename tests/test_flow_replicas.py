@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -23,7 +24,7 @@ from test_gateway_e2e import sha
 
 from gateway.config.flow import FlowControl
 from gateway.flow.control import FlowGates
-from gateway.flow.share import KEY, WAITING, WAITING_LIFE_MS, CounterShare
+from gateway.flow.share import KEY, WAITING, WAITING_LIFE_MS, CounterShare, apply_deltas
 from gateway.flow.waiter import Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.redis_clients import coordination_client
@@ -108,6 +109,29 @@ def test_replicas_learn_who_waits_at_the_others_and_a_dead_replica_holds_nobody_
             await s1.exchange()  # nothing waits at one any more: its list is gone
             raw = await s2.redis.execute("HGETALL", WAITING + "m")
             assert s1.replica.encode() not in raw[::2]
+    asyncio.run(main())
+
+
+def test_entries_a_later_version_writes_do_not_stop_the_exchange(redis: RedisServer) -> None:
+    """During a rolling upgrade a newer replica may say more in its list than this one
+    reads: the entries it does not know are skipped, the ones it knows still count, and the
+    exchange goes on (before, one unknown entry failed every exchange: fairness per replica)."""
+    async def main() -> None:
+        one = replica()
+        async with shares(redis, one) as (s1,):
+            secs, micros = await s1.redis.execute("TIME")
+            alive = int(secs) * 1000 + int(micros) // 1000 + 60_000
+            url = "http://127.0.0.1:9/v1"
+            entries = [alive, "2:b", "r:b", f"q:3:{url}", "z:new:thing", f"q:x:{url}", "tail"]
+            await s1.redis.execute("HSET", WAITING + "m", "newer", json.dumps(entries))
+            queue(one).charge("a", 100, 0)
+            await s1.exchange()
+            assert not s1.degraded and s1.exchanges == 1
+            assert queue(one).elsewhere == {"b": 2}
+            assert one.gates["m"].gate.running_elsewhere == {"b"}
+            assert queue(one).counters == {"a": 100.0}
+            ex = await apply_deltas(s1.redis, KEY + "m", {}, s1.replica)
+            assert ex.pending_elsewhere == {url: 3}
     asyncio.run(main())
 
 

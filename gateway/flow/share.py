@@ -136,9 +136,11 @@ async def apply_deltas(redis: Executor, key: str, deltas: dict[str, Delta],
             running_elsewhere.add(tenant)
         elif rank == "q":
             n, _, url = tenant.partition(":")
-            pending_elsewhere[url] = pending_elsewhere.get(url, 0) + int(n)
-        else:
+            if n.isdigit():
+                pending_elsewhere[url] = pending_elsewhere.get(url, 0) + int(n)
+        elif rank.isdigit():
             elsewhere[tenant] = min(int(rank), elsewhere.get(tenant, 9))
+        # anything else is an entry of a later version (a rolling upgrade): not this one's
     return Exchanged(
         {_text(counters[i]): float(counters[i + 1]) for i in range(0, len(counters) - 1, 2)},
         elsewhere, frozenset(running_elsewhere), pending_elsewhere)
