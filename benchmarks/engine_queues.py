@@ -33,10 +33,12 @@ class _Engine:
         return bisect_left(self.arrivals, t) - bisect_right(self.finished, t)
 
 
-def _engines(engine: Mapping[str, Mapping[str, Any]]) -> dict[Any, _Engine]:
+def _engines(engine: Mapping[str, Mapping[str, Any]], only: set[str] | None = None
+             ) -> dict[Any, _Engine]:
     by: dict[Any, list[Mapping[str, Any]]] = {}
-    for e in engine.values():
-        by.setdefault(e.get("port"), []).append(e)
+    for rid, e in engine.items():
+        if only is None or rid in only:
+            by.setdefault(e.get("port"), []).append(e)
     out = {}
     for port, rows in by.items():
         done = [float(r["finished"]) for r in rows]
@@ -51,9 +53,11 @@ def victim_view(rids: Iterable[str], engine: Mapping[str, Mapping[str, Any]]
                 ) -> dict[str, Any]:
     """For the requests ``rids``, at each one's arrival at its engine: ``ahead`` (waiting
     ahead of it there), ``ahead_elsewhere`` (waiting in the least-queued other engine),
-    ``held`` (requests held by all engines, waiting or running), each as p50 / p90 / mean;
+    ``held`` (requests held by all engines, waiting or running), ``ahead_own`` (those of
+    ``rids`` among ``ahead``: the victim's own requests), each as p50 / p90 / mean;
     ``shorter_elsewhere``: the share of them that another engine had fewer waiting for."""
-    engines = _engines(engine)
+    rids = list(rids)
+    engines, own = _engines(engine), _engines(engine, set(rids))
     rows = []
     for rid in rids:
         e = engine.get(rid)
@@ -63,12 +67,12 @@ def victim_view(rids: Iterable[str], engine: Mapping[str, Mapping[str, Any]]
         mine = engines[port].waiting(t)
         others = [g.waiting(t) for p, g in engines.items() if p != port]
         rows.append((mine, min(others) if others else mine,
-                     sum(g.holding(t) for g in engines.values())))
+                     sum(g.holding(t) for g in engines.values()), own[port].waiting(t)))
     if not rows:
         return {"requests": 0}
     a = np.array(rows, dtype=float)
     out: dict[str, Any] = {"requests": len(rows)}
-    for k, name in enumerate(("ahead", "ahead_elsewhere", "held")):
+    for k, name in enumerate(("ahead", "ahead_elsewhere", "held", "ahead_own")):
         out[name] = [float(np.percentile(a[:, k], 50)), float(np.percentile(a[:, k], 90)),
                      float(a[:, k].mean())]
     out["shorter_elsewhere"] = float((a[:, 1] < a[:, 0]).mean())

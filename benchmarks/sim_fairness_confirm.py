@@ -233,6 +233,8 @@ def figures(reqs: list[Sent], run: dict[str, Any], scale: float, backends: int,
     return {"victim_ttft_p50_ms": float(np.percentile(ttft, 50)),
             "victim_ttft_p90_ms": float(np.percentile(ttft, 90)),
             "victim_ttft_p99_ms": float(np.percentile(ttft, 99)),
+            # every answered request's, so that runs of the same requests can be pooled
+            "victim_ttft_ms": [round(float(x), 2) for x in ttft if np.isfinite(x)],
             "victim_goodput": sum(meets(r) for r in v) / len(v) if v else 0.0,
             "victim_refused": refused,
             "flooder_tokens_per_s": sum(r.tokens for r in reqs
