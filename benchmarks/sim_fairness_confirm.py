@@ -46,7 +46,7 @@ from benchmarks.common import engine_requests, write
 from benchmarks.engine_queues import victim_view
 from benchmarks.routing import stop_stack, wait_stack
 from benchmarks.sim_fairness import LIGHT, MODES, NORMAL, row
-from benchmarks.sim_fairness_confirm_report import markdown
+from benchmarks.sim_fairness_confirm_report import markdown, pooled
 from gateway.config.flow import FlowControl
 from protocol.loopback import free_port
 from simulator.fairness import Tenant, noisy_neighbour, tenant_requests
@@ -367,8 +367,9 @@ def main() -> None:
         runs = [isolation_live(label, ns.duration, ns.time_scale, seed, ns.replicas,
                                not ns.no_rotating, ns.envoy)
                 for seed in range(ns.seeds) for label in ns.modes.split(",")]
-        write(ns.out, {"runs": runs, "duration_s": ns.duration, "time_scale": ns.time_scale,
-                       "replicas": ns.replicas, "envoy": ns.envoy})
+        print(json.dumps({"pooled": pooled(runs)}), flush=True)
+        write(ns.out, {"runs": runs, "pooled": pooled(runs), "duration_s": ns.duration,
+                       "time_scale": ns.time_scale, "replicas": ns.replicas, "envoy": ns.envoy})
         return
     flood = [Tenant("A", NORMAL * 10), Tenant("B", LIGHT), Tenant("C", LIGHT)]
     runs = []
