@@ -10,6 +10,7 @@ given (raw-socket upstreams, a real gateway on loopback, its store a frozen-cloc
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_stack import RunningGateway
-from ledger import AUTH, charged, ledger_gateway, policy, sha
+from ledger import AUTH, charged, ledger_gateway, policy, settled, sha
 from raw_upstream import (
     DONE,
     STREAM_HEAD,
@@ -91,6 +92,29 @@ def test_implausible_usage_is_charged_the_gateways_count(
     after = charged(liar)
     assert (after[0] - before[0], after[1] - before[1]) == pytest.approx((P + 100, 1.0), abs=1e-4)
     assert _rejected(liar, field) == rejected + 1
+
+
+def test_an_endpoint_that_misreports_every_request_is_logged_once_a_minute(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Each misreport is charged the gateway's count and counted in the metrics; the log
+    says it once, not once per request (an upstream of its own: the throttle is per
+    endpoint)."""
+    up = RawUpstream(lying).start()
+    gw = ledger_gateway(tmp_path, policy([up.url]))
+    try:
+        CLAIM.append((P, 10**15))
+        with caplog.at_level(logging.WARNING, logger="tokengate"):
+            for _ in range(5):
+                r = httpx.post(f"{gw.url}/v1/completions", headers=AUTH, timeout=10, json={
+                    "model": "m", "prompt": PROMPT, "max_tokens": 200})
+                assert r.status_code == 200
+            settled(gw)
+        assert _rejected(gw, "completion_tokens") == 5
+        lines = [r.getMessage() for r in caplog.records if "implausible" in r.getMessage()]
+        assert len(lines) == 1 and f"127.0.0.1:{up.port}" in lines[0]
+    finally:
+        gw.close()
+        up.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])

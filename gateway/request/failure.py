@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from gateway.log_throttle import UPSTREAM
 from gateway.request.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 from gateway.routing.endpoints import EndpointPool, EndpointState
 from protocol.errors import APIError
@@ -58,7 +59,7 @@ def upstream_failure(exc: BaseException) -> Failure:
                "protocol": "the upstream sent a malformed response"}.get(
                    kind, "the upstream closed the connection")
     if kind == "protocol":
-        log.warning("malformed upstream response: %s", exc)
+        UPSTREAM.warning(log, "malformed", "malformed upstream response: %s", exc)
     return Failure(APIError(502, message, type="server_error", code="upstream_unavailable"),
                    kind, kind != "connect")
 
@@ -83,8 +84,8 @@ def judge_failure(status: int, asked: str | None, body: bytes, ep: EndpointState
                   pool: EndpointPool) -> Failure:
     """``answer_failure`` on an answer already read (``asked``: its ``retry-after``)."""
     body = body[:ERROR_BODY_LIMIT]
-    log.warning("endpoint %s answered %d: %s", ep.url, status,
-                body[:500].decode("utf-8", "replace"))
+    UPSTREAM.warning(log, ("answered", ep.url, status), "endpoint %s answered %d: %s", ep.url,
+                     status, body[:500].decode("utf-8", "replace"))
     if status in RETRY_STATUSES:
         if asked is not None:
             pool.overloaded(ep, asked)

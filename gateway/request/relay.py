@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.log_throttle import UPSTREAM
 from gateway.request.migrate import Live, shift_usage
 from gateway.request.upstream import UpstreamBroken, UpstreamError
 
@@ -334,7 +335,7 @@ async def relay_stream(
         elif isinstance(exc, UpstreamBroken):
             message, code = "upstream stream broke: the connection closed", "upstream_error"
         else:
-            log.warning("upstream stream malformed: %s", exc)
+            UPSTREAM.warning(log, "stream malformed", "upstream stream malformed: %s", exc)
             message, code = "upstream stream broke: malformed response", "upstream_error"
         if collect is not None:
             return res  # the caller answers a broken stream with an error of its own

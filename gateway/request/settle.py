@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.log_throttle import UPSTREAM
 from gateway.quota import ledger as quota
 from gateway.quota.limiter.store import StoreUnavailable
 from gateway.request.attempt import Routed
@@ -234,7 +235,7 @@ def _distrust(ctx: RequestContext, sent: Routed, used: Served) -> None:
     """The endpoint reported usage the gateway cannot believe: log it, count it, and hold it
     against the endpoint's health (it is charged by the gateway's own count)."""
     ep = sent.decision.endpoint.ep
-    log.warning("endpoint %s reported implausible %s for %s: charged the gateway's count "
-                "(%d prompt, %d completion)", ep.url, " and ".join(used.rejected),
-                ctx.request_id, used.prompt, used.completion)
+    UPSTREAM.warning(log, ("usage", ep.url), "endpoint %s reported implausible %s for %s: "
+                     "charged the gateway's count (%d prompt, %d completion)", ep.url,
+                     " and ".join(used.rejected), ctx.request_id, used.prompt, used.completion)
     sent.attempt.misreported(used.rejected)
