@@ -288,9 +288,7 @@ def running(names: list[str], flow: FlowControl | None, scale: float, log_dir: P
              "--flow-control", mode, *more, *(["--envoy"] if envoy else [])], stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        asyncio.run(wait_stack(proc, gw_port, log_dir, "fairness",
-                               path="/v1/models" if envoy else "/health",
-                               ok_below=500 if envoy else 300))
+        asyncio.run(wait_stack(proc, gw_port, log_dir, "fairness"))
         yield [f"http://127.0.0.1:{gw_port}/v1", *replica_urls(log_dir, replicas)], ports
     finally:
         stop_stack(proc)

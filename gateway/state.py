@@ -123,6 +123,14 @@ class GatewayState:
     def pools_now(self) -> tuple[Policy, Mapping[str, EndpointPool]]:
         return self.view.policy, self.view.pools
 
+    def readiness(self) -> tuple[int, str]:
+        """What ``/ready`` answers (``serve``, and the EPP through its proxy)."""
+        if self.draining:
+            return 503, "draining"
+        if not self.discoverer.ready():
+            return 503, "discovering endpoints"
+        return 200, "ready"
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` to completion even if the request that started it is cancelled."""
         task = asyncio.ensure_future(coro)

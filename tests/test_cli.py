@@ -220,6 +220,9 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
 
         assert_quota_failover(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
                                             api_key="tg-demo-key", max_retries=0), 60)
+        import httpx  # a probe of the port it printed: the gateway's, or Envoy's (the EPP's)
+        assert [httpx.get(f"http://127.0.0.1:{port}{p}", timeout=5).text
+                for p in ("/health", "/ready")] == ["ok", "ready"]
         # SIGTERM, or SIGHUP (a closed terminal): either stops everything it started
         proc.send_signal(signal.SIGTERM if envoy else signal.SIGHUP)
         assert proc.wait(30) == 0

@@ -63,9 +63,13 @@ def tokengate_headers(h: httpx.Headers) -> set[str]:
 
 
 def behaviour(url: str) -> dict[str, Any]:
-    """What a client sees of one scripted session, for comparing two fronts."""
+    """What a client sees of one scripted session, for comparing two fronts (and what a
+    probe sees: a liveness and a readiness check need no key)."""
     with client(url) as c, client(url, "key-b") as b, client(url, "nope") as stranger:
-        return session(c, b, stranger)
+        seen = session(c, b, stranger)
+    seen["probes"] = [(r.status_code, r.headers["content-type"], r.text) for r in (
+        httpx.get(f"{url}{p}", timeout=5) for p in ("/health", "/ready"))]
+    return seen
 
 
 def session(c: openai.OpenAI, b: openai.OpenAI, stranger: openai.OpenAI) -> dict[str, Any]:
@@ -129,6 +133,8 @@ def test_the_openai_client_sees_through_envoy_what_it_sees_through_serve(
     assert proxied == direct
     assert direct["chat"][:3] == ("big", "big", "400") and direct["stream"] == (6, False, {"big"})
     assert direct["usage"] == 4 and direct["429"] == ("rate_limit_exceeded", "0")
+    assert direct["probes"] == [(200, "text/plain; charset=utf-8", "ok"),
+                                (200, "text/plain; charset=utf-8", "ready")]
     metrics = httpx.get(f"{epp.http_url}/metrics",
                         headers={"Authorization": "Bearer admin-key"}).text
     assert 'tokengate_failovers_total{from_model="big",reason="quota",to_model="small"} 1.0' \

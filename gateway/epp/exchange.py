@@ -50,6 +50,7 @@ KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "co
                           "/v1/responses": "chat", "/v1/embeddings": "completion"}
 EMBEDDINGS = "/v1/embeddings"  # answered whole by the engine (no stream)
 RESPONSES = "/v1/responses"  # served as the chat request it translates to (Envoy sends chat)
+PROBES = ("/health", "/ready")  # liveness and readiness, as serve answers them
 
 # Envoy's router stamps this on every response an upstream sent; a 5xx without it is
 # Envoy's own local reply (the endpoint could not be reached, or reset before answering).
@@ -126,6 +127,11 @@ class Exchange:
         method = h.get(":method", "")
         if path == "/v1/models" and method == "GET":
             return [self._models(pipeline.gate(self.state, h))]
+        if path in PROBES and method == "GET":  # the probes serve answers, through the proxy
+            self.done = True
+            status, text = self.state.readiness() if path == "/ready" else (200, "ok")
+            return [messages.immediate(status, text.encode(), {
+                "content-type": "text/plain; charset=utf-8"}, f"tokengate_probe_{status}")]
         kind = KINDS.get(path)
         if kind is None:
             raise APIError(404, "unknown request URL: check the path (e.g. "

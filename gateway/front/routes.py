@@ -59,12 +59,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    state = request.app[GATEWAY]
-    if state.draining:
-        return web.Response(status=503, text="draining")
-    if not state.discoverer.ready():
-        return web.Response(status=503, text="discovering endpoints")
-    return web.Response(text="ready")
+    status, text = request.app[GATEWAY].readiness()
+    return web.Response(status=status, text=text)
 
 
 async def metrics(request: web.Request) -> web.Response:
