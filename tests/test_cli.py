@@ -42,11 +42,7 @@ def test_backend_process_serves_and_stops_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        reap(proc)
 
 
 def test_bad_flags_exit_with_a_message() -> None:
@@ -147,11 +143,19 @@ def test_serve_with_workers_and_sigterm(tmp_path: object) -> None:
         assert len(served) == 2
         sigterm_stops_all(proc, workers, 20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
         redis.stop()
         b.close()
+
+
+def reap(proc: subprocess.Popen[Any]) -> None:
+    """Kill ``proc`` if a test left it running, and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def sigterm_stops_all(proc: subprocess.Popen[Any], pids: list[int], timeout_s: float) -> None:
@@ -236,11 +240,7 @@ def test_up_starts_the_stack_prints_two_lines_and_stops_it(tmp_path: object,
         assert logs.name.startswith("tokengate-up-") and not logs.exists()
     finally:
         err.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        reap(proc)
 
 
 def test_up_behind_envoy_with_replicas_is_that_many_envoys_sharing_one_picker(
@@ -282,11 +282,7 @@ def test_up_behind_envoy_with_replicas_is_that_many_envoys_sharing_one_picker(
         two.close()
         sigterm_stops_all(proc, kids, 30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        reap(proc)
 
 
 def test_up_with_real_vllm_counts_like_the_engine_and_stops_every_process(
@@ -341,8 +337,4 @@ def test_up_with_real_vllm_counts_like_the_engine_and_stops_every_process(
         time.sleep(1.0)
         assert not [pid for pid in everything if _alive(pid)]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        reap(proc)
