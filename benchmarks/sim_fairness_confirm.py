@@ -365,8 +365,9 @@ def main() -> None:
         runs = [isolation_live(label, ns.duration, ns.time_scale, seed, ns.replicas,
                                not ns.no_rotating, ns.envoy)
                 for seed in range(ns.seeds) for label in ns.modes.split(",")]
-        print(json.dumps({"pooled": pooled(runs)}), flush=True)
-        write(ns.out, {"runs": runs, "pooled": pooled(runs), "duration_s": ns.duration,
+        pool = pooled(runs)
+        print(json.dumps({"pooled": pool}), flush=True)
+        write(ns.out, {"runs": runs, "pooled": pool, "duration_s": ns.duration,
                        "time_scale": ns.time_scale, "replicas": ns.replicas, "envoy": ns.envoy})
         return
     flood = [Tenant("A", NORMAL * 10), Tenant("B", LIGHT), Tenant("C", LIGHT)]
